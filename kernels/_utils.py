@@ -1,0 +1,112 @@
+"""Launcher helpers shared by every kernel family: input checks, device policy, dropout seeds,
+architecture lookup for the config tables, and the ahead-of-time compile spec the GPU-readiness
+report consumes. Nothing here touches a device at import time.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels on CPU tensors with its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
+    """All tensors on one device that can run Triton kernels: CUDA, or CPU under the interpreter."""
+    present = [t for t in tensors if t is not None]
+    device = present[0].device
+    for t in present[1:]:
+        if t.device != device:
+            raise ValueError(f"{op}: expected all tensors on one device, got {device} and {t.device}")
+    if device.type == "cuda":
+        return device
+    if device.type == "cpu" and interpreter_active():
+        return device
+    raise RuntimeError(
+        f"{op}: the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "
+        f"before triton is imported); got a tensor on {device}. Use backend='torch' for the reference path."
+    )
+
+
+def check_float(op: str, name: str, t: torch.Tensor, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: expected {name} to be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{op}: expected {name} with dtype in ({names}), got {t.dtype}")
+
+
+def check_ndim(op: str, name: str, t: torch.Tensor, ndim: int | tuple[int, ...]) -> None:
+    allowed = (ndim,) if isinstance(ndim, int) else ndim
+    if t.dim() not in allowed:
+        raise ValueError(f"{op}: expected {name} with {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}")
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: expected {name} of shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def next_seed() -> int:
+    """A fresh Philox seed for one kernel call, drawn from torch's default CPU generator.
+
+    Drawing on the CPU generator never synchronises a GPU, follows ``torch.manual_seed``, and is
+    replayed by ``torch.utils.checkpoint`` (which restores the CPU RNG state before recomputing),
+    so a recomputed forward draws the same dropout mask. The seed is saved for backward, which
+    regenerates the mask from it instead of storing the mask.
+    """
+    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
+
+
+@triton.jit
+def dropout_keep_mask(seed, offsets, p):
+    """Keep-mask of inverted dropout for the elements at ``offsets`` (int32 or int64 tensor).
+
+    Philox via tl.rand(seed, offsets): the same (seed, offset) pair gives the same draw in forward
+    and backward, on every run and in the interpreter. An element is kept with probability 1 - p.
+    """
+    return tl.rand(seed, offsets) >= p
+
+
+def gpu_arch(device: torch.device) -> int:
+    """Compute capability as an int (80 for A100, 90 for H100) used to index the config tables.
+
+    Under the interpreter there is no GPU; the sm_80 table is used (it is the smaller one, so the
+    interpreted programs are what an A100 would run).
+    """
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 90 if major >= 9 else 80
+    return 80
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@dataclass(frozen=True)
+class AotSpec:
+    """One kernel launch as the GPU-readiness report compiles it ahead of time (GUIDE.md 3b).
+
+    ``signature`` maps every kernel argument to a Triton type string ('*bf16', 'i32', 'fp32',
+    'constexpr'); ``constexprs`` gives the values of the constexpr arguments.
+    """
+
+    name: str  # e.g. "layer_norm_fwd"
+    fn: Callable[..., Any]  # the @triton.jit kernel
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int = 1
+    has_dot: bool = False  # True where the PTX should use tensor-core instructions
+    note: str = field(default="")  # which shape/config this entry serves

@@ -1,3 +1,16 @@
-"""vit_fast: a drop-in faster Vision Transformer for GPU training."""
+"""vit_fast: a drop-in faster Vision Transformer for GPU training.
+
+A timm-compatible ViT (same parameter names, same numbers) whose building blocks switch between a
+pure-PyTorch reference path (backend='torch') and fused Triton kernels (backend='triton' / 'auto').
+"""
+from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
+from .model import VisionTransformer, count_params, create_model, forward_flops
+from .presets import PRESETS, ViTConfig, list_models
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Attention", "Block", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "PRESETS", "ViTConfig",
+    "VisionTransformer", "count_params", "create_model", "forward_flops", "list_models",
+    "resample_abs_pos_embed", "__version__",
+]

@@ -1,0 +1,279 @@
+"""Building blocks of the reference Vision Transformer (backend 'torch').
+
+Module and parameter names follow timm exactly (patch_embed.proj, blocks.N.attn.qkv, mlp.fc1, ls1.gamma,
+...) so timm state dicts load unchanged. Every module takes ``backend`` ('auto' | 'triton' | 'torch') and
+keeps it in ``self.backend``; only the pure-PyTorch path exists here. The seams the fused paths replace:
+  - Attention: ``qkv = self.qkv(x)`` (B, N, 3*H*D) then ``self.attend(qkv)`` -> (B, N, H*D);
+  - Mlp: fc1 -> act -> drop1 -> norm -> fc2 -> drop2 (fc1 bias + GELU is one fusable step);
+  - Block: the two residual joins are written out in ``forward``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"expected an int or a pair (H, W), got {x!r}")
+        return int(x[0]), int(x[1])
+    return int(x), int(x)
+
+
+def layer_norm(dim: int, eps: float) -> nn.LayerNorm:
+    return nn.LayerNorm(dim, eps=eps)
+
+
+class PatchEmbed(nn.Module):
+    """Image (B, C, H, W) -> patch tokens (B, H/p * W/p, D) with one strided convolution.
+
+    With ``strict_img_size`` the input must be exactly ``img_size``; otherwise any size divisible by the
+    patch works (dynamic_img_size). Bad input raises ValueError naming what was expected.
+    """
+
+    def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,
+                 bias: bool = True, strict_img_size: bool = True, backend: str = "torch"):
+        super().__init__()
+        self.img_size = to_2tuple(img_size)
+        self.patch_size = to_2tuple(patch_size)
+        for s, p in zip(self.img_size, self.patch_size):
+            if s % p:
+                raise ValueError(f"img_size {self.img_size} must be divisible by patch_size {self.patch_size}")
+        self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.in_chans = in_chans
+        self.embed_dim = embed_dim
+        self.strict_img_size = strict_img_size
+        self.backend = check_backend(backend)
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
+        self.norm = nn.Identity()
+
+    def check_input(self, x: torch.Tensor) -> tuple[int, int]:
+        """Validate an image batch; returns its patch grid (H/p, W/p)."""
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"expected a torch.Tensor image batch, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"expected a 4-D image batch (B, C, H, W) with C={self.in_chans}, "
+                             f"got a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"expected a floating-point image batch (float32/float16/bfloat16), got {x.dtype}")
+        B, C, H, W = x.shape
+        if C != self.in_chans:
+            raise ValueError(f"expected {self.in_chans} input channels (in_chans), got {C} (shape {tuple(x.shape)})")
+        ph, pw = self.patch_size
+        if self.strict_img_size and (H, W) != self.img_size:
+            raise ValueError(f"expected images of size {self.img_size} (H, W), got ({H}, {W}); "
+                             f"create the model with img_size=({H}, {W}) or dynamic_img_size=True")
+        if H % ph or W % pw:
+            raise ValueError(f"expected image height and width divisible by patch size {self.patch_size}, "
+                             f"got ({H}, {W})")
+        return H // ph, W // pw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        x = self.proj(x).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
+        return self.norm(x)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a packed qkv projection (timm's layout: [q | k | v] x heads x head_dim)."""
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "torch"):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed dim {dim} must be divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.backend = check_backend(backend)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.q_norm = layer_norm(self.head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = layer_norm(self.head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, 3*H*D) -> q, k, v of shape (B, H, N, D), with q/k norm applied."""
+        B, N, _ = qkv.shape
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D)."""
+        B, N, _ = qkv.shape
+        q, k, v = self.split_heads(qkv)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        return x.transpose(1, 2).reshape(B, N, -1)
+
+    def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Softmax attention probabilities (B, H, N, N) for the normalised input x (no dropout)."""
+        q, k, _ = self.split_heads(self.qkv(x))
+        return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        x = self.attend(qkv)
+        return self.proj_drop(self.proj(x))
+
+
+class Mlp(nn.Module):
+    """fc1 -> GELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp."""
+
+    def __init__(self, in_features: int, hidden_features: int, act: str = "gelu", drop: float = 0.0,
+                 backend: str = "torch"):
+        super().__init__()
+        if act not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"act must be 'gelu' (exact erf) or 'gelu_tanh', got {act!r}")
+        self.backend = check_backend(backend)
+        self.fc1 = nn.Linear(in_features, hidden_features)
+        self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
+        self.drop1 = nn.Dropout(drop)
+        self.norm = nn.Identity()
+        self.fc2 = nn.Linear(hidden_features, in_features)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop1(self.act(self.fc1(x)))
+        return self.drop2(self.fc2(self.norm(x)))
+
+
+class LayerScale(nn.Module):
+    """Per-channel learnable scale (CaiT / DeiT-III): x * gamma, gamma initialised to init_values."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5, backend: str = "torch"):
+        super().__init__()
+        self.init_values = init_values
+        self.backend = check_backend(backend)
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def init_weights(self) -> None:
+        nn.init.constant_(self.gamma, self.init_values)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Stochastic depth per sample, kept samples scaled by 1/keep (timm's scale_by_keep=True)."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep = 1.0 - drop_prob
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+    return x * mask.div_(keep)
+
+
+class DropPath(nn.Module):
+    def __init__(self, drop_prob: float = 0.0, backend: str = "torch"):
+        super().__init__()
+        self.drop_prob = drop_prob
+        self.backend = check_backend(backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.drop_prob, self.training)
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:.3f}"
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)), each with LayerScale and DropPath."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 qk_norm: bool = False, init_values: Optional[float] = None, proj_drop: float = 0.0,
+                 attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6, act: str = "gelu",
+                 backend: str = "torch"):
+        super().__init__()
+        self.backend = check_backend(backend)
+        self.norm1 = layer_norm(dim, norm_eps)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
+                              proj_drop=proj_drop, norm_eps=norm_eps, backend=backend)
+        self.ls1 = LayerScale(dim, init_values, backend=backend) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path, backend=backend) if drop_path > 0 else nn.Identity()
+        self.norm2 = layer_norm(dim, norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, drop=proj_drop, backend=backend)
+        self.ls2 = LayerScale(dim, init_values, backend=backend) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path, backend=backend) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+def resample_abs_pos_embed(posemb: torch.Tensor, new_size: tuple[int, int], old_size: tuple[int, int] | None = None,
+                           num_prefix_tokens: int = 1, interpolation: str = "bicubic",
+                           antialias: bool = True) -> torch.Tensor:
+    """Resize a (1, prefix + h*w, D) position embedding to a new grid, exactly as timm does it:
+    prefix tokens kept, the grid interpolated in float32 (bicubic, antialias), cast back."""
+    num_new_tokens = new_size[0] * new_size[1] + num_prefix_tokens
+    if num_new_tokens == posemb.shape[1]:
+        if old_size is not None and tuple(old_size) == tuple(new_size):
+            return posemb
+        if old_size is None and new_size[0] == new_size[1]:
+            return posemb
+    if old_size is None:
+        hw = int(math.sqrt(posemb.shape[1] - num_prefix_tokens))
+        old_size = hw, hw
+    prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
+    dim, dtype = posemb.shape[-1], posemb.dtype
+    grid = grid.float().reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, size=tuple(new_size), mode=interpolation, antialias=antialias)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(dtype)
+    return torch.cat([prefix, grid], dim=1) if num_prefix_tokens else grid
+
+
+def sincos_2d_pos_embed(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Fixed 2-D sin-cos position embedding (MAE / DeiT-III style), shape (h*w, dim).
+
+    The first half of the channels encodes the row, the second half the column; each half is
+    [sin(pos * w_i), cos(pos * w_i)] with w_i = temperature ** (-i / (dim/4)), i < dim/4.
+    """
+    if dim % 4:
+        raise ValueError(f"sin-cos 2-D position embedding needs embed dim divisible by 4, got {dim}")
+    omega = temperature ** -(torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+    rows = torch.arange(grid_size[0], dtype=torch.float64)[:, None].expand(grid_size).reshape(-1)
+    cols = torch.arange(grid_size[1], dtype=torch.float64)[None, :].expand(grid_size).reshape(-1)
+    parts = []
+    for pos in (rows, cols):
+        angles = pos[:, None] * omega[None, :]
+        parts += [angles.sin(), angles.cos()]
+    return torch.cat(parts, dim=1).float()
+
+
+def trunc_normal_(tensor: torch.Tensor, std: float = 0.02) -> torch.Tensor:
+    """timm's default: normal(0, std) truncated at +-2 (absolute, i.e. +-100 std for std=0.02)."""
+    return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-2.0, b=2.0)
+
+
+def init_weights_vit_timm(module: nn.Module, name: str = "") -> None:
+    """timm's 'timm' init: Linear weights trunc_normal(std .02), biases zero; LayerScale to init_values;
+    conv and LayerNorm keep PyTorch's defaults."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "init_weights"):
+        module.init_weights()
+
+
+def named_apply(fn: Callable[[nn.Module, str], None], module: nn.Module, name: str = "") -> None:
+    """Apply fn to every descendant of module (children before parents), not to module itself."""
+    for child_name, child in module.named_children():
+        child_full = f"{name}.{child_name}" if name else child_name
+        named_apply(fn, child, child_full)
+        fn(child, child_full)

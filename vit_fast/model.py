@@ -1,0 +1,226 @@
+"""The Vision Transformer (Dosovitskiy et al., 2020) with timm's parameter names and semantics.
+
+    x (B, C, H, W) -> patch_embed -> [cls | reg | patches] + pos_embed -> blocks -> norm
+      -> pool (token / avg / ...) -> fc_norm -> head_drop -> head
+
+``VisionTransformer(config)`` or ``VisionTransformer(**config_fields)``; ``create_model(name, **overrides)``
+builds a preset. ``model.set_backend('torch' | 'triton' | 'auto')`` switches every module at once.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from .layers import (Block, PatchEmbed, check_backend, init_weights_vit_timm, named_apply,
+                     resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
+from .presets import GLOBAL_POOLS, ViTConfig, get_config
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, config: Optional[ViTConfig] = None, **overrides):
+        super().__init__()
+        cfg = config.replace(**overrides) if config is not None else ViTConfig(**overrides)
+        self.config = cfg
+        self.num_classes = cfg.num_classes
+        self.global_pool = cfg.global_pool
+        self.num_features = self.embed_dim = cfg.embed_dim
+        self.num_prefix_tokens = cfg.num_prefix_tokens
+        self.num_reg_tokens = cfg.reg_tokens
+        self.no_embed_class = cfg.no_embed_class
+        self.dynamic_img_size = cfg.dynamic_img_size
+        self.grad_checkpointing = False
+        self.backend = cfg.backend
+        D = cfg.embed_dim
+
+        self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, D,
+                                      strict_img_size=not cfg.dynamic_img_size, backend=cfg.backend)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
+        embed_len = self.patch_embed.num_patches + (0 if cfg.no_embed_class else self.num_prefix_tokens)
+        if cfg.pos_embed == "none":
+            self.pos_embed = None
+        else:
+            # A fixed sin-cos embedding is a frozen Parameter (as in MAE) so checkpoints keep the key.
+            self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, D), requires_grad=cfg.pos_embed == "learn")
+        self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
+
+        dpr = [r.item() for r in torch.linspace(0, cfg.drop_path_rate, cfg.depth)]  # stochastic depth decay rule
+        self.blocks = nn.Sequential(*[
+            Block(D, cfg.num_heads, cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
+                  init_values=cfg.init_values, proj_drop=cfg.proj_drop_rate, attn_drop=cfg.attn_drop_rate,
+                  drop_path=dpr[i], norm_eps=cfg.norm_eps, act=cfg.act, backend=cfg.backend)
+            for i in range(cfg.depth)])
+        use_fc_norm = cfg.use_fc_norm
+        self.norm = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.final_norm and not use_fc_norm else nn.Identity()
+        self.fc_norm = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.final_norm and use_fc_norm else nn.Identity()
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+
+        if cfg.weight_init != "skip":
+            self.init_weights()
+
+    # ----------------------------------------------------------------------------------------- setup
+    def init_weights(self) -> None:
+        """timm's default init: pos_embed trunc_normal(.02), cls/reg tokens normal(1e-6), Linear trunc_normal(.02)."""
+        if self.pos_embed is not None:
+            if self.config.pos_embed == "sincos":
+                with torch.no_grad():
+                    self.pos_embed.copy_(self._sincos_pos_embed(self.patch_embed.grid_size, self.pos_embed.dtype))
+            else:
+                trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        if self.reg_token is not None:
+            nn.init.normal_(self.reg_token, std=1e-6)
+        named_apply(init_weights_vit_timm, self)
+
+    def set_backend(self, backend: str) -> "VisionTransformer":
+        """Route every module to 'torch' (reference), 'triton' (fused kernels) or 'auto'."""
+        check_backend(backend)
+        for module in self.modules():
+            if hasattr(module, "backend"):
+                module.backend = backend
+        self.config.backend = backend
+        return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        if global_pool is not None:
+            if global_pool not in GLOBAL_POOLS:
+                raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {global_pool!r}")
+            if global_pool == "token" and self.cls_token is None:
+                raise ValueError("global_pool='token' needs a class token")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        device = self.embed_params_device()
+        self.head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            init_weights_vit_timm(self.head)
+        self.config = self.config.replace(num_classes=num_classes, global_pool=self.global_pool)
+
+    def embed_params_device(self) -> torch.device:
+        return self.patch_embed.proj.weight.device
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names that should not get weight decay (besides the 1-D ones), as timm."""
+        return {name for name in ("pos_embed", "cls_token", "reg_token") if getattr(self, name) is not None}
+
+    def flops_per_image(self, img_size=None) -> int:
+        return forward_flops(self.config, img_size)
+
+    # --------------------------------------------------------------------------------------- forward
+    def _sincos_pos_embed(self, grid: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        pe = sincos_2d_pos_embed(grid, self.embed_dim).to(dtype)[None]
+        if not self.no_embed_class and self.num_prefix_tokens:  # prefix tokens get a zero position
+            pe = torch.cat([pe.new_zeros(1, self.num_prefix_tokens, self.embed_dim), pe], dim=1)
+        return pe
+
+    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        B = x.shape[0]
+        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        pos_embed = self.pos_embed
+        if pos_embed is not None and tuple(grid) != self.patch_embed.grid_size:  # only with dynamic_img_size
+            if self.config.pos_embed == "sincos":
+                pe = self._sincos_pos_embed(grid, pos_embed.dtype).to(pos_embed.device)
+                pos_embed = torch.cat([pos_embed[:, :pos_embed.shape[1] - self.patch_embed.num_patches],
+                                       pe[:, pe.shape[1] - grid[0] * grid[1]:]], dim=1)
+            else:
+                pos_embed = resample_abs_pos_embed(
+                    pos_embed, new_size=grid, old_size=self.patch_embed.grid_size,
+                    num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
+        if pos_embed is None:
+            x = torch.cat(prefix + [x], dim=1)
+        elif self.no_embed_class:  # position embedding covers the patches only: add, then concat
+            x = torch.cat(prefix + [x + pos_embed], dim=1)
+        else:  # original ViT: concat, then add
+            x = torch.cat(prefix + [x], dim=1) + pos_embed
+        return self.pos_drop(x)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> token sequence entering the first block (B, prefix + h*w, D)."""
+        grid = self.patch_embed.check_input(x)
+        return self._pos_embed(self.patch_embed(x), grid)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            for blk in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if pool_type == "token":
+            return x[:, 0]
+        if not pool_type:
+            return x
+        x = x[:, self.num_prefix_tokens:]
+        if pool_type == "avg":
+            return x.mean(dim=1)
+        if pool_type == "max":
+            return x.amax(dim=1)
+        return 0.5 * (x.amax(dim=1) + x.mean(dim=1))  # avgmax
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(self.fc_norm(self.pool(x)))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    @torch.no_grad()
+    def get_attention_maps(self, x: torch.Tensor, layers: Iterable[int] | None = None) -> dict[int, torch.Tensor]:
+        """Softmax attention probabilities {layer: (B, heads, N, N)} of the chosen blocks (default: last one).
+
+        Negative indices count from the end. Computed on the reference path without dropout; rows sum to 1
+        over keys, token 0 is the class token when the model has one.
+        """
+        depth = len(self.blocks)
+        chosen = [-1] if layers is None else list(layers)
+        for i in chosen:
+            if not -depth <= i < depth:
+                raise ValueError(f"layer index {i} out of range for a model with {depth} blocks")
+        wanted = {i % depth for i in chosen}
+        if not wanted:
+            return {}
+        maps: dict[int, torch.Tensor] = {}
+        x = self.embed(x)
+        for i, blk in enumerate(self.blocks):
+            if i in wanted:
+                maps[i] = blk.attn.attention_probs(blk.norm1(x))
+            if i >= max(wanted):
+                break
+            x = blk(x)
+        return {i % depth: maps[i % depth] for i in chosen}
+
+
+def forward_flops(config: ViTConfig, img_size=None) -> int:
+    """Analytic forward FLOPs per image (2 per multiply-add) of the matrix products: patch-embed GEMM,
+    per block qkv, q@k^T, attn@v, proj, fc1, fc2, then the head. Norms, softmax, GELU and adds are
+    left out (under 1%). ViT-B/16 at 224: 35.1 GFLOP."""
+    cfg = config if img_size is None else config.replace(img_size=img_size)
+    D, N, F = cfg.embed_dim, cfg.num_tokens, cfg.mlp_hidden
+    patches = cfg.grid_size[0] * cfg.grid_size[1]
+    patch_k = cfg.in_chans * cfg.patch_size[0] * cfg.patch_size[1]
+    per_block = 2 * N * D * 3 * D + 2 * 2 * N * N * D + 2 * N * D * D + 2 * 2 * N * D * F
+    return 2 * patches * patch_k * D + cfg.depth * per_block + 2 * D * cfg.num_classes
+
+
+def create_model(name: str, **overrides) -> VisionTransformer:
+    """Build a preset (see list_models()) with any ViTConfig field overridden, e.g.
+    create_model('vit_base_patch16_224', num_classes=10, drop_path_rate=0.1, backend='auto')."""
+    if overrides.pop("pretrained", False):
+        raise ValueError("pretrained weights are not downloaded by vit_fast; build the model, then "
+                         "load_checkpoint(model, path) or convert with from_timm / from_hf / from_torchvision")
+    return VisionTransformer(get_config(name, **overrides))
+
+
+def count_params(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -1,0 +1,152 @@
+"""Model configuration and the preset table.
+
+``ViTConfig`` holds every hyper-parameter of ``VisionTransformer``; a preset is a named set of overrides
+of it, with the exact values of the timm model of the same name (the tests compare them against timm).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from .layers import check_backend, to_2tuple
+
+GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
+POS_EMBEDS = ("learn", "sincos", "none")
+WEIGHT_INITS = ("", "skip")
+
+
+@dataclass
+class ViTConfig:
+    img_size: Union[int, tuple[int, int]] = 224
+    patch_size: Union[int, tuple[int, int]] = 16
+    in_chans: int = 3
+    num_classes: int = 1000           # 0: no head, the model returns pooled features
+    global_pool: str = "token"        # 'token' | 'avg' | 'avgmax' | 'max' | '' (no pooling)
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    init_values: Optional[float] = None  # LayerScale init; None disables LayerScale
+    class_token: bool = True
+    reg_tokens: int = 0
+    no_embed_class: bool = False      # position embedding covers patches only (DeiT-III, register models)
+    pos_embed: str = "learn"          # 'learn' | 'sincos' (fixed 2-D sin-cos, not trained) | 'none'
+    fc_norm: Optional[bool] = None    # None: norm after pooling iff global_pool is avg/avgmax/max (timm)
+    final_norm: bool = True
+    dynamic_img_size: bool = False    # accept any size divisible by the patch; pos-embed resampled bicubic
+    drop_rate: float = 0.0            # head dropout
+    pos_drop_rate: float = 0.0
+    proj_drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0       # stochastic depth, linear 0 -> rate over depth
+    norm_eps: float = 1e-6            # timm/torchvision 1e-6; Hugging Face 1e-12
+    act: str = "gelu"                 # 'gelu' (exact erf) | 'gelu_tanh'
+    weight_init: str = ""             # '' timm init | 'skip' (weights loaded right after)
+    backend: str = "torch"            # 'torch' reference | 'triton' | 'auto'
+
+    def __post_init__(self) -> None:
+        self.img_size = to_2tuple(self.img_size)
+        self.patch_size = to_2tuple(self.patch_size)
+        check_backend(self.backend)
+        checks = [
+            (self.global_pool in GLOBAL_POOLS, f"global_pool must be one of {GLOBAL_POOLS}"),
+            (self.pos_embed in POS_EMBEDS, f"pos_embed must be one of {POS_EMBEDS}"),
+            (self.weight_init in WEIGHT_INITS, f"weight_init must be one of {WEIGHT_INITS}"),
+            (self.act in ("gelu", "gelu_tanh"), "act must be 'gelu' or 'gelu_tanh'"),
+            (self.class_token or self.global_pool != "token", "global_pool='token' needs class_token=True"),
+            (self.embed_dim % self.num_heads == 0, "embed_dim must be divisible by num_heads"),
+            (all(s % p == 0 for s, p in zip(self.img_size, self.patch_size)),
+             "img_size must be divisible by patch_size"),
+            (self.depth >= 0 and self.reg_tokens >= 0 and self.num_classes >= 0 and self.in_chans >= 1,
+             "depth, reg_tokens, num_classes must be >= 0 and in_chans >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"ViTConfig: {message}; got {self}")
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1]
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token) + self.reg_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length the blocks see at img_size."""
+        return self.grid_size[0] * self.grid_size[1] + self.num_prefix_tokens
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.embed_dim * self.mlp_ratio)
+
+    @property
+    def use_fc_norm(self) -> bool:
+        return self.global_pool in ("avg", "avgmax", "max") if self.fc_norm is None else self.fc_norm
+
+    def replace(self, **overrides) -> "ViTConfig":
+        check_fields(overrides)
+        return dataclasses.replace(self, **overrides)
+
+
+def check_fields(overrides: dict) -> None:
+    valid = {f.name for f in dataclasses.fields(ViTConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise TypeError(f"unknown ViTConfig field(s) {unknown}; valid fields: {sorted(valid)}")
+
+
+_TI, _S, _B, _L, _H = (
+    dict(embed_dim=192, depth=12, num_heads=3),
+    dict(embed_dim=384, depth=12, num_heads=6),
+    dict(embed_dim=768, depth=12, num_heads=12),
+    dict(embed_dim=1024, depth=24, num_heads=16),
+    dict(embed_dim=1280, depth=32, num_heads=16),
+)
+
+# name -> overrides of ViTConfig, values identical to timm's model of the same name (timm 1.0.x).
+PRESETS: dict[str, dict] = {
+    "vit_tiny_patch16_224": dict(_TI, patch_size=16, img_size=224),
+    "vit_tiny_patch16_384": dict(_TI, patch_size=16, img_size=384),
+    "vit_small_patch16_224": dict(_S, patch_size=16, img_size=224),
+    "vit_small_patch16_384": dict(_S, patch_size=16, img_size=384),
+    "vit_small_patch32_224": dict(_S, patch_size=32, img_size=224),
+    "vit_base_patch8_224": dict(_B, patch_size=8, img_size=224),
+    "vit_base_patch16_224": dict(_B, patch_size=16, img_size=224),
+    "vit_base_patch16_384": dict(_B, patch_size=16, img_size=384),
+    "vit_base_patch32_224": dict(_B, patch_size=32, img_size=224),
+    "vit_base_patch32_384": dict(_B, patch_size=32, img_size=384),
+    "vit_large_patch14_224": dict(_L, patch_size=14, img_size=224),
+    "vit_large_patch16_224": dict(_L, patch_size=16, img_size=224),
+    "vit_large_patch16_384": dict(_L, patch_size=16, img_size=384),
+    # timm's default weights for ViT-H/14 are the in21k feature extractor: no classifier head.
+    "vit_huge_patch14_224": dict(_H, patch_size=14, img_size=224, num_classes=0),
+    "deit3_base_patch16_224": dict(_B, patch_size=16, img_size=224, no_embed_class=True, init_values=1e-6),
+    "vit_base_patch16_reg4_gap_256": dict(_B, patch_size=16, img_size=256, class_token=False, reg_tokens=4,
+                                          no_embed_class=True, global_pool="avg"),
+}
+
+
+def list_models(pattern: str = "") -> list[str]:
+    """Preset names, sorted; with a pattern, only names containing it (fnmatch wildcards allowed)."""
+    import fnmatch
+
+    names = sorted(PRESETS)
+    if not pattern:
+        return names
+    return [n for n in names if fnmatch.fnmatch(n, pattern if any(c in pattern for c in "*?[") else f"*{pattern}*")]
+
+
+def get_config(name: str, **overrides) -> ViTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    check_fields(overrides)
+    return ViTConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,396 @@
+"""`vit-fast report`: what every Triton kernel costs on an A100 (sm_80) and an H100 (sm_90), measured
+without a GPU (GUIDE.md 3b).
+
+For each preset x dtype x arch, every kernel module in ``vit_fast.kernels`` that exposes
+``aot_specs(...)`` lists the (kernel, constexprs, num_warps, num_stages) entries its config table
+would launch. Each distinct entry is compiled ahead of time with ``triton.compile(ASTSource(...),
+target=GPUTarget('cuda', cc, 32))``; the cubin's resource usage is read with the ``cuobjdump``
+shipped in the Triton wheel. Per entry the report gives registers per thread, spill bytes
+(STACK + LOCAL), shared memory (Triton's dynamic allocation + static), threads, theoretical
+occupancy and whether the PTX uses tensor-core instructions (mma.sync on sm_80; wgmma or mma.sync
+on sm_90) where the kernel has a dot.
+
+Compilation runs in worker processes with TRITON_INTERPRET=0 (under the interpreter ``@triton.jit``
+gives interpreted functions, which cannot be compiled). Results are cached on disk under
+``~/.cache/vit_fast/aot`` (override with VIT_FAST_AOT_CACHE), keyed by the kernel module's source,
+the sources of kernels/_utils.py, the Triton version and the spec, so an edited kernel recompiles.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import inspect
+import json
+import pickle
+import os
+import pkgutil
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+ARCHS = (80, 90)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Per-SM / per-block limits (GUIDE.md 5; CUDA occupancy calculator for cc 8.0 and 9.0).
+ARCH_LIMITS = {
+    80: dict(name="A100", smem_per_block=163 * 1024, smem_per_sm=164 * 1024, regs_per_sm=65536, max_warps=64, max_blocks=32),
+    90: dict(name="H100", smem_per_block=227 * 1024, smem_per_sm=228 * 1024, regs_per_sm=65536, max_warps=64, max_blocks=32),
+}
+# The presets the report covers (issue 7): ViT-Ti/S/B/L at 224, ViT-B at 384, ViT-H/14.
+REPORT_PRESETS = ("vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224",
+                  "vit_base_patch16_384", "vit_huge_patch14_224")
+SMEM_RESERVED_PER_BLOCK = 1024  # the driver reserves 1 KB of shared memory per resident block
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+
+
+@dataclass
+class Row:
+    kernel: str
+    config: str
+    arch: int
+    dtype: str
+    uses: list[str] = field(default_factory=list)  # "preset/dtype" entries that launch this config
+    regs: int = 0
+    spill_bytes: int = 0  # STACK + LOCAL per thread
+    shared_bytes: int = 0
+    threads: int = 0
+    warps_per_sm: int = 0
+    occupancy: float = 0.0
+    tensor_cores: str = "-"  # "mma" / "wgmma" / "NO" / "-" (no dot)
+    error: str = ""
+    note: str = ""
+    cached: bool = False
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.error:
+            out.append(f"compile error: {self.error}")
+        if self.spill_bytes > 0:
+            out.append(f"spills {self.spill_bytes} B/thread")
+        limit = ARCH_LIMITS[self.arch]["smem_per_block"]
+        if self.shared_bytes > limit:
+            out.append(f"shared {self.shared_bytes} B > {limit} B per block")
+        if self.tensor_cores == "NO":
+            out.append("dot without tensor-core instructions")
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Collecting the specs
+
+
+def preset_shape(name: str) -> dict:
+    """The keyword arguments every kernel module's aot_specs takes, for one preset."""
+    from vit_fast.presets import get_config
+
+    cfg = get_config(name)
+    return dict(tokens=cfg.num_tokens, width=cfg.embed_dim, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                mlp_hidden=cfg.mlp_hidden, patch_size=cfg.patch_size[0], in_chans=cfg.in_chans,
+                img_size=cfg.img_size[0], num_patches=cfg.grid_size[0] * cfg.grid_size[1])
+
+
+def kernel_modules() -> list:
+    """Every vit_fast.kernels module with an aot_specs function (grows as kernels land)."""
+    import vit_fast.kernels as pkg
+
+    mods = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"vit_fast.kernels.{info.name}")
+        if callable(getattr(mod, "aot_specs", None)):
+            mods.append(mod)
+    return mods
+
+
+def _python_fn(fn):
+    """The plain Python function behind a JITFunction or an interpreter's InterpretedFunction."""
+    return getattr(fn, "fn", fn)
+
+
+def collect_specs(presets, dtypes, archs):
+    """{key: (spec, arch, dtype name, [uses])} over every preset x dtype x arch, duplicates merged."""
+    entries: dict[str, list] = {}
+    for preset in presets:
+        shape = preset_shape(preset)
+        for dtype_name in dtypes:
+            for arch in archs:
+                for mod in kernel_modules():
+                    specs = mod.aot_specs(**shape, dtype=DTYPES[dtype_name], arch=arch)
+                    for spec in specs:
+                        key = spec_key(spec, arch)
+                        if key not in entries:
+                            entries[key] = [spec, arch, dtype_name, []]
+                        entries[key][3].append(f"{preset}/{dtype_name}")
+    return entries
+
+
+_SOURCE_HASHES: dict[str, str] = {}
+
+
+def _file_hash(path: str) -> str:
+    if path not in _SOURCE_HASHES:
+        with open(path, "rb") as f:
+            _SOURCE_HASHES[path] = hashlib.sha256(f.read()).hexdigest()
+    return _SOURCE_HASHES[path]
+
+
+def spec_key(spec, arch: int) -> str:
+    import triton
+    import vit_fast.kernels._utils as kutils
+
+    fn = _python_fn(spec.fn)
+    payload = json.dumps(
+        dict(
+            module=fn.__module__, fn=fn.__name__, source=_file_hash(inspect.getsourcefile(fn)),
+            utils=_file_hash(kutils.__file__), triton=triton.__version__, arch=arch,
+            signature=sorted(spec.signature.items()), constexprs=sorted((k, repr(v)) for k, v in spec.constexprs.items()),
+            num_warps=spec.num_warps, num_stages=spec.num_stages,
+        ),
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def config_string(spec) -> str:
+    cx = " ".join(f"{k}={v}" for k, v in spec.constexprs.items())
+    return f"{cx} w{spec.num_warps} s{spec.num_stages}".strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling (in worker processes) and reading the cubin
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def parse_resource_usage(text: str) -> dict:
+    """REG/STACK/SHARED/LOCAL of the (single) function in `cuobjdump --dump-resource-usage` output."""
+    out = {}
+    for key in ("REG", "STACK", "SHARED", "LOCAL"):
+        m = re.search(rf"\b{key}:(\d+)", text)
+        if m is None:
+            raise ValueError(f"cuobjdump output without {key}: {text[:300]!r}")
+        out[key] = int(m.group(1))
+    return out
+
+
+def tensor_core_use(ptx: str, arch: int) -> str:
+    if arch >= 90 and re.search(r"\bwgmma\.mma_async", ptx):
+        return "wgmma"
+    if re.search(r"\bmma\.sync", ptx):
+        return "mma"
+    return "NO"
+
+
+def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int) -> dict:
+    """Compile one kernel for one arch; returns the measured resources (runs in a worker)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        fn = getattr(importlib.import_module(module), fn_name)
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(k.asm["cubin"])
+            res = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True, check=True)
+        usage = parse_resource_usage(res.stdout)
+        return dict(regs=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
+                    shared_bytes=int(k.metadata.shared) + usage["SHARED"], tensor_cores=tensor_core_use(k.asm["ptx"], arch), error="")
+    except Exception as e:  # a compile error is a finding of the report, not a crash of it
+        msg = " ".join(str(e).split())
+        return dict(error=f"{type(e).__name__}: {msg[:300]}")
+
+
+def occupancy(regs: int, shared: int, num_warps: int, arch: int) -> tuple[int, float]:
+    """Resident warps per SM and their fraction of the maximum, from registers, shared memory and threads."""
+    lim = ARCH_LIMITS[arch]
+    regs_per_warp = -(-max(regs, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    blocks = min(
+        lim["max_blocks"],
+        lim["max_warps"] // num_warps,
+        (lim["regs_per_sm"] // regs_per_warp) // num_warps,
+        lim["smem_per_sm"] // (shared + SMEM_RESERVED_PER_BLOCK),
+    )
+    warps = blocks * num_warps
+    return warps, warps / lim["max_warps"]
+
+
+def cache_dir() -> str:
+    return os.environ.get("VIT_FAST_AOT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vit_fast", "aot"))
+
+
+def run_report(presets, dtypes=tuple(DTYPES), archs=ARCHS, workers: int = 2, use_cache: bool = True, progress=None) -> list[Row]:
+    entries = collect_specs(presets, dtypes, archs)
+    rows: dict[str, Row] = {}
+    todo = []
+    os.makedirs(cache_dir(), exist_ok=True)
+    for key, (spec, arch, dtype_name, uses) in entries.items():
+        row = Row(kernel=spec.name, config=config_string(spec), arch=arch, dtype=dtype_name, uses=uses,
+                  threads=spec.num_warps * 32, note=spec.note)
+        rows[key] = row
+        path = os.path.join(cache_dir(), key + ".json")
+        if use_cache and os.path.exists(path):
+            with open(path) as f:
+                _fill(row, json.load(f), spec, cached=True)
+        else:
+            fn = _python_fn(spec.fn)
+            todo.append((key, (fn.__module__, fn.__name__, dict(spec.signature), dict(spec.constexprs), spec.num_warps, spec.num_stages, arch)))
+    if todo:
+        for key, result in _compile_all(todo, workers, progress):
+            spec = entries[key][0]
+            _fill(rows[key], result, spec, cached=False)
+            if not result.get("error"):
+                with open(os.path.join(cache_dir(), key + ".json"), "w") as f:
+                    json.dump(result, f)
+    return sorted(rows.values(), key=lambda r: (r.kernel, r.arch, r.dtype, r.config))
+
+
+def _fill(row: Row, result: dict, spec, cached: bool) -> None:
+    row.cached = cached
+    row.error = result.get("error", "")
+    if row.error:
+        return
+    row.regs, row.spill_bytes, row.shared_bytes = result["regs"], result["spill_bytes"], result["shared_bytes"]
+    row.tensor_cores = result["tensor_cores"] if spec.has_dot else "-"
+    row.warps_per_sm, row.occupancy = occupancy(row.regs, row.shared_bytes, spec.num_warps, row.arch)
+
+
+def _compile_all(todo, workers: int, progress):
+    """Compile in `workers` fresh Python processes without the interpreter (TRITON_INTERPRET=0).
+
+    Plain subprocesses rather than multiprocessing: nothing depends on how the caller's main module
+    was started, and the workers never inherit the interpreter's patched triton.
+    """
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    n = max(1, min(workers, len(todo)))
+    chunks = [todo[i::n] for i in range(n)]
+    results: queue.Queue = queue.Queue()
+
+    def drive(chunk):
+        proc = subprocess.Popen([sys.executable, "-c", "from vit_fast.report import _worker; _worker()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        proc.stdin.write(pickle.dumps([args for _, args in chunk]))
+        proc.stdin.close()
+        done = 0
+        for line in proc.stdout:
+            results.put((chunk[done][0], json.loads(line)))
+            done += 1
+        proc.wait()
+        for key, _ in chunk[done:]:  # a crashed worker: report its remaining entries as errors
+            results.put((key, dict(error=f"compile worker exited with code {proc.returncode}")))
+
+    threads = [threading.Thread(target=drive, args=(c,), daemon=True) for c in chunks]
+    for t in threads:
+        t.start()
+    for i in range(1, len(todo) + 1):
+        item = results.get()
+        if progress:
+            progress(i, len(todo))
+        yield item
+    for t in threads:
+        t.join()
+
+
+def _worker() -> None:
+    """Entry point of a compile process: pickled jobs on stdin, one JSON result per line on stdout."""
+    jobs = pickle.loads(sys.stdin.buffer.read())
+    for args in jobs:
+        print(json.dumps(compile_one(*args)), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+
+
+COLUMNS = ("kernel", "config", "arch", "dtype", "regs", "spill", "shared", "threads", "warps/SM", "occ", "tensor cores", "status")
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [COLUMNS]
+    for r in rows:
+        status = "; ".join(r.problems()) or "ok"
+        lines.append((r.kernel, r.config, f"sm_{r.arch}", r.dtype, str(r.regs), str(r.spill_bytes),
+                      f"{r.shared_bytes / 1024:.1f}K", str(r.threads), str(r.warps_per_sm), f"{r.occupancy:.0%}",
+                      r.tensor_cores, status))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def summarize(rows: list[Row]) -> str:
+    """Worst registers, spills and shared memory per kernel and arch, plus the failures."""
+    out = []
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.kernel, r.arch), []).append(r)
+    for (kernel, arch), rs in sorted(groups.items()):
+        ok = [r for r in rs if not r.error]
+        if not ok:
+            out.append(f"{kernel:28s} sm_{arch}: all {len(rs)} configs failed to compile")
+            continue
+        out.append(f"{kernel:28s} sm_{arch}: {len(rs):3d} configs, max regs {max(r.regs for r in ok):3d}, "
+                   f"max spill {max(r.spill_bytes for r in ok)} B, max shared {max(r.shared_bytes for r in ok) / 1024:.1f} KB, "
+                   f"min occupancy {min(r.occupancy for r in ok):.0%}")
+    bad = [r for r in rows if r.problems()]
+    out.append(f"{len(rows)} compiled configs, {len(bad)} with problems" + (":" if bad else ""))
+    out += [f"  {r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}" for r in bad]
+    return "\n".join(out)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="vit-fast report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=list(REPORT_PRESETS), help="model presets to cover")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--archs", nargs="+", type=int, default=list(ARCHS), choices=list(ARCHS))
+    parser.add_argument("--workers", type=int, default=2, help="compile processes (default 2)")
+    parser.add_argument("--no-cache", action="store_true", help="recompile everything, ignoring the on-disk cache")
+    parser.add_argument("--json", help="write the rows as JSON to this path")
+    parser.add_argument("--csv", help="write the rows as CSV to this path")
+    return parser
+
+
+def main(argv=None, args: argparse.Namespace | None = None) -> int:
+    args = args or build_parser().parse_args(argv)
+    if not kernel_modules():
+        print("vit-fast report: no kernel module in vit_fast.kernels exposes aot_specs yet; nothing to compile")
+        return 0
+    t0 = time.perf_counter()
+    progress = (lambda i, n: print(f"\rcompiling {i}/{n}", end="", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+    rows = run_report(args.presets, args.dtypes, args.archs, workers=args.workers, use_cache=not args.no_cache, progress=progress)
+    if progress:
+        print(file=sys.stderr)
+    print(format_table(rows))
+    print()
+    print(summarize(rows))
+    cached = sum(r.cached for r in rows)
+    print(f"presets {', '.join(args.presets)}; dtypes {', '.join(args.dtypes)}; "
+          f"{len(rows) - cached} compiled, {cached} from cache ({cache_dir()}) in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+            w.writeheader()
+            w.writerows(asdict(r) for r in rows)
+    return 1 if any(r.problems() for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

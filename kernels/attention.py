@@ -1,0 +1,688 @@
+"""Flash attention for ViT, forward and backward, straight from the packed qkv projection.
+
+Math (per batch b and head h; q, k, v are N x D, scale s = D ** -0.5 unless given):
+    S = s * q k^T,   P = softmax(S) row-wise,   Z = dropout keep mask (Bernoulli(1 - p)),
+    out = (P * Z / (1 - p)) v,                  lse_i = log sum_j exp(S_ij)   (saved, fp32)
+Backward (FlashAttention-2; delta_i = sum_d dO_id * out_id, a pre-pass):
+    dV = (P * Z / (1 - p))^T dO,   dP = (dO v^T) * Z / (1 - p),   dS = P * (dP - delta),
+    dQ = s * dS k,   dK = s * dS^T q,   with P recomputed as exp(S - lse) from the saved lse.
+
+Layout. ``attention(qkv, H)`` takes the qkv Linear's output (B, N, 3 * H * D) as it leaves the GEMM
+and reads q, k, v through the strides of its (B, N, 3, H, D) view: no permute, chunk or copy. The
+output is written directly as (B, N, H * D), ready for the proj GEMM, and the gradient is one
+(B, N, 3 * H * D) tensor written by the dK/dV and dQ kernels. ``attention_qkv(q, k, v)`` takes
+(B, H, N, D) tensors of any strides (the F.scaled_dot_product_attention layout).
+
+Kernels (grid: batch * heads folded onto axis 0 with the tile index, so B * H may exceed 65535):
+    _attention_fwd_kernel    one program per (b, h, 128-row q tile); loops over k/v tiles with an
+                             online softmax in fp32 and an fp32 accumulator
+    _attention_delta_kernel  backward pre-pass: delta = rowsum(dO * out)
+    _attention_dkdv_kernel   owns a k/v tile, loops over q tiles: dK, dV
+    _attention_dq_kernel     owns a q tile, loops over k/v tiles: dQ
+No atomics and no program reads what another writes in the same launch: gradients are bitwise
+reproducible. Launches: 1 forward, 3 backward.
+
+Dtypes: fp16 and bf16 dots run on tensor cores with fp32 accumulation; softmax, lse and all
+elementwise math are fp32; P is cast to the input dtype for the P v dot (as FlashAttention does).
+fp32 inputs use IEEE fp32 dots unless torch.backends.cuda.matmul.allow_tf32 is True (then tf32).
+Dropout regenerates its mask in every kernel from (seed, ((b * H + h) * N + i) * N + j) with the
+shared Philox helper ``dropout_keep_mask``; the mask is never stored.
+
+Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probability), head_dim
+1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory).
+
+Memory and bytes: the forward allocates only the output and the fp32 lse (B * H * N); nothing grows
+with N^2. Per token and head it reads q, k, v once for its own tile (k and v are re-read once per
+q tile, from L2 for ViT sizes) and writes D output elements plus 4 bytes of lse: forward HBM
+traffic per token ~ (3 + 1) * H * D * bytes + 4 * H. The backward reads q, k, v, out, dO and lse/delta
+and writes 3 * H * D gradient elements per token plus 4 * H bytes of delta.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import (
+    TRITON_DTYPE_NAMES,
+    AotSpec,
+    check_float,
+    check_kernel_device,
+    check_ndim,
+    dropout_keep_mask,
+    gpu_arch,
+    next_power_of_2,
+    next_seed,
+)
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 128
+MAX_GRID = 2**31 - 1
+
+
+# --------------------------------------------------------------------------------------------- #
+# Triton kernels
+# --------------------------------------------------------------------------------------------- #
+@triton.jit
+def _head_base(bh, num_heads, stride_b, stride_h):
+    """int64 element offset of head (b, h) = divmod(bh, H) in a (B, H, N, D)-strided tensor."""
+    return (bh // num_heads).to(tl.int64) * stride_b + (bh % num_heads).to(tl.int64) * stride_h
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Out, Lse,  # outputs: (B, H, N, D) through strides; lse (B * H, N) fp32, natural log
+    Q, K, V,  # inputs: (B, H, N, D) through strides (views of the packed qkv)
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    num_heads, seq_len, head_dim,
+    scale,  # softmax scale
+    dropout_p, inv_keep, seed,  # dropout probability, 1 / (1 - p) (0 when p == 1), Philox seed
+    BLOCK_M: tl.constexpr,  # q rows per program
+    BLOCK_N: tl.constexpr,  # k/v rows per loop step
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16)
+    DROPOUT: tl.constexpr,  # False skips the Philox draw entirely
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(seq_len, BLOCK_M)
+    bh = pid // num_m
+    rows = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_len
+    d_ok = offs_d < head_dim
+
+    q_ptrs = Q + _head_base(bh, num_heads, stride_qb, stride_qh) + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + _head_base(bh, num_heads, stride_kb, stride_kh)
+    v_base = V + _head_base(bh, num_heads, stride_vb, stride_vh)
+
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < seq_len
+        kT = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale
+        s = tl.where(col_ok[None, :], s, float("-inf"))  # padded keys: exactly zero probability
+        # The first tile always holds key 0, so m_new is finite from the first step on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            offsets = (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
+            p = tl.where(dropout_keep_mask(seed, offsets, dropout_p), p, 0.0)
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    if DROPOUT:
+        acc = acc * inv_keep
+    acc = acc / l_i[:, None]
+    o_ptrs = Out + _head_base(bh, num_heads, stride_ob, stride_oh) + rows[:, None].to(tl.int64) * stride_on + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural log
+    tl.store(Lse + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _attention_delta_kernel(
+    Delta,  # output: (B * H, N) fp32
+    O, DO,  # forward output and its gradient, (B, H, N, D) through strides (dO may have stride 0)
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    num_heads, seq_len, head_dim,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(seq_len, BLOCK_M)
+    bh = pid // num_m
+    rows = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < seq_len)[:, None] & (offs_d < head_dim)[None, :]
+    o = tl.load(O + _head_base(bh, num_heads, stride_ob, stride_oh) + rows[:, None].to(tl.int64) * stride_on
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + _head_base(bh, num_heads, stride_gb, stride_gh) + rows[:, None].to(tl.int64) * stride_gn
+                 + offs_d[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + bh.to(tl.int64) * seq_len + rows, tl.sum(o * do, 1), mask=rows < seq_len)
+
+
+@triton.jit
+def _attention_dkdv_kernel(
+    DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
+    Q, K, V, DO,  # inputs through strides; dO may be non-contiguous
+    Lse, Delta,  # (B * H, N) fp32
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gn, stride_gd,  # dO
+    stride_db, stride_dh, stride_dn, stride_dd,  # dK and dV (same layout)
+    num_heads, seq_len, head_dim,
+    scale, dropout_p, inv_keep, seed,
+    BLOCK_M: tl.constexpr,  # q rows per loop step
+    BLOCK_N: tl.constexpr,  # k/v rows owned by the program
+    BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(seq_len, BLOCK_N)
+    bh = pid // num_n
+    cols = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = cols < seq_len
+    d_ok = offs_d < head_dim
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+
+    k = tl.load(K + _head_base(bh, num_heads, stride_kb, stride_kh) + cols[:, None].to(tl.int64) * stride_kn
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + _head_base(bh, num_heads, stride_vb, stride_vh) + cols[:, None].to(tl.int64) * stride_vn
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    q_base = Q + _head_base(bh, num_heads, stride_qb, stride_qh)
+    do_base = DO + _head_base(bh, num_heads, stride_gb, stride_gh)
+    row_base = bh.to(tl.int64) * seq_len
+
+    qk_scale = scale * 1.4426950408889634
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for start_m in range(0, seq_len, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < seq_len
+        qT = tl.load(q_base + rows[None, :].to(tl.int64) * stride_qn + offs_d[:, None] * stride_qd,
+                     mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+        do = tl.load(do_base + rows[:, None].to(tl.int64) * stride_gn + offs_d[None, :] * stride_gd,
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        # Padded q rows get lse = +inf, hence probability exactly 0.
+        lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
+        pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
+        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
+        if DROPOUT:
+            offsets = (row_base + rows[None, :]) * seq_len + cols[:, None]
+            keep = dropout_keep_mask(seed, offsets, dropout_p)
+            dv += tl.dot(tl.where(keep, pT * inv_keep, 0.0).to(do.dtype), do, input_precision=INPUT_PRECISION)
+            dpT = tl.where(keep, dpT * inv_keep, 0.0)
+        else:
+            dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
+
+    g_off = _head_base(bh, num_heads, stride_db, stride_dh) + cols[:, None].to(tl.int64) * stride_dn + offs_d[None, :] * stride_dd
+    tl.store(DK + g_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attention_dq_kernel(
+    DQ,  # output: (B, H, N, D) through the gradient strides
+    Q, K, V, DO, Lse, Delta,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gn, stride_gd,  # dO
+    stride_db, stride_dh, stride_dn, stride_dd,  # dQ
+    num_heads, seq_len, head_dim,
+    scale, dropout_p, inv_keep, seed,
+    BLOCK_M: tl.constexpr,  # q rows owned by the program
+    BLOCK_N: tl.constexpr,  # k/v rows per loop step
+    BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(seq_len, BLOCK_M)
+    bh = pid // num_m
+    rows = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_len
+    d_ok = offs_d < head_dim
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    row_base = bh.to(tl.int64) * seq_len
+
+    q = tl.load(Q + _head_base(bh, num_heads, stride_qb, stride_qh) + rows[:, None].to(tl.int64) * stride_qn
+                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    do = tl.load(DO + _head_base(bh, num_heads, stride_gb, stride_gh) + rows[:, None].to(tl.int64) * stride_gn
+                 + offs_d[None, :] * stride_gd, mask=q_mask, other=0.0)
+    lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
+    k_base = K + _head_base(bh, num_heads, stride_kb, stride_kh)
+    v_base = V + _head_base(bh, num_heads, stride_vb, stride_vh)
+
+    qk_scale = scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < seq_len
+        t_mask = col_ok[None, :] & d_ok[:, None]
+        kT = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd, mask=t_mask, other=0.0)
+        vT = tl.load(v_base + cols[None, :].to(tl.int64) * stride_vn + offs_d[:, None] * stride_vd, mask=t_mask, other=0.0)
+        p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
+        p = tl.where(col_ok[None, :], p, 0.0)  # padded keys
+        dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            offsets = (row_base + rows[:, None]) * seq_len + cols[None, :]
+            dp = tl.where(dropout_keep_mask(seed, offsets, dropout_p), dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
+
+    tl.store(DQ + _head_base(bh, num_heads, stride_db, stride_dh) + rows[:, None].to(tl.int64) * stride_dn
+             + offs_d[None, :] * stride_dd, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _attention_probs_kernel(
+    P,  # output: (B * H, R, N) fp32 probabilities of the selected query rows
+    Q, K, Lse, Rows,  # q, k through strides; lse (B * H, N); Rows (R,) int64 query indices
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    num_heads, seq_len, head_dim, num_rows,
+    scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(num_rows, BLOCK_M)
+    bh = pid // num_m
+    r = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < num_rows
+    rows = tl.load(Rows + r, mask=r_ok, other=0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    q = tl.load(Q + _head_base(bh, num_heads, stride_qb, stride_qh) + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * 1.4426950408889634
+    k_base = K + _head_base(bh, num_heads, stride_kb, stride_kh)
+    p_base = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
+    for start_n in range(0, seq_len, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < seq_len
+        kT = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * (scale * 1.4426950408889634) - lse2[:, None])
+        tl.store(p_base + cols[None, :], p, mask=r_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _attention_dropout_mask_kernel(Keep, seq_len, dropout_p, seed, BLOCK: tl.constexpr):
+    """Test helper: materialise the keep mask (B * H, N, N) exactly as the kernels draw it."""
+    local = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tl.program_id(1).to(tl.int64) * seq_len * seq_len + local
+    tl.store(Keep + offsets, dropout_keep_mask(seed, offsets, dropout_p).to(tl.int8), mask=local < seq_len * seq_len)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Config table and grid
+# --------------------------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class Tile:
+    block_m: int  # q rows (per program, or per loop step in dK/dV)
+    block_n: int  # k/v rows (per loop step, or per program in dK/dV)
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    fwd: Tile
+    dkdv: Tile
+    dq: Tile
+    delta: Tile  # block_m rows per program; block_n unused
+
+
+def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int) -> AttentionConfig:
+    """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
+
+    Every entry used by the ViT presets compiles for sm_80 and sm_90 without register spills
+    (checked with triton.compile + cuobjdump, see aot_specs). Sequences of at most 64 tokens use one
+    tile of the next power of two; longer ones use 128-row q tiles in the forward (fp16/bf16).
+    """
+    wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
+    fp32 = dtype == torch.float32
+    stages = 3 if arch >= 90 else 2
+    if seq_len <= 64:
+        t = max(16, next_power_of_2(seq_len))
+        small = Tile(t, t, 4, 1)
+        return AttentionConfig(fwd=small, dkdv=small, dq=small, delta=Tile(t, t, 4, 1))
+    if fp32:
+        fwd = Tile(64, 32, 4, stages) if not wide else Tile(64, 32, 8, stages)
+        dkdv = Tile(32, 64, 4, stages) if not wide else Tile(32, 64, 8, stages)
+        dq = Tile(64, 32, 4, stages) if not wide else Tile(64, 32, 8, stages)
+    else:
+        fwd = Tile(128, 64, 4, stages) if not wide else Tile(128, 64, 8, stages)
+        dkdv = Tile(64, 64, 4, stages) if not wide else Tile(32, 64, 4, stages)
+        dq = Tile(64, 64, 4, stages) if not wide else Tile(64, 32, 4, stages)
+    return AttentionConfig(fwd=fwd, dkdv=dkdv, dq=dq, delta=Tile(64, 64, 4, 1))
+
+
+def attention_grid(batch_heads: int, seq_len: int, block: int) -> tuple[int]:
+    """1-D grid: (batch * heads) x tiles folded onto axis 0 (limit 2^31 - 1, not 65535)."""
+    programs = batch_heads * triton.cdiv(seq_len, block)
+    if programs > MAX_GRID:
+        raise ValueError(f"attention: {programs} programs exceed the CUDA grid limit {MAX_GRID}; "
+                         f"split the batch (batch*heads={batch_heads}, seq_len={seq_len})")
+    return (programs,)
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, next_power_of_2(head_dim))
+
+
+# --------------------------------------------------------------------------------------------- #
+# Validation, allocation and launchers
+# --------------------------------------------------------------------------------------------- #
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every allocation of the launchers goes through here (tests track and poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check_head_dim(op: str, head_dim: int) -> None:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{op}: expected head_dim in 1..{MAX_HEAD_DIM}, got {head_dim}")
+
+
+def _check_dropout(op: str, dropout_p: float) -> None:
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: expected dropout_p in [0, 1], got {dropout_p}")
+
+
+def _check_packed(op: str, qkv: torch.Tensor, num_heads: int) -> int:
+    """Validate a packed (B, N, 3 * H * D) qkv; returns head_dim."""
+    check_float(op, "qkv", qkv)
+    check_ndim(op, "qkv", qkv, 3)
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"{op}: expected num_heads to be a positive int, got {num_heads!r}")
+    width = qkv.shape[-1]
+    if width == 0 or width % (3 * num_heads):
+        raise ValueError(f"{op}: expected qkv last dim divisible by 3 * num_heads = {3 * num_heads}, got {width}")
+    head_dim = width // (3 * num_heads)
+    _check_head_dim(op, head_dim)
+    if qkv.shape[1] < 1:
+        raise ValueError(f"{op}: expected at least one token, got qkv of shape {tuple(qkv.shape)}")
+    if not qkv.is_contiguous():
+        raise ValueError(f"{op}: expected a contiguous qkv (the qkv Linear's output), got strides {qkv.stride()}")
+    return head_dim
+
+
+def _check_separate(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(op, name, t)
+        check_ndim(op, name, t, 4)
+    if not (q.shape == k.shape == v.shape) or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{op}: expected q, k, v of one shape (B, H, N, D) and dtype, got "
+                         f"{tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+    if q.shape[2] < 1:
+        raise ValueError(f"{op}: expected at least one token, got q of shape {tuple(q.shape)}")
+    _check_head_dim(op, q.shape[-1])
+
+
+def _split_packed(qkv: torch.Tensor, num_heads: int):
+    """(B, H, N, D) views of q, k, v inside the packed (B, N, 3 * H * D) qkv (no copy)."""
+    B, N, width = qkv.shape
+    return qkv.view(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _heads_view(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, N, H * D) -> (B, H, N, D) view (reshape semantics, so an expanded grad also works)."""
+    return t.unflatten(-1, (num_heads, t.shape[-1] // num_heads)).transpose(1, 2)
+
+
+def _dropout_args(dropout_p: float):
+    inv_keep = 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+    return dropout_p > 0.0, inv_keep
+
+
+def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
+    B, H, N, D = q.shape
+    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device)).fwd
+    dropout, inv_keep = _dropout_args(dropout_p)
+    _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
+        out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        H, N, D, scale, dropout_p, inv_keep, seed,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
+        INPUT_PRECISION=_input_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int) -> None:
+    """Three launches: delta pre-pass, dK/dV, dQ. dq, dk, dv share one stride layout."""
+    B, H, N, D = q.shape
+    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device))
+    dropout, inv_keep = _dropout_args(dropout_p)
+    block_d, precision = _block_d(D), _input_precision(q.dtype)
+    delta = _empty((B * H, N), torch.float32, q.device)
+    _attention_delta_kernel[attention_grid(B * H, N, cfg.delta.block_m)](
+        delta, out, do, *out.stride(), *do.stride(), H, N, D,
+        BLOCK_M=cfg.delta.block_m, BLOCK_D=block_d, num_warps=cfg.delta.num_warps)
+    common = (q, k, v, do, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+              H, N, D, scale, dropout_p, inv_keep, seed)
+    _attention_dkdv_kernel[attention_grid(B * H, N, cfg.dkdv.block_n)](
+        dk, dv, *common, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=block_d,
+        DROPOUT=dropout, INPUT_PRECISION=precision, num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
+    _attention_dq_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
+        dq, *common, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+        DROPOUT=dropout, INPUT_PRECISION=precision, num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
+
+
+# Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.
+@torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
+def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32)."""
+    D = _check_packed("attention_fwd", qkv, num_heads)
+    _check_dropout("attention_fwd", dropout_p)
+    check_kernel_device("attention_fwd", qkv)
+    B, N, _ = qkv.shape
+    out = _empty((B, N, num_heads * D), qkv.dtype, qkv.device)
+    lse = _empty((B, num_heads, N), torch.float32, qkv.device)
+    _launch_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p, seed)
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _(qkv, num_heads, scale, dropout_p, seed):
+    B, N, width = qkv.shape
+    return qkv.new_empty((B, N, width // 3)), qkv.new_empty((B, num_heads, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("vit_fast::attention_bwd", mutates_args=())
+def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_heads: int,
+                  scale: float, dropout_p: float, seed: int) -> torch.Tensor:
+    """Packed backward: one (B, N, 3 * H * D) gradient; dQ, dK, dV written into its three slices."""
+    check_kernel_device("attention_bwd", grad_out, qkv, out, lse)
+    if grad_out.shape != out.shape:
+        raise ValueError(f"attention_bwd: expected grad_out of shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
+    dqkv = _empty(qkv.shape, qkv.dtype, qkv.device)
+    _launch_bwd(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse,
+                *_split_packed(dqkv, num_heads), scale, dropout_p, seed)
+    return dqkv
+
+
+@attention_bwd.register_fake
+def _(grad_out, qkv, out, lse, num_heads, scale, dropout_p, seed):
+    return torch.empty_like(qkv)
+
+
+@torch.library.custom_op("vit_fast::attention_qkv_fwd", mutates_args=())
+def attention_qkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Separate (B, H, N, D) q, k, v of any strides -> (out (B, H, N, D) contiguous, lse (B, H, N))."""
+    _check_separate("attention_qkv_fwd", q, k, v)
+    _check_dropout("attention_qkv_fwd", dropout_p)
+    check_kernel_device("attention_qkv_fwd", q, k, v)
+    B, H, N, D = q.shape
+    out = _empty((B, H, N, D), q.dtype, q.device)
+    lse = _empty((B, H, N), torch.float32, q.device)
+    _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed)
+    return out, lse
+
+
+@attention_qkv_fwd.register_fake
+def _(q, k, v, scale, dropout_p, seed):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("vit_fast::attention_qkv_bwd", mutates_args=())
+def attention_qkv_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, scale: float, dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_kernel_device("attention_qkv_bwd", grad_out, q, k, v, out, lse)
+    if grad_out.shape != q.shape:
+        raise ValueError(f"attention_qkv_bwd: expected grad_out of shape {tuple(q.shape)}, got {tuple(grad_out.shape)}")
+    dq, dk, dv = (_empty(q.shape, q.dtype, q.device) for _ in range(3))
+    _launch_bwd(grad_out, q, k, v, out, lse, dq, dk, dv, scale, dropout_p, seed)
+    return dq, dk, dv
+
+
+@attention_qkv_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, scale, dropout_p, seed):
+    return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
+
+
+# --------------------------------------------------------------------------------------------- #
+# Autograd and public functionals
+# --------------------------------------------------------------------------------------------- #
+class AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, num_heads, scale, dropout_p, seed):
+        out, lse = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.args = (num_heads, scale, dropout_p, seed)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        qkv, out, lse = ctx.saved_tensors
+        return attention_bwd(grad_out, qkv, out, lse, *ctx.args), None, None, None, None
+
+
+class AttentionQKVFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, dropout_p, seed):
+        out, lse = attention_qkv_fwd(q, k, v, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, dropout_p, seed)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return *attention_qkv_bwd(grad_out, *ctx.saved_tensors, *ctx.args), None, None, None
+
+
+def _dropout_and_seed(op: str, dropout_p: float, training: bool) -> tuple[float, int]:
+    _check_dropout(op, dropout_p)
+    p = float(dropout_p) if training else 0.0
+    return p, (next_seed() if p > 0.0 else 0)
+
+
+def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
+                       training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
+    head_dim = _check_packed("attention", qkv, num_heads)
+    check_kernel_device("attention", qkv)
+    p, seed = _dropout_and_seed("attention", dropout_p, training)
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    return AttentionFunction.apply(qkv, num_heads, scale, p, seed)
+
+
+def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
+              training: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D)."""
+    return attention_with_lse(qkv, num_heads, scale, dropout_p, training)[0]
+
+
+def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale) v for (B, H, N, D) tensors of any strides -> (B, H, N, D)."""
+    _check_separate("attention_qkv", q, k, v)
+    check_kernel_device("attention_qkv", q, k, v)
+    p, seed = _dropout_and_seed("attention_qkv", dropout_p, training)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return AttentionQKVFunction.apply(q, k, v, scale, p, seed)[0]
+
+
+def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float | None = None,
+                    rows=None) -> torch.Tensor:
+    """Exact attention probabilities (before dropout) recomputed from the forward's lse.
+
+    Returns fp32 (B, H, len(rows), N) for the chosen query rows (e.g. rows=[0], the class token),
+    or the full (B, H, N, N) map when rows is None. Runs in tiles; nothing but the result is stored.
+    """
+    head_dim = _check_packed("attention_probs", qkv, num_heads)
+    check_kernel_device("attention_probs", qkv, lse)
+    B, N, _ = qkv.shape
+    if lse.shape != (B, num_heads, N) or lse.dtype != torch.float32:
+        raise ValueError(f"attention_probs: expected lse of shape {(B, num_heads, N)} and dtype float32, "
+                         f"got {tuple(lse.shape)} {lse.dtype}")
+    rows = torch.arange(N) if rows is None else torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+    if rows.numel() and (rows.min() < 0 or rows.max() >= N):
+        raise ValueError(f"attention_probs: expected rows in [0, {N}), got {rows.tolist()}")
+    rows = rows.to(device=qkv.device, dtype=torch.int64)
+    lse = lse.contiguous()
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    q, k, _ = _split_packed(qkv, num_heads)
+    R = rows.numel()
+    probs = _empty((B, num_heads, R, N), torch.float32, qkv.device)
+    if R == 0:
+        return probs
+    cfg = attention_config(N, head_dim, qkv.dtype, gpu_arch(qkv.device)).dq
+    block_m = min(cfg.block_m, max(16, next_power_of_2(R)))
+    _attention_probs_kernel[attention_grid(B * num_heads, R, block_m)](
+        probs, q, k, lse, rows, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(head_dim),
+        INPUT_PRECISION=_input_precision(qkv.dtype), num_warps=cfg.num_warps)
+    return probs
+
+
+def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, dropout_p: float,
+                           device="cpu") -> torch.Tensor:
+    """Test helper: the bool keep mask (B, H, N, N) the kernels draw for ``seed`` (small sizes only)."""
+    keep = _empty((batch * num_heads, seq_len, seq_len), torch.int8, torch.device(device))
+    block = 1024
+    _attention_dropout_mask_kernel[(triton.cdiv(seq_len * seq_len, block), batch * num_heads)](
+        keep, seq_len, dropout_p, seed, BLOCK=block)
+    return keep.view(batch, num_heads, seq_len, seq_len).bool()
+
+
+# --------------------------------------------------------------------------------------------- #
+# Pure-PyTorch references (CPU path and test oracle)
+# --------------------------------------------------------------------------------------------- #
+def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                      dropout_p: float = 0.0, training: bool = False, dropout_mask: torch.Tensor | None = None):
+    """Eager attention as timm computes it, in the inputs' dtype. ``dropout_mask`` (bool keep mask)
+    replaces the random draw, so a test can hand the reference the kernel's exact mask."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attn = ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+    if dropout_mask is not None:
+        attn = attn * dropout_mask * (0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p))
+    elif training and dropout_p > 0.0:
+        attn = torch.nn.functional.dropout(attn, dropout_p)
+    return attn @ v
+
+
+def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
+                  training: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D)."""
+    B, N, width = qkv.shape
+    q, k, v = qkv.reshape(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    out = attention_qkv_ref(q, k, v, scale, dropout_p, training, dropout_mask)
+    return out.transpose(1, 2).reshape(B, N, width // 3)

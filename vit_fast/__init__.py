@@ -4,13 +4,16 @@ A timm-compatible ViT (same parameter names, same numbers) whose building blocks
 pure-PyTorch reference path (backend='torch') and fused Triton kernels (backend='triton' / 'auto').
 """
 from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
+from .convert import (CheckpointError, from_hf, from_timm, from_torchvision, load_checkpoint,
+                      save_checkpoint)
 from .model import VisionTransformer, count_params, create_model, forward_flops
 from .presets import PRESETS, ViTConfig, list_models
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "Block", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "PRESETS", "ViTConfig",
+    "Attention", "Block", "CheckpointError", "from_hf", "from_timm", "from_torchvision",
+    "load_checkpoint", "save_checkpoint", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "PRESETS", "ViTConfig",
     "VisionTransformer", "count_params", "create_model", "forward_flops", "list_models",
     "resample_abs_pos_embed", "__version__",
 ]

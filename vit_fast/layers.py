@@ -74,12 +74,12 @@ class PatchEmbed(nn.Module):
         if C != self.in_chans:
             raise ValueError(f"expected {self.in_chans} input channels (in_chans), got {C} (shape {tuple(x.shape)})")
         ph, pw = self.patch_size
-        if self.strict_img_size and (H, W) != self.img_size:
-            raise ValueError(f"expected images of size {self.img_size} (H, W), got ({H}, {W}); "
-                             f"create the model with img_size=({H}, {W}) or dynamic_img_size=True")
         if H % ph or W % pw:
             raise ValueError(f"expected image height and width divisible by patch size {self.patch_size}, "
                              f"got ({H}, {W})")
+        if self.strict_img_size and (H, W) != self.img_size:
+            raise ValueError(f"expected images of size {self.img_size} (H, W), got ({H}, {W}); "
+                             f"create the model with img_size=({H}, {W}) or dynamic_img_size=True")
         return H // ph, W // pw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

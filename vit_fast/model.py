@@ -47,7 +47,8 @@ class VisionTransformer(nn.Module):
             self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, D), requires_grad=cfg.pos_embed == "learn")
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
 
-        dpr = [r.item() for r in torch.linspace(0, cfg.drop_path_rate, cfg.depth)]  # stochastic depth decay rule
+        # stochastic depth decay rule; on CPU so building under `with torch.device('meta')` works
+        dpr = [r.item() for r in torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu")]
         self.blocks = nn.Sequential(*[
             Block(D, cfg.num_heads, cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
                   init_values=cfg.init_values, proj_drop=cfg.proj_drop_rate, attn_drop=cfg.attn_drop_rate,

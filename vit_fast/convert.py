@@ -1,0 +1,331 @@
+"""Weight interop: timm, Hugging Face transformers and torchvision ViTs <-> vit_fast, and checkpoint files.
+
+Each ``from_*`` takes a model object (its config is read exactly) or a bare state dict (the config is
+inferred from the tensor shapes; what shapes cannot tell -- num_heads, a non-square img_size -- comes
+from ``**overrides``), maps the keys to timm's names and loads them strictly: any missing or unexpected
+key or shape mismatch raises one ``CheckpointError`` that names them all.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from .model import VisionTransformer
+from .presets import ViTConfig, check_fields
+
+# Head count of the standard widths (shapes alone cannot tell it); other widths assume 64-wide heads.
+STANDARD_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
+
+
+class CheckpointError(ValueError):
+    """A state dict does not fit the model: lists missing / unexpected keys and shape mismatches."""
+
+
+def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    mismatched = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
+                  for k, v in expected.items() if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
+    if missing or unexpected or mismatched:
+        lines = [f"checkpoint does not match {type(model).__name__}:"]
+        if missing:
+            lines.append(f"  missing keys ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+        if mismatched:
+            lines.append(f"  shape mismatches ({len(mismatched)}): " + "; ".join(mismatched))
+        raise CheckpointError("\n".join(lines))
+
+
+def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+    check_state_dict(model, state_dict)
+    model.load_state_dict(state_dict, strict=True)
+    return model
+
+
+def _build(config: dict, state_dict: Mapping[str, torch.Tensor], overrides: dict) -> VisionTransformer:
+    check_fields(overrides)
+    cfg = ViTConfig(**{**config, "weight_init": "skip", **overrides})
+    model = VisionTransformer(cfg)
+    load_state_dict(model, state_dict)
+    if overrides.get("weight_init", "skip") == "skip":
+        model.config.weight_init = ""
+    return model
+
+
+def _layer_count(keys, pattern: str) -> int:
+    found = {int(m.group(1)) for k in keys if (m := re.match(pattern, k))}
+    return max(found) + 1 if found else 0
+
+
+def _grid_from_tokens(num_patches: int, patch: tuple[int, int]) -> dict:
+    side = math.isqrt(num_patches)
+    if side * side != num_patches:  # non-square grids need img_size from the caller
+        return {}
+    return {"img_size": (side * patch[0], side * patch[1])}
+
+
+# --------------------------------------------------------------------------------------------- timm
+def _timm_config_from_model(m: nn.Module) -> dict:
+    unsupported = [name for name, bad in [
+        ("norm_pre (pre_norm=True)", not isinstance(getattr(m, "norm_pre", nn.Identity()), nn.Identity)),
+        ("attention pooling (global_pool='map'/'prr')", getattr(m, "attn_pool", None) is not None),
+        ("patch_embed.norm", not isinstance(getattr(m.patch_embed, "norm", nn.Identity()), nn.Identity)),
+        ("dynamic_img_pad", getattr(m.patch_embed, "dynamic_img_pad", False)),
+    ] if bad]
+    if unsupported:
+        raise ValueError(f"from_timm: timm model uses features vit_fast does not implement: {unsupported}")
+    blk = m.blocks[0] if len(m.blocks) else None
+    cfg = dict(
+        img_size=tuple(m.patch_embed.img_size), patch_size=tuple(m.patch_embed.patch_size),
+        in_chans=m.patch_embed.proj.in_channels, num_classes=m.num_classes, global_pool=m.global_pool,
+        embed_dim=m.embed_dim, depth=len(m.blocks), class_token=m.cls_token is not None,
+        reg_tokens=getattr(m, "num_reg_tokens", 0), no_embed_class=m.no_embed_class,
+        pos_embed="none" if m.pos_embed is None else "learn",
+        fc_norm=not isinstance(m.fc_norm, nn.Identity),
+        final_norm=not (isinstance(m.norm, nn.Identity) and isinstance(m.fc_norm, nn.Identity)),
+        dynamic_img_size=m.dynamic_img_size, drop_rate=m.head_drop.p, pos_drop_rate=m.pos_drop.p,
+    )
+    norms = [mod for mod in m.modules() if isinstance(mod, nn.LayerNorm)]
+    if norms:
+        cfg["norm_eps"] = norms[0].eps
+    if blk is not None:
+        gelu = blk.mlp.act
+        cfg.update(
+            num_heads=blk.attn.num_heads, mlp_ratio=blk.mlp.fc1.out_features / m.embed_dim,
+            qkv_bias=blk.attn.qkv.bias is not None, qk_norm=not isinstance(blk.attn.q_norm, nn.Identity),
+            init_values=float(blk.ls1.gamma.detach().flatten()[0]) if hasattr(blk.ls1, "gamma") else None,
+            proj_drop_rate=blk.attn.proj_drop.p, attn_drop_rate=blk.attn.attn_drop.p,
+            drop_path_rate=float(getattr(m.blocks[-1].drop_path1, "drop_prob", 0.0)),
+            act="gelu_tanh" if getattr(gelu, "approximate", "none") == "tanh" else "gelu",
+        )
+        if not isinstance(gelu, nn.GELU) or blk.attn.proj.bias is None:
+            raise ValueError(f"from_timm: only GELU MLPs with biased projections are supported, got {gelu}")
+    return cfg
+
+
+def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor]) -> dict:
+    proj = sd["patch_embed.proj.weight"]
+    D, in_chans, ph, pw = proj.shape
+    cfg = dict(embed_dim=D, in_chans=in_chans, patch_size=(ph, pw), num_heads=STANDARD_HEADS.get(D, max(1, D // 64)),
+               depth=_layer_count(sd, r"blocks\.(\d+)\."), class_token="cls_token" in sd,
+               reg_tokens=sd["reg_token"].shape[1] if "reg_token" in sd else 0)
+    prefix = cfg["class_token"] + cfg["reg_tokens"]
+    if "pos_embed" in sd:
+        tokens = sd["pos_embed"].shape[1]
+        grid_tokens = tokens - prefix
+        cfg["no_embed_class"] = bool(prefix) and math.isqrt(tokens) ** 2 == tokens and math.isqrt(grid_tokens) ** 2 != grid_tokens
+        cfg.update(_grid_from_tokens(tokens if cfg["no_embed_class"] else grid_tokens, (ph, pw)))
+    else:
+        cfg["pos_embed"] = "none"
+    if cfg["depth"]:
+        cfg.update(mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / D, qkv_bias="blocks.0.attn.qkv.bias" in sd,
+                   qk_norm="blocks.0.attn.q_norm.weight" in sd)
+        if "blocks.0.ls1.gamma" in sd:
+            cfg["init_values"] = 1e-5  # any value: gamma is loaded right after
+    cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
+    # timm puts the final norm after pooling (fc_norm) exactly when it averages tokens.
+    has_fc_norm = "fc_norm.weight" in sd
+    cfg.update(fc_norm=has_fc_norm, final_norm=has_fc_norm or "norm.weight" in sd,
+               global_pool="token" if cfg["class_token"] and not has_fc_norm else "avg")
+    return cfg
+
+
+def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
+    """A vit_fast model with the weights (and, for a model object, the exact config) of a timm ViT."""
+    if isinstance(model_or_state_dict, nn.Module):
+        sd = model_or_state_dict.state_dict()
+        config = _timm_config_from_model(model_or_state_dict)
+    else:
+        sd = dict(model_or_state_dict)
+        config = _timm_config_from_state_dict(sd)
+    return _build(config, sd, overrides)
+
+
+# ------------------------------------------------------------------------------------- Hugging Face
+_HF_OLD = {  # transformers < 5 (and most hub checkpoints) -> transformers 5.x names
+    "attention.attention.query.": "attention.q_proj.", "attention.attention.key.": "attention.k_proj.",
+    "attention.attention.value.": "attention.v_proj.", "attention.output.dense.": "attention.o_proj.",
+    "intermediate.dense.": "mlp.fc1.", "output.dense.": "mlp.fc2.",
+}
+_HF_LAYER = {"attention.o_proj": "attn.proj", "layernorm_before": "norm1", "layernorm_after": "norm2",
+             "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+
+
+def hf_to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map ViTModel / ViTForImageClassification keys (old or new names) to timm's; q, k, v fused into qkv.
+    The ViTModel pooler (dense + tanh, unused by image classification) is dropped."""
+    out, qkv = {}, {}
+    for key, value in sd.items():
+        k = key[4:] if key.startswith("vit.") else key
+        k = re.sub(r"^encoder\.layer\.", "layers.", k)
+        for old, new in _HF_OLD.items():
+            k = k.replace(old, new)
+        if k.startswith("pooler."):
+            continue
+        if m := re.match(r"layers\.(\d+)\.attention\.([qkv])_proj\.(weight|bias)$", k):
+            qkv.setdefault((int(m.group(1)), m.group(3)), {})[m.group(2)] = value
+            continue
+        if m := re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", k):
+            if m.group(2) not in _HF_LAYER:
+                out[key] = value  # left unmapped: reported as unexpected
+                continue
+            k = f"blocks.{m.group(1)}.{_HF_LAYER[m.group(2)]}.{m.group(3)}"
+        else:
+            k = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed",
+                 "embeddings.patch_embeddings.projection.weight": "patch_embed.proj.weight",
+                 "embeddings.patch_embeddings.projection.bias": "patch_embed.proj.bias",
+                 "layernorm.weight": "norm.weight", "layernorm.bias": "norm.bias",
+                 "classifier.weight": "head.weight", "classifier.bias": "head.bias"}.get(k, key)
+        out[k] = value
+    for (layer, kind), parts in sorted(qkv.items()):
+        if set(parts) != {"q", "k", "v"}:
+            raise CheckpointError(f"Hugging Face layer {layer}: expected q, k and v {kind}, found only {sorted(parts)}")
+        out[f"blocks.{layer}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return out
+
+
+def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
+    """A vit_fast model with the weights of a transformers ViTModel / ViTForImageClassification.
+
+    Keeps Hugging Face's LayerNorm eps (1e-12) and GELU flavour. From a state dict, eps defaults to 1e-12
+    and num_heads to the standard one for the width (pass num_heads=... otherwise)."""
+    if isinstance(model_or_state_dict, nn.Module):
+        hf = model_or_state_dict
+        c = hf.config
+        sd = hf_to_timm_state_dict(hf.state_dict())
+        act = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(c.hidden_act)
+        if act is None:
+            raise ValueError(f"from_hf: hidden_act {c.hidden_act!r} is not supported (gelu, gelu_new, gelu_pytorch_tanh)")
+        config = dict(
+            img_size=c.image_size, patch_size=c.patch_size, in_chans=c.num_channels, embed_dim=c.hidden_size,
+            depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+            mlp_ratio=c.intermediate_size / c.hidden_size, qkv_bias=c.qkv_bias, norm_eps=c.layer_norm_eps,
+            num_classes=sd["head.weight"].shape[0] if "head.weight" in sd else 0, act=act,
+            pos_drop_rate=c.hidden_dropout_prob, proj_drop_rate=c.hidden_dropout_prob,
+            attn_drop_rate=c.attention_probs_dropout_prob,
+        )
+    else:
+        sd = hf_to_timm_state_dict(model_or_state_dict)
+        config = {**_timm_config_from_state_dict(sd), "norm_eps": 1e-12}
+    return _build(config, sd, overrides)
+
+
+# --------------------------------------------------------------------------------------- torchvision
+_TV_LAYER = {"ln_1": "norm1", "ln_2": "norm2", "self_attention.in_proj": "attn.qkv",
+             "self_attention.out_proj": "attn.proj", "mlp.0": "mlp.fc1", "mlp.3": "mlp.fc2",
+             "mlp.linear_1": "mlp.fc1", "mlp.linear_2": "mlp.fc2"}
+
+
+def torchvision_to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map torchvision.models.VisionTransformer keys to timm's (in_proj is already packed [q; k; v])."""
+    out = {}
+    for key, value in sd.items():
+        k = key
+        if m := re.match(r"encoder\.layers\.encoder_layer_(\d+)\.(.+?)[._](weight|bias)$", key):
+            name = _TV_LAYER.get(m.group(2))
+            k = f"blocks.{m.group(1)}.{name}.{m.group(3)}" if name else key
+        else:
+            k = {"class_token": "cls_token", "encoder.pos_embedding": "pos_embed",
+                 "conv_proj.weight": "patch_embed.proj.weight", "conv_proj.bias": "patch_embed.proj.bias",
+                 "encoder.ln.weight": "norm.weight", "encoder.ln.bias": "norm.bias",
+                 "heads.head.weight": "head.weight", "heads.head.bias": "head.bias"}.get(key, key)
+        out[k] = value
+    return out
+
+
+def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
+    """A vit_fast model with the weights of a torchvision VisionTransformer (vit_b_16, vit_b_32, vit_l_16, ...)."""
+    if isinstance(model_or_state_dict, nn.Module):
+        tv = model_or_state_dict
+        if "pre_logits" in dict(tv.heads.named_children()):
+            raise ValueError("from_torchvision: models with representation_size (heads.pre_logits) are not supported")
+        if not isinstance(tv.conv_proj, nn.Conv2d):
+            raise ValueError("from_torchvision: models with a convolutional stem (conv_stem_configs) are not supported")
+        layer = tv.encoder.layers[0]
+        config = dict(
+            img_size=tv.image_size, patch_size=tv.patch_size, in_chans=tv.conv_proj.in_channels,
+            embed_dim=tv.hidden_dim, depth=len(tv.encoder.layers), num_heads=layer.self_attention.num_heads,
+            mlp_ratio=tv.mlp_dim / tv.hidden_dim, num_classes=tv.num_classes, norm_eps=layer.ln_1.eps,
+            pos_drop_rate=tv.encoder.dropout.p, proj_drop_rate=tv.dropout,
+            attn_drop_rate=tv.attention_dropout,
+        )
+        sd = torchvision_to_timm_state_dict(tv.state_dict())
+    else:
+        sd = torchvision_to_timm_state_dict(model_or_state_dict)
+        config = _timm_config_from_state_dict(sd)
+    return _build(config, sd, overrides)
+
+
+# ----------------------------------------------------------------------------------- checkpoint files
+def detect_format(sd: Mapping[str, torch.Tensor]) -> str:
+    keys = set(sd)
+    if any(k.startswith(("encoder.layers.encoder_layer_", "conv_proj.")) for k in keys) or "class_token" in keys:
+        return "torchvision"
+    if any(k.startswith(("vit.", "embeddings.patch_embeddings")) for k in keys):
+        return "hf"
+    return "timm"
+
+
+def to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    fmt = detect_format(sd)
+    if fmt == "hf":
+        return hf_to_timm_state_dict(sd)
+    if fmt == "torchvision":
+        return torchvision_to_timm_state_dict(sd)
+    return dict(sd)
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors file, or of a .pt/.pth/.bin file read with torch.load(weights_only=True)
+    (no pickled code runs). A {'state_dict': ...} / {'model': ...} wrapper and a 'module.' prefix
+    (DistributedDataParallel) are removed."""
+    path = os.fspath(path)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        sd = load_file(path, device="cpu")
+    elif path.endswith((".pt", ".pth", ".bin")):
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        for wrapper in ("state_dict", "model", "model_state_dict"):
+            if isinstance(sd, dict) and isinstance(sd.get(wrapper), dict):
+                sd = sd[wrapper]
+                break
+    else:
+        raise ValueError(f"checkpoint {path!r}: expected a .safetensors, .pt, .pth or .bin file")
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"checkpoint {path!r} does not hold a state dict of tensors")
+    if sd and all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return sd
+
+
+def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Load a timm-, Hugging Face- or torchvision-keyed checkpoint file into ``model`` (strict).
+
+    Raises CheckpointError naming every missing / unexpected key and shape mismatch."""
+    sd = to_timm_state_dict(read_state_dict(path))
+    try:
+        return load_state_dict(model, sd)
+    except CheckpointError as e:
+        raise CheckpointError(f"{os.fspath(path)}: {e}") from None
+
+
+def save_checkpoint(model: nn.Module, path: str | os.PathLike, metadata: Optional[dict[str, str]] = None) -> None:
+    """Write the model's state dict (timm key names) to .safetensors, or .pt/.pth with torch.save."""
+    path = os.fspath(path)
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(sd, path, metadata=metadata)
+    elif path.endswith((".pt", ".pth")):
+        torch.save(sd, path)
+    else:
+        raise ValueError(f"checkpoint {path!r}: expected a .safetensors, .pt or .pth file name")

@@ -1,0 +1,383 @@
+"""LayerNorm over the last dimension, alone and fused with the pre-norm ViT block's residual join,
+forward and backward.
+
+Math, x viewed as M rows of width N, statistics in fp32:
+
+* ``layer_norm``: ``y = (x - mean) * rstd * w + b``, ``rstd = 1 / sqrt(var + eps)`` (biased var).
+* ``add_layer_norm``: ``h = residual + s[b] * gamma * dropout(x + branch_bias)`` (every factor
+  optional, see ``bias_gelu.residual_join_fwd``, whose @triton.jit math this kernel shares),
+  ``normed = LN(h)``; returns ``(normed, h)``. The LN is taken of h *as stored* (rounded to the
+  residual dtype), exactly what an unfused ``h = h + branch; y = norm(h)`` computes, and the
+  backward uses the same stored h.
+* Backward per row, xhat = (h - mean) * rstd, wdy = w * dy:
+  ``dh = (wdy - xhat * mean(xhat * wdy) - mean(wdy)) * rstd + d(new_residual)``;
+  ``dresidual = dh``; ``dx = dh * s * gamma * mask/(1-p)`` (``residual_join_bwd``);
+  ``dw = sum_rows dy * xhat``, ``db = sum_rows dy``, ``dgamma = sum_rows dh * s * dropout(x + bb)``,
+  ``dbranch_bias = sum_rows dx``. Parameter grads are per-program fp32 partial rows (each
+  program walks a fixed set of row tiles) summed by ``bias_gelu.sum_partials`` in a fixed order:
+  no atomics, bitwise reproducible. No gradient for sample_scale.
+
+Dtypes: x fp32/fp16/bf16; weight, bias, branch_bias, gamma may be fp32 while x is half (autocast;
+their grads come back in their own dtype). ``layer_norm`` returns x.dtype. ``add_layer_norm``
+returns normed in x.dtype and h in ``promote_types(x.dtype, residual.dtype)`` (an fp32 residual
+stream stays fp32). mean and rstd are saved in fp32, one per row. Dropout: seed per call from
+``_utils.next_seed()``, saved for backward, mask regenerated (never stored); offsets are the
+logical element index row * N + col (int64), the same as ``bias_dropout_add``.
+
+Traffic per element (s = bytes of the activation dtype, 2 for bf16; per-row stats (8 bytes per
+row) and per-column parameters ignored). Launches per call in brackets:
+
+  layer_norm       fwd: read x, write y = 2s [1]         bwd: read dy, x, write dx = 3s [2]
+  add_layer_norm   fwd: read x, residual, write normed, h = 4s [1]
+                   bwd: read dy, d(h), h, write dh = 4s; + write dx when dropout / gamma /
+                        drop-path scale (or dtypes) make dx differ from dh (5s), + read x with
+                        gamma (6s) [2]. Without a gradient flowing into h: one read less.
+The unfused eager path moves add 3s + LN 2s = 5s forward (7s with a separate bias add, 9s with
+dropout), and backward 4s+ plus separate parameter-grad reductions.
+
+Limits: N from 1 to 16384 in one tile per row (tested 64..8192, incl. 192..1664 ViT widths);
+any leading shape, 0 rows included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
+Inputs whose last dimension is not contiguous are copied once; row strides are passed through.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_float, check_kernel_device, check_shape, next_power_of_2, \
+    next_seed
+from .bias_gelu import (
+    _check_param,
+    _check_rows_input,
+    _check_sample_scale,
+    as_rows,
+    bias_dropout_add_ref,
+    kernel_signature,
+    num_partials,
+    residual_join_bwd,
+    residual_join_fwd,
+    stores_dx,
+    sum_partials,
+)
+
+MAX_WIDTH = 16384
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    Y, H_OUT, MEAN, RSTD,  # (M, N) normed; (M, N) new residual (HAS_RESIDUAL); (M,) fp32 stats
+    X, RES, W, B, BRANCH_BIAS, GAMMA, SCALE,  # (M, N), (M, N) or None, (N,) x4, (B,) fp32 or None
+    stride_xm, stride_rm, stride_ym, stride_hm,  # row strides (columns are contiguous)
+    M, N, tokens_per_sample,  # rows, width; row r belongs to sample r // tokens_per_sample
+    eps, seed, p,  # runtime: LN epsilon, dropout seed and probability
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # rows per program, padded width
+    HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    h = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(RES + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        bb = tl.load(BRANCH_BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_BRANCH_BIAS else 0.0
+        gamma = tl.load(GAMMA + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_GAMMA else 0.0
+        scale = tl.load(SCALE + rows // tokens_per_sample, mask=row_ok, other=0.0)[:, None] if HAS_SCALE else 0.0
+        h = residual_join_fwd(res, h, bb, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
+                              HAS_BRANCH_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
+        h = h.to(H_OUT.dtype.element_ty)
+        tl.store(H_OUT + rows[:, None] * stride_hm + cols[None, :], h, mask=mask)
+        h = h.to(tl.float32)  # normalise h as stored, like the unfused path (and our backward)
+    mean = tl.sum(h, axis=1) / N
+    centered = tl.where(mask, h - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DH, DX, PARTIAL,  # (M, N) grad of h (= dx of plain LN, = dresidual); (M, N) dx if STORE_DX;
+    # (K, G, N) fp32 partial column sums: dw, db[, dgamma][, dbranch_bias]
+    DY, DH_OUT, H, X, W, BRANCH_BIAS, GAMMA, SCALE, MEAN, RSTD,
+    stride_dym, stride_dhom, stride_hm, stride_xm, stride_dhm, stride_dxm,
+    M, N, G, tokens_per_sample, seed, p,  # G = programs = partial rows per slice
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DH_OUT: tl.constexpr,  # a gradient flows into the new residual too
+    STORE_DX: tl.constexpr,  # dx differs from dh (dropout, gamma, scale or dtype)
+    HAS_BRANCH_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    bb = tl.load(BRANCH_BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_BRANCH_BIAS else 0.0
+    gamma = tl.load(GAMMA + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_GAMMA else 0.0
+    acc_dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_dgamma = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_dbb = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), G):  # a fixed set of row tiles per program
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        h = tl.load(H + rows[:, None] * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        wdy = w * dy
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        dh = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DH_OUT:
+            dh += tl.load(DH_OUT + rows[:, None] * stride_dhom + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dh = tl.where(mask, dh, 0.0)
+        tl.store(DH + rows[:, None] * stride_dhm + cols[None, :], dh.to(DH.dtype.element_ty), mask=mask)
+        acc_dw += tl.sum(dy * xhat, axis=0)
+        acc_db += tl.sum(dy, axis=0)
+        if STORE_DX:
+            x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32) \
+                if HAS_GAMMA else 0.0
+            scale = tl.load(SCALE + rows // tokens_per_sample, mask=row_ok, other=0.0)[:, None] if HAS_SCALE else 0.0
+            dx, dgamma_term = residual_join_bwd(dh, x, bb, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
+                                                HAS_BRANCH_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
+            tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_GAMMA:
+                acc_dgamma += tl.sum(dgamma_term, axis=0)
+            acc_dbb += tl.sum(dx, axis=0)
+        else:
+            acc_dbb += tl.sum(dh, axis=0)
+    tl.store(PARTIAL + pid * N + cols, acc_dw, mask=col_ok)
+    tl.store(PARTIAL + (G + pid) * N + cols, acc_db, mask=col_ok)
+    if HAS_GAMMA:
+        tl.store(PARTIAL + (2 * G + pid) * N + cols, acc_dgamma, mask=col_ok)
+    if HAS_BRANCH_BIAS:
+        bb_slice = 3 if HAS_GAMMA else 2
+        tl.store(PARTIAL + (bb_slice * G + pid) * N + cols, acc_dbb, mask=col_ok)
+
+
+def ln_config(n: int, arch: int = 80) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): one padded row per tile width, rows stacked up to 4096
+    elements per program (so ViT-S/B widths get 4-16 rows per program), 16 elements per thread."""
+    block_n = next_power_of_2(n)
+    block_m = max(1, min(16, 4096 // block_n))
+    return block_m, block_n, max(1, min(16, block_m * block_n // 512))
+
+
+def _param_grad_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    first = params[0].dtype
+    return first if all(t.dtype == first for t in params) else torch.float32
+
+
+@torch.library.custom_op("vit_fast::add_layer_norm_fwd", mutates_args=())
+def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
+                       branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
+                       sample_scale: Optional[torch.Tensor], eps: float, p: float,
+                       seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual: (M, N) with contiguous columns. Returns (normed, h, mean, rstd); without a
+    residual h is an empty placeholder (the plain LayerNorm)."""
+    m, n = x.shape
+    dev = x.device
+    y = torch.empty((m, n), device=dev, dtype=x.dtype)
+    has_res = residual is not None
+    h = torch.empty((m, n) if has_res else (0,), device=dev,
+                    dtype=torch.promote_types(x.dtype, residual.dtype) if has_res else x.dtype)
+    mean = torch.empty((m,), device=dev, dtype=torch.float32)
+    rstd = torch.empty((m,), device=dev, dtype=torch.float32)
+    if m == 0:
+        return y, h, mean, rstd
+    block_m, block_n, warps = ln_config(n)
+    tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
+    _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
+        x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
+        m, n, tokens, eps, seed, p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=has_res,
+        HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
+        HAS_DROPOUT=p > 0, num_warps=warps)
+    return y, h, mean, rstd
+
+
+@add_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed):
+    m, n = x.shape
+    h_shape = (m, n) if residual is not None else (0,)
+    h_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    stats = x.new_empty((m,), dtype=torch.float32)
+    return x.new_empty((m, n)), x.new_empty(h_shape, dtype=h_dtype), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("vit_fast::add_layer_norm_bwd", mutates_args=())
+def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor, x: torch.Tensor,
+                       weight: torch.Tensor, bias: torch.Tensor, branch_bias: Optional[torch.Tensor],
+                       gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], mean: torch.Tensor,
+                       rstd: torch.Tensor, p: float, seed: int,
+                       store_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows (M, N). h: the normalised rows (x itself for plain LN). Returns (dh in h.dtype, dx in
+    x.dtype or an empty placeholder when dx is dh, (K, N) grads of [w, b, gamma?, branch_bias?])."""
+    m, n = h.shape
+    dev = h.device
+    dh = torch.empty((m, n), device=dev, dtype=h.dtype)
+    dx = torch.empty((m, n) if store_dx else (0,), device=dev, dtype=x.dtype)
+    params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
+    if m == 0:
+        return dh, dx, torch.zeros((len(params), n), device=dev, dtype=_param_grad_dtype(params))
+    block_m, block_n, warps = ln_config(n)
+    g = num_partials(triton.cdiv(m, block_m), 1, dev)
+    partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
+    tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
+    _layer_norm_bwd_kernel[(g,)](
+        dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
+        dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), dh.stride(0),
+        dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
+        HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, num_warps=warps)
+    return dh, dx, sum_partials(partial, _param_grad_dtype(params))
+
+
+@add_layer_norm_bwd.register_fake
+def _(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, p, seed, store_dx):
+    params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
+    return (torch.empty_like(h, memory_format=torch.contiguous_format), x.new_empty(x.shape if store_dx else (0,)),
+            h.new_empty((len(params), h.shape[1]), dtype=_param_grad_dtype(params)))
+
+
+class AddLayerNormFunction(torch.autograd.Function):
+    """(normed, h) = add_layer_norm(...); with residual None it is the plain LayerNorm (returns normed)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed):
+        shape, n = x.shape, x.shape[-1]
+        x2 = as_rows(x, n)
+        res2 = as_rows(residual, n) if residual is not None else None
+        y, h, mean, rstd = add_layer_norm_fwd(x2, res2, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed)
+        ctx.has_res = residual is not None
+        ctx.res_dtype = residual.dtype if ctx.has_res else None
+        ctx.store_dx = ctx.has_res and stores_dx(p, gamma, sample_scale, h.dtype, x.dtype)
+        ctx.p, ctx.seed, ctx.shape = p, seed, shape
+        ctx.set_materialize_grads(False)  # no zero-filled d(h) read when h gets no gradient
+        ctx.save_for_backward(h if ctx.has_res else x2, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd)
+        if not ctx.has_res:
+            return y.view(shape)
+        return y.view(shape), h.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, dh_out=None):
+        h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd = ctx.saved_tensors
+        n = h.shape[1]
+        dy2 = as_rows(dy, n) if dy is not None else torch.zeros_like(h)
+        dh_out2 = as_rows(dh_out, n) if dh_out is not None else None
+        dh, dx, dparams = add_layer_norm_bwd(dy2, dh_out2, h, x2, weight, bias, branch_bias, gamma, sample_scale,
+                                             mean, rstd, ctx.p, ctx.seed, ctx.store_dx)
+        dh = dh.view(ctx.shape)
+        grads = iter(dparams)
+        dweight, dbias = next(grads).to(weight.dtype), next(grads).to(bias.dtype)
+        dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
+        dbranch = next(grads).to(branch_bias.dtype) if branch_bias is not None else None
+        if not ctx.has_res:
+            return dh, None, dweight, dbias, None, None, None, None, None, None
+        dx = dx.view(ctx.shape) if ctx.store_dx else dh
+        return dx, dh.to(ctx.res_dtype), dweight, dbias, dbranch, dgamma, None, None, None, None
+
+
+def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
+    n = _check_rows_input(op, x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            raise ValueError(f"{op}: expected {name} as a tensor of shape ({n},), got None")
+        _check_param(op, name, t, n)
+    if n > MAX_WIDTH:
+        raise ValueError(f"{op}: expected a hidden size of at most {MAX_WIDTH}, got {n}")
+    if not eps > 0:
+        raise ValueError(f"{op}: expected eps > 0, got {eps}")
+    return n
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """LayerNorm over the last dim of x (..., N); weight, bias (N,). Output in x.dtype."""
+    _check_ln_inputs("layer_norm", x, weight, bias, eps)
+    check_kernel_device("layer_norm", x, weight, bias)
+    return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, 0)
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Reference: F.layer_norm in fp32 (fp64 stays fp64), result in x.dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return F.layer_norm(x.to(compute), x.shape[-1:], weight.to(compute), bias.to(compute), eps).to(x.dtype)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float = 1e-6, *, branch_bias: Optional[torch.Tensor] = None,
+                   gamma: Optional[torch.Tensor] = None, sample_scale: Optional[torch.Tensor] = None,
+                   dropout_p: float = 0.0, training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LN(h), h) with h = residual + sample_scale[b] * gamma * dropout(x + branch_bias).
+
+    x, residual: (B, ..., N); weight, bias, branch_bias, gamma: (N,); sample_scale: (B,) fp32
+    (drop-path: 0 or 1/keep_prob per sample). See the module docstring for dtypes and traffic.
+    """
+    op = "add_layer_norm"
+    n = _check_ln_inputs(op, x, weight, bias, eps)
+    check_float(op, "residual", residual)
+    check_shape(op, "residual", residual, tuple(x.shape))
+    _check_param(op, "branch_bias", branch_bias, n)
+    _check_param(op, "gamma", gamma, n)
+    _check_sample_scale(op, sample_scale, x)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: expected dropout_p in [0, 1], got {dropout_p}")
+    check_kernel_device(op, x, residual, weight, bias, branch_bias, gamma, sample_scale)
+    p = float(dropout_p) if training else 0.0
+    seed = next_seed() if p > 0 else 0
+    return AddLayerNormFunction.apply(x, residual, weight, bias, branch_bias, gamma, sample_scale, float(eps), p, seed)
+
+
+def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float = 1e-6, *, branch_bias: Optional[torch.Tensor] = None,
+                       gamma: Optional[torch.Tensor] = None, sample_scale: Optional[torch.Tensor] = None,
+                       dropout_p: float = 0.0, training: bool = False,
+                       keep_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the unfused join then F.layer_norm of h as stored. ``keep_mask`` (bool, x's
+    shape) replaces F.dropout's draw so a test can apply the kernel's own mask."""
+    h = bias_dropout_add_ref(x, branch_bias, residual, dropout_p, training, gamma=gamma, sample_scale=sample_scale,
+                             keep_mask=keep_mask)
+    return layer_norm_ref(h, weight, bias, eps).to(x.dtype), h
+
+
+def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
+              arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
+    """Every LayerNorm launch for a ViT of this width: plain LN (final norm / first norm) and the
+    residual-join LN with every combination of branch bias, LayerScale, drop-path and dropout,
+    forward and backward (with and without a gradient into h). The partial-sum reduction is listed
+    by ``bias_gelu.aot_specs``."""
+    act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
+    types = {name: act for name in ("Y", "H_OUT", "X", "RES", "DH", "DX", "DY", "DH_OUT", "H")}
+    types.update({name: par for name in ("W", "B", "BRANCH_BIAS", "GAMMA")})
+    types.update({"MEAN": "*fp32", "RSTD": "*fp32", "SCALE": "*fp32", "PARTIAL": "*fp32", "eps": "fp32",
+                  "seed": "i32", "p": "fp32"})
+    block_m, block_n, warps = ln_config(width, arch)
+    specs = []
+    variants = [(False, False, False, False, False)] + [
+        (True, bb, gamma, scale, drop) for bb in (False, True) for gamma in (False, True)
+        for scale in (False, True) for drop in (False, True)]
+    for res, bb, gamma, scale, drop in variants:
+        flags = dict(HAS_BRANCH_BIAS=bb, HAS_GAMMA=gamma, HAS_SCALE=scale, HAS_DROPOUT=drop)
+        note = f"N={width} residual={res} branch_bias={bb} gamma={gamma} drop_path={scale} dropout={drop}"
+        c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=res, **flags)
+        specs.append(AotSpec("layer_norm_fwd", _layer_norm_fwd_kernel,
+                             kernel_signature(_layer_norm_fwd_kernel, types, c), c, warps, 1, False, note))
+        for dh_out in ((False, True) if res else (False,)):
+            c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out,
+                     STORE_DX=res and (gamma or scale or drop), **flags)
+            specs.append(AotSpec("layer_norm_bwd", _layer_norm_bwd_kernel,
+                                 kernel_signature(_layer_norm_bwd_kernel, types, c), c, warps, 1, False,
+                                 note + f" grad_into_h={dh_out}"))
+    return specs

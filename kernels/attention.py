@@ -664,6 +664,54 @@ def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, 
 
 
 # --------------------------------------------------------------------------------------------- #
+# Ahead-of-time compile specs (GPU-readiness report)
+# --------------------------------------------------------------------------------------------- #
+_FLOAT_ARGS = ("scale", "dropout_p", "inv_keep")
+
+
+def _aot_spec(name, fn, dtype, constexprs, tile, note, lse_like=("Lse", "Delta")):
+    """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
+    (lse/delta fp32, Rows i64), ints i32, floats fp32, unit D-strides specialised to 1 as Triton does."""
+    constexprs = dict(constexprs, **{a: 1 for a in fn.arg_names if a.startswith("stride_") and a.endswith("d")})
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in lse_like or arg == "P":
+            signature[arg] = "*fp32"
+        elif arg == "Rows":
+            signature[arg] = "*i64"
+        elif arg[0].isupper():
+            signature[arg] = "*" + TRITON_DTYPE_NAMES[dtype]
+        else:
+            signature[arg] = "fp32" if arg in _FLOAT_ARGS else "i32"
+    return AotSpec(name=name, fn=fn, signature=signature, constexprs=constexprs, num_warps=tile.num_warps,
+                   num_stages=tile.num_stages, has_dot=fn is not _attention_delta_kernel, note=note)
+
+
+def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int, **_) -> list[AotSpec]:
+    """Every launch the config table makes for one ViT attention layer (training with and without
+    attention dropout, plus the attention-map kernel)."""
+    D = width // num_heads
+    cfg = attention_config(tokens, D, dtype, arch)
+    block_d = _block_d(D)
+    precision = "tf32" if dtype == torch.float32 else "ieee"
+    specs = [_aot_spec("attention_delta", _attention_delta_kernel, dtype,
+                       dict(BLOCK_M=cfg.delta.block_m, BLOCK_D=block_d), cfg.delta, f"N={tokens} D={D}")]
+    for dropout in (False, True):
+        for name, fn, tile in (("attention_fwd", _attention_fwd_kernel, cfg.fwd),
+                               ("attention_dkdv", _attention_dkdv_kernel, cfg.dkdv),
+                               ("attention_dq", _attention_dq_kernel, cfg.dq)):
+            constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, DROPOUT=dropout,
+                              INPUT_PRECISION=precision)
+            specs.append(_aot_spec(name, fn, dtype, constexprs, tile, f"N={tokens} D={D} dropout={dropout}"))
+    specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
+                           dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+                                INPUT_PRECISION=precision), cfg.dq, f"N={tokens} D={D} attention maps"))
+    return specs
+
+
+# --------------------------------------------------------------------------------------------- #
 # Pure-PyTorch references (CPU path and test oracle)
 # --------------------------------------------------------------------------------------------- #
 def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

@@ -1,0 +1,306 @@
+"""Tests of kernels/attention.py (Triton interpreter on CPU; the same tests run compiled on a GPU).
+
+Every kernel result is compared with a float64 reference; low-precision results must also stay
+within 2x the error of eager PyTorch in the same dtype (the FlashAttention rule, GUIDE.md 4).
+All launcher allocations are poisoned with NaN, so an element a kernel forgets to write fails.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vit_fast.kernels._utils as kutils
+from vit_fast.kernels import attention as A
+from tests.numerics import assert_close, bound, errors
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the "+ small atol" of the 2x rule
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every allocation of the launchers is filled with NaN (or -1) before the kernels run."""
+    def empty(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+    monkeypatch.setattr(A, "_empty", empty)
+
+
+def make_qkv(B, N, H, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, N, 3 * H * D, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def run(fn, inputs, grad):
+    """fn(*inputs) forward + backward with grad; returns (out, [input grads])."""
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*inputs)
+    out.backward(grad)
+    return out.detach(), [x.grad for x in inputs]
+
+
+def check_2x_eager(fn, ref_fn, inputs, names, seed=1):
+    """Forward and every gradient: error vs float64 within the dtype bound and within 2x eager."""
+    dtype = inputs[0].dtype
+    out_shape = ref_fn(*inputs).shape
+    grad = torch.randn(out_shape, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
+    mine = run(fn, inputs, grad)
+    eager = run(ref_fn, inputs, grad)
+    ref = run(ref_fn, [x.double() for x in inputs], grad.double())
+    for name, m, e, r in zip(["out"] + names, [mine[0], *mine[1]], [eager[0], *eager[1]], [ref[0], *ref[1]]):
+        eager_rel = errors(e, r)[0]
+        assert_close(m, r, rtol=bound(dtype, "dot"), name=f"{name} ({dtype})")
+        assert_close(m, r, rtol=2 * eager_rel + SLACK[dtype], name=f"{name} vs 2x eager ({eager_rel:.2e})")
+    return mine
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Correctness against the float64 reference
+# ---------------------------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [32, 48, 64, 80, 88, 96, 128])
+def test_dtype_head_dim_matrix(dtype, D):
+    """Full dtype x head_dim matrix on a small awkward shape (N=7 < one tile, B=2, H=3)."""
+    qkv = make_qkv(2, 7, 3, D, dtype)
+    check_2x_eager(lambda x: A.attention(x, 3), lambda x: A.attention_ref(x, 3), [qkv], ["dqkv"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,N,H,D", [(1, 197, 1, 64), (1, 257, 1, 80), (2, 50, 3, 88), (1, 1, 12, 64)])
+def test_vit_shapes(dtype, B, N, H, D):
+    """ViT token counts (multi-tile, masked last tile, N=1) on few heads, every dtype."""
+    qkv = make_qkv(B, N, H, D, dtype)
+    check_2x_eager(lambda x: A.attention(x, H), lambda x: A.attention_ref(x, H), [qkv], ["dqkv"])
+
+
+@pytest.mark.parametrize("B,N,H,D", [(2, 17, 12, 32), (1, 577, 1, 64), (1, 65, 2, 64), (1, 131, 1, 48)])
+def test_more_shapes_fp16(B, N, H, D):
+    """H=12, N=577 (ViT-B/16 at 384px), one past a tile (65) and a prime (131)."""
+    qkv = make_qkv(B, N, H, D, torch.float16)
+    check_2x_eager(lambda x: A.attention(x, H), lambda x: A.attention_ref(x, H), [qkv], ["dqkv"])
+
+
+def test_scale_argument():
+    qkv = make_qkv(1, 20, 2, 32, torch.float32)
+    check_2x_eager(lambda x: A.attention(x, 2, scale=0.3), lambda x: A.attention_ref(x, 2, scale=0.3), [qkv], ["dqkv"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_qkv_non_contiguous_vs_sdpa(dtype):
+    """Separate q, k, v with three different non-contiguous layouts; also matches F.sdpa."""
+    B, H, N, D = 2, 3, 33, 40
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, N, H, D, generator=g).to(DEVICE, dtype).transpose(1, 2)  # (B, H, N, D) head-interleaved
+    k = torch.randn(B, H, D, N, generator=g).to(DEVICE, dtype).transpose(2, 3)  # D-major
+    v = torch.randn(B, H, N, 2 * D, generator=g).to(DEVICE, dtype)[..., ::2]  # stride 2 along D
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    out, grads = check_2x_eager(A.attention_qkv, A.attention_qkv_ref, [q, k, v], ["dq", "dk", "dv"])
+    sdpa = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert_close(out, sdpa, rtol=bound(dtype, "dot"), name="attention_qkv vs F.sdpa")
+
+
+def test_packed_matches_sdpa_and_timm_attention():
+    """Drop-in for timm's Attention: its qkv Linear -> our kernel -> its proj == its eager forward."""
+    from timm.models.vision_transformer import Attention
+
+    torch.manual_seed(0)
+    module = Attention(dim=192, num_heads=3, qkv_bias=True).to(DEVICE)
+    module.fused_attn = False  # timm's plain eager path
+    x = torch.randn(2, 50, 192, device=DEVICE, requires_grad=True)
+    expected = module(x)
+    expected.square().sum().backward()
+    x_grad, w_grad = x.grad.clone(), module.qkv.weight.grad.clone()
+    x.grad = None
+    module.zero_grad()
+
+    qkv = module.qkv(x)
+    out = module.proj(A.attention(qkv, 3))
+    out.square().sum().backward()
+    assert_close(out, expected, rtol=bound(torch.float32, "dot"), name="vs timm Attention")
+    assert_close(x.grad, x_grad, rtol=bound(torch.float32, "dot"), name="dx vs timm")
+    assert_close(module.qkv.weight.grad, w_grad, rtol=bound(torch.float32, "dot"), name="dW_qkv vs timm")
+
+    B, N = 2, 50
+    q, k, v = qkv.detach().reshape(B, N, 3, 3, 64).permute(2, 0, 3, 1, 4).double()
+    sdpa = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, 192)
+    assert_close(A.attention(qkv.detach(), 3), sdpa, rtol=bound(torch.float32, "dot"), name="vs F.sdpa")
+
+
+def test_sum_backward_stride0_grad_and_determinism():
+    """.sum() gives an expanded (stride-0) grad_out; two backward runs must be bitwise equal."""
+    qkv = make_qkv(2, 70, 2, 64, torch.float16)
+    grads = []
+    for _ in range(2):
+        x = qkv.clone().requires_grad_()
+        A.attention(x, 2).sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1]), "backward is not bitwise deterministic"
+    x = qkv.double().requires_grad_()
+    A.attention_ref(x, 2).sum().backward()
+    assert_close(grads[0], x.grad, rtol=bound(torch.float16, "dot"), name="dqkv from .sum()")
+
+
+def test_gradient_layout_one_buffer():
+    """The packed gradient is one contiguous (B, N, 3*H*D) tensor, as the qkv GEMM backward wants."""
+    x = make_qkv(1, 9, 2, 32, torch.float32).requires_grad_()
+    out = A.attention(x, 2)
+    assert out.shape == (1, 9, 64) and out.is_contiguous()
+    out.backward(torch.ones_like(out))
+    assert x.grad.shape == x.shape and x.grad.is_contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Dropout
+# ---------------------------------------------------------------------------------------------- #
+def test_dropout_rate_within_3_sigma():
+    p, B, H, N = 0.3, 2, 3, 64
+    keep = A.attention_dropout_mask(1234, B, H, N, p, device=DEVICE)
+    n = keep.numel()
+    rate = 1 - keep.float().mean().item()
+    assert abs(rate - p) < 3 * math.sqrt(p * (1 - p) / n), f"drop rate {rate:.4f} vs p={p} over {n} draws"
+    assert not torch.equal(keep, A.attention_dropout_mask(1235, B, H, N, p, device=DEVICE)), "seed ignored"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
+    """Forward, dK/dV and dQ regenerate one mask: the kernel equals the reference handed that mask."""
+    B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
+    monkeypatch.setattr(A, "next_seed", lambda: seed)
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
+    qkv = make_qkv(B, N, H, D, dtype)
+    check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
+                   lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep), [qkv], ["dqkv"])
+
+
+def test_dropout_off_paths_identical():
+    """p=0 in training, and p>0 in eval, equal the no-dropout kernel bitwise; p>0 changes the output."""
+    qkv = make_qkv(1, 40, 2, 32, torch.float32)
+    plain = A.attention(qkv, 2)
+    assert torch.equal(A.attention(qkv, 2, dropout_p=0.0, training=True), plain)
+    assert torch.equal(A.attention(qkv, 2, dropout_p=0.5, training=False), plain)
+    dropped = A.attention(qkv, 2, dropout_p=0.5, training=True)
+    assert not torch.equal(dropped, plain)
+    assert torch.equal(A.attention(qkv, 2, dropout_p=1.0, training=True), torch.zeros_like(plain))
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Attention maps from the saved lse
+# ---------------------------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_probs_from_lse(dtype):
+    B, N, H, D = 2, 70, 2, 80
+    qkv = make_qkv(B, N, H, D, dtype)
+    out, lse = A.attention_with_lse(qkv, H)
+    q, k, _ = qkv.double().reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
+    ref = ((q @ k.transpose(-2, -1)) * D**-0.5).softmax(-1)
+    assert_close(lse, torch.logsumexp((q @ k.transpose(-2, -1)) * D**-0.5, -1), rtol=bound(dtype, "dot"), name="lse")
+    full = A.attention_probs(qkv, lse, H)
+    assert full.shape == (B, H, N, N) and full.dtype == torch.float32
+    assert_close(full, ref, rtol=bound(dtype, "dot"), name="full map")
+    cls = A.attention_probs(qkv, lse, H, rows=[0, 69, 5])
+    assert_close(cls, ref[:, :, [0, 69, 5]], rtol=bound(dtype, "dot"), name="rows 0, 69, 5")
+    assert torch.allclose(cls.sum(-1), torch.ones(B, H, 3, dtype=torch.float32, device=DEVICE), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Launch plumbing: grid, memory, config table, compile, bad input
+# ---------------------------------------------------------------------------------------------- #
+def test_grid_folds_batch_heads_onto_axis_0():
+    grid = A.attention_grid(100_000, 197, 128)  # e.g. B=8334 x H=12: axis 1 would be illegal
+    assert grid == (200_000,)
+    assert A.attention_grid(1, 1, 16) == (1,)
+    with pytest.raises(ValueError, match="grid limit"):
+        A.attention_grid(2**30, 1025, 64)
+
+
+def test_forward_allocates_only_out_and_lse(monkeypatch):
+    """N=257: an N^2 buffer (B*H*N*N = 132098 elements) would dwarf out and lse."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    B, N, H, D = 1, 257, 2, 32
+    allocations, largest = [], [0]
+    real_empty = A._empty
+    monkeypatch.setattr(A, "_empty", lambda s, dtype, device: allocations.append((tuple(s), dtype)) or real_empty(s, dtype, device))
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else [result]:
+                if isinstance(t, torch.Tensor):
+                    largest[0] = max(largest[0], t.numel())
+            return result
+
+    qkv = make_qkv(B, N, H, D, torch.float16)
+    with Largest():
+        A.attention(qkv, H)
+    assert allocations == [((B, N, H * D), torch.float16), ((B, H, N), torch.float32)]
+    assert largest[0] <= qkv.numel() < B * H * N * N
+
+
+def test_config_table_and_aot_specs():
+    for N in (1, 7, 50, 197, 257, 577, 1025):
+        for D in (32, 64, 80, 128):
+            for dtype in DTYPES:
+                for arch in (80, 90):
+                    cfg = A.attention_config(N, D, dtype, arch)
+                    for tile in (cfg.fwd, cfg.dkdv, cfg.dq):
+                        assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
+    specs = A.aot_specs(tokens=197, width=768, num_heads=12, dtype=torch.bfloat16, arch=90)
+    assert {s.name for s in specs} >= {"attention_fwd", "attention_delta", "attention_dkdv", "attention_dq"}
+    for s in specs:  # every kernel argument is typed, constexprs given
+        assert list(s.signature) == list(s.fn.arg_names), s.name
+        assert all(s.signature[k] == "constexpr" for k in s.constexprs)
+
+
+def test_tf32_only_when_allowed(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert A._input_precision(torch.float32) == "ieee"
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert A._input_precision(torch.float32) == "tf32"
+    assert A._input_precision(torch.bfloat16) == "ieee"  # unused for 16-bit dots
+
+
+def test_torch_compile_fullgraph():
+    qkv = make_qkv(1, 20, 2, 32, torch.float32).requires_grad_()
+    compiled = torch.compile(lambda x: A.attention(x, 2), fullgraph=True, backend="aot_eager")
+    out = compiled(qkv)
+    out.sum().backward()
+    x = qkv.detach().double().requires_grad_()
+    ref = A.attention_ref(x, 2)
+    ref.sum().backward()
+    assert_close(out, ref, rtol=bound(torch.float32, "dot"), name="compiled out")
+    assert_close(qkv.grad, x.grad, rtol=bound(torch.float32, "dot"), name="compiled dqkv")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: (make_qkv(1, 4, 2, 32, torch.float32)[..., :-1], 2), "divisible by 3 \\* num_heads"),
+    (lambda: (torch.zeros(1, 4, 3 * 2 * 160, device=DEVICE), 2), "head_dim in 1..128"),
+    (lambda: (torch.zeros(1, 4, 96, dtype=torch.int32, device=DEVICE), 1), "dtype"),
+    (lambda: (torch.zeros(4, 96, device=DEVICE), 1), "3 dims"),
+    (lambda: (torch.zeros(1, 96, 4, device=DEVICE).transpose(1, 2), 1), "contiguous"),
+    (lambda: (torch.zeros(1, 4, 96, device=DEVICE), 0), "positive int"),
+])
+def test_bad_input_raises_before_launch(make, match):
+    qkv, heads = make()
+    with pytest.raises(ValueError, match=match):
+        A.attention(qkv, heads)
+
+
+def test_bad_input_dropout_and_separate_shapes():
+    with pytest.raises(ValueError, match="dropout_p"):
+        A.attention(make_qkv(1, 4, 1, 32, torch.float32), 1, dropout_p=1.5, training=True)
+    q = torch.zeros(1, 2, 5, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="one shape"):
+        A.attention_qkv(q, q, torch.zeros(1, 2, 6, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="rows"):
+        qkv = make_qkv(1, 4, 1, 32, torch.float32)
+        A.attention_probs(qkv, A.attention_with_lse(qkv, 1)[1], 1, rows=[4])
+
+
+def test_device_without_kernels_raises(monkeypatch):
+    """A CPU tensor without the interpreter: a RuntimeError naming CUDA, never a Triton crash."""
+    monkeypatch.setattr(kutils, "interpreter_active", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        A.attention(torch.zeros(1, 4, 96), 1)

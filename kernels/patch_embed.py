@@ -1,0 +1,470 @@
+"""Fused patch embedding: im2col GEMM + conv bias + class/register tokens + position embedding.
+
+Eager ViT embeds patches with a strided Conv2d, flattens and transposes the feature map, concatenates
+the class/register tokens and adds the position embedding (timm ``PatchEmbed`` + ``_pos_embed``).
+Here the forward is one launch and the backward two (three when the images need a gradient).
+
+Shapes: images (B, C, H, W), any strides; weight (D, C, P, P) in Conv2d layout; bias (D,) or None;
+cls_token (1, 1, D) or None; reg_tokens (1, R, D) or None; pos_embed (1, L, D). Hp, Wp = H/P, W/P,
+Np = Hp*Wp patches, prefix = [cls] + R, tokens (B, prefix + Np, D) ordered [cls, regs..., patches]
+exactly as timm's ``_pos_embed``. ``pos_embed_covers_prefix`` (timm: not ``no_embed_class``):
+L = prefix + Np and every token gets its row; otherwise L = Np and the prefix tokens carry none.
+
+Forward (one launch). The patch rows are a GEMM  X[m, k] @ W[k, n]  with m = b*Np + hp*Wp + wp and
+k = c*P*P + py*P + px (the conv weight's (C, P, P) flattening); the A tile is gathered from the
+NCHW images by pointer arithmetic (no im2col tensor), cast to the compute dtype in the load, the
+accumulator is fp32 and the epilogue adds bias[n] + pos_embed[prefix? + p, n] before one store at
+token row prefix + p. Extra programs after the patch rows write the B*prefix prefix rows
+(cls/reg + their pos_embed rows).
+
+Backward (dY = dtokens, any strides, e.g. stride 0 from ``.sum()``):
+  dW[n, k]  = sum_m dY[b, prefix+p, n] * X[m, k]   gathered again from the images; the m axis is cut
+              into S fixed chunks, each program writes fp32 partials, a reduction kernel sums the S
+              partials in order (deterministic, no atomics). dbias[n] = sum_m dY[m, n] rides along in
+              the k=0 programs' partials.
+  dpos[t]   = sum_b dY[b, t] (t over all tokens, or the patches only), dcls = sum_b dY[b, 0],
+  dreg[r]   = sum_b dY[b, 1+r]: fixed-order batch sums, extra programs of the reduction launch.
+  dX[m, k]  = sum_n dY[m, n] * W[n, k] scattered back to the pixels (patches do not overlap, so every
+              pixel is written exactly once); only when the images require grad.
+
+Dtype policy: compute dtype = the autocast dtype when autocast is on for the images' device, else the
+images' dtype. fp32 images are cast in the load, fp32 accumulation (fp32 compute uses IEEE dots),
+tokens come out in the compute dtype; every gradient comes out in its tensor's own dtype.
+
+Bytes per image (ViT-B/16, 224 px, bf16 compute, fp32 images, D=768, Np=196): forward reads the
+image once (602 KB fp32; re-reads for other n-blocks hit L2), writes 197*768*2 = 303 KB of tokens;
+weight/bias/pos are per-batch, not per-image. Backward reads dY (303 KB) twice (dW GEMM, batch sums)
+and the image once more (602 KB); the fp32 partials are S*(D*K + D)*4 bytes per batch.
+
+Limits: square patches (P x P, stride P, no padding), H and W divisible by P, float images.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._utils import FLOAT_DTYPES, AotSpec, TRITON_DTYPE_NAMES, check_float, check_kernel_device, check_ndim, check_shape, gpu_arch
+
+OP = "patch_embed"
+
+
+# --------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _pixel_offsets(offs_k, P, stride_c, stride_y, stride_x):
+    """Offsets of the pixels k = c*P*P + py*P + px inside one patch (also used for the weight)."""
+    c = offs_k // (P * P)
+    r = offs_k % (P * P)
+    return c * stride_c + (r // P) * stride_y + (r % P) * stride_x
+
+
+@triton.jit
+def _patch_rows(offs_m, Np, Wp, P, prefix, stride_b, stride_h, stride_w, stride_tb, stride_tt):
+    """For patch rows m = b*Np + p: (image offset of the patch's top-left pixel, token row offset, p)."""
+    b = offs_m // Np
+    p = offs_m % Np
+    img = b.to(tl.int64) * stride_b + ((p // Wp) * P).to(tl.int64) * stride_h + ((p % Wp) * P).to(tl.int64) * stride_w
+    tok = b.to(tl.int64) * stride_tb + (prefix + p).to(tl.int64) * stride_tt
+    return img, tok, p
+
+
+@triton.jit
+def _dot(a, b, acc):
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")  # fp32 compute means fp32 math (like cuDNN without TF32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _patch_embed_fwd_kernel(
+    Out, X, W, Bias, Pos, Cls, Reg,  # tokens (B, T, D) contiguous; images; weight (D, C, P, P); params
+    sxb, sxc, sxh, sxw,  # image strides
+    swd, swc, swy, swx,  # weight strides
+    spt, spd, srt,  # pos_embed strides (token, channel), reg_tokens token stride
+    M, D, K, Np, Wp, P, T, prefix, pos_base,  # M = B*Np patch rows, K = C*P*P, T = prefix + Np tokens
+    HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_REG: tl.constexpr, POS_PREFIX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # 1-D grid, n fastest: programs that share an image tile run together (L2 reuse of the gather).
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(D, BLOCK_N)
+    pid_m = pid // num_n
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < D
+    cdt = Out.dtype.element_ty
+    if pid_m < tl.cdiv(M, BLOCK_M):
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        img, tok, p = _patch_rows(offs_m, Np, Wp, P, prefix, sxb, sxh, sxw, T * D, D)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = tl.load(X + img[:, None] + _pixel_offsets(offs_k, P, sxc, sxh, sxw)[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(cdt)
+            w = tl.load(W + offs_n[None, :] * swd + _pixel_offsets(offs_k, P, swc, swy, swx)[:, None],
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(cdt)
+            acc = _dot(a, w, acc)
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(Pos + (pos_base + p)[:, None] * spt + offs_n[None, :] * spd,
+                       mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        tl.store(Out + tok[:, None] + offs_n[None, :], acc.to(cdt), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        # prefix rows r = b*prefix + j: the class token (j = 0), register tokens, their pos_embed rows
+        offs_r = (pid_m - tl.cdiv(M, BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (offs_r < (M // Np) * prefix)[:, None] & mask_n[None, :]
+        j = offs_r % prefix
+        val = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_CLS:
+            val += tl.load(Cls + offs_n[None, :] + 0 * j[:, None], mask=mask & (j == 0)[:, None], other=0.0).to(tl.float32)
+        if HAS_REG:
+            val += tl.load(Reg + (j - HAS_CLS)[:, None] * srt + offs_n[None, :],
+                           mask=mask & (j >= HAS_CLS)[:, None], other=0.0).to(tl.float32)
+        if POS_PREFIX:
+            val += tl.load(Pos + j[:, None] * spt + offs_n[None, :] * spd, mask=mask, other=0.0).to(tl.float32)
+        row = (offs_r // prefix).to(tl.int64) * T * D + j * D
+        tl.store(Out + row[:, None] + offs_n[None, :], val.to(cdt), mask=mask)
+
+
+@triton.jit
+def _patch_embed_dweight_kernel(
+    Part, DY, X,  # fp32 partials (S, D*K + D); dtokens (B, T, D) any strides; images
+    sdb, sdt, sdd,  # dtokens strides
+    sxb, sxc, sxh, sxw,  # image strides
+    M, D, K, Np, Wp, P, prefix, blocks_per_split,  # each split covers blocks_per_split row blocks
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_n = pid // num_k
+    pid_k = pid % num_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < D
+    mask_k = offs_k < K
+    pix = _pixel_offsets(offs_k, P, sxc, sxh, sxw)
+    cdt = DY.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    bias_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m_begin = split * blocks_per_split * BLOCK_M
+    m_end = tl.minimum(m_begin + blocks_per_split * BLOCK_M, M)
+    for m0 in range(m_begin, m_end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < m_end
+        img, tok, p = _patch_rows(offs_m, Np, Wp, P, prefix, sxb, sxh, sxw, sdb, sdt)
+        dy_t = tl.load(DY + tok[None, :] + offs_n[:, None] * sdd, mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+        x = tl.load(X + img[:, None] + pix[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(cdt)
+        acc = _dot(dy_t, x, acc)
+        if HAS_BIAS:  # every k-block sums it (cheap next to the dot); only pid_k == 0 stores it
+            bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
+    row = Part + split.to(tl.int64) * (D * K + D)
+    tl.store(row + offs_n[:, None] * K + offs_k[None, :], acc, mask=mask_n[:, None] & mask_k[None, :])
+    if HAS_BIAS:
+        if pid_k == 0:
+            tl.store(row + D * K + offs_n, bias_acc, mask=mask_n)
+
+
+@triton.jit
+def _patch_embed_reduce_kernel(
+    DW, DBias, DPos, DCls, DReg,  # gradients, contiguous, each in its parameter's dtype
+    Part, DY,  # fp32 partials (S, D*K + D); dtokens (B, T, D) any strides
+    sdb, sdt, sdd,  # dtokens strides
+    S, B, D, K, T, prefix, pos_base,  # pos_base = 0 when pos_embed covers the prefix, else prefix
+    HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_REG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_w = tl.cdiv(D * K + D, BLOCK)
+    if pid < num_w:
+        # dW and dbias: sum the S partial rows in split order
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < D * K + D
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(Part + s * (D * K + D) + offs, mask=mask, other=0.0)
+        tl.store(DW + offs, acc.to(DW.dtype.element_ty), mask=offs < D * K)
+        if HAS_BIAS:
+            tl.store(DBias + (offs - D * K), acc.to(DBias.dtype.element_ty), mask=mask & (offs >= D * K))
+    else:
+        # dpos / dcls / dreg: sums over the batch of the token gradient, element e = t*D + n
+        offs = (pid - num_w) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < T * D
+        t = offs // D
+        n = offs % D
+        src = DY + t.to(tl.int64) * sdt + n * sdd
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for _ in range(0, B):  # pointer increments keep the batch offset 64-bit
+            acc += tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            src += sdb
+        tl.store(DPos + (offs - pos_base * D), acc.to(DPos.dtype.element_ty), mask=mask & (t >= pos_base))
+        if HAS_CLS:
+            tl.store(DCls + n, acc.to(DCls.dtype.element_ty), mask=mask & (t == 0))
+        if HAS_REG:
+            tl.store(DReg + (offs - HAS_CLS * D), acc.to(DReg.dtype.element_ty), mask=mask & (t >= HAS_CLS) & (t < prefix))
+
+
+@triton.jit
+def _patch_embed_dimages_kernel(
+    DX, DY, W,  # image gradient (images' dtype); dtokens any strides; weight (D, C, P, P)
+    sdb, sdt, sdd,  # dtokens strides
+    sgb, sgc, sgh, sgw,  # image-gradient strides
+    swd, swc, swy, swx,  # weight strides
+    M, D, K, Np, Wp, P, prefix,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    offs_m = (pid // num_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = (pid % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_k = offs_k < K
+    img, tok, p = _patch_rows(offs_m, Np, Wp, P, prefix, sgb, sgh, sgw, sdb, sdt)
+    wpix = _pixel_offsets(offs_k, P, swc, swy, swx)
+    cdt = DY.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, D, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < D
+        dy = tl.load(DY + tok[:, None] + offs_n[None, :] * sdd, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+        w = tl.load(W + offs_n[:, None] * swd + wpix[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(cdt)
+        acc = _dot(dy, w, acc)
+    dst = DX + img[:, None] + _pixel_offsets(offs_k, P, sgc, sgh, sgw)[None, :]
+    tl.store(dst, acc.to(DX.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
+
+
+# ---------------------------------------------------------------------------------- config table
+# Per arch and compute-dtype width: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each GEMM.
+# M = patches, N = width D, K = pixels per patch. fwd tiles (M, N) over K; dweight tiles (N, K) over M
+# (split into S chunks); dimages tiles (M, K) over N. fp32 compute uses IEEE dots (no tensor cores),
+# so its tiles are smaller to keep the fp32 operands in registers without spills.
+_CONFIGS = {
+    (80, 2): dict(fwd=(128, 128, 32, 4, 3), dweight=(64, 128, 64, 4, 3), dimages=(128, 64, 64, 4, 3)),
+    (90, 2): dict(fwd=(128, 128, 64, 8, 3), dweight=(64, 128, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
+    (80, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
+    (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
+}
+_REDUCE = dict(BLOCK=1024, num_warps=4, num_stages=1)
+_NUM_SMS = {80: 108, 90: 132}  # the dW split aims at ~2 programs per SM
+
+
+def patch_embed_config(arch: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of every kernel for a GPU arch (80|90) and compute dtype (one table, no autotune)."""
+    table = _CONFIGS[(arch, 4 if dtype == torch.float32 else 2)]
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    cfg = {kernel: dict(zip(names, entry)) for kernel, entry in table.items()}
+    cfg["reduce"] = dict(_REDUCE)
+    cfg["num_sms"] = _NUM_SMS[arch]
+    return cfg
+
+
+def _dweight_split(M: int, D: int, K: int, cfg: dict) -> tuple[int, int]:
+    """(S, row blocks per split): a fixed cut of the patch axis for the dW partials (depends on shape only)."""
+    tiles = triton.cdiv(D, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"])
+    m_blocks = triton.cdiv(M, cfg["BLOCK_M"])
+    splits = min(m_blocks, max(1, triton.cdiv(2 * cfg["num_sms"], tiles)))
+    per_split = triton.cdiv(m_blocks, splits)
+    return triton.cdiv(m_blocks, per_split), per_split
+
+
+def _launch(cfg: dict) -> tuple[dict, dict]:
+    """Split a GEMM config into (block-size constexprs, launch options)."""
+    blocks = {k: v for k, v in cfg.items() if k.startswith("BLOCK")}
+    return blocks, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# ------------------------------------------------------------------------------------ validation
+_check_float = check_float
+
+
+def compute_dtype_for(images: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for the images' device, else the images' dtype."""
+    device_type = images.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return images.dtype
+
+
+def _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix,
+                  dtypes=FLOAT_DTYPES) -> int:
+    """Validate shapes and dtypes (ValueError naming what was expected); returns the token count."""
+    check_float = functools.partial(_check_float, dtypes=dtypes)
+    check_float(OP, "images", images)
+    check_ndim(OP, "images (B, C, H, W)", images, 4)
+    check_float(OP, "weight", weight)
+    check_ndim(OP, "weight (D, C, P, P)", weight, 4)
+    D, C, P, P2 = weight.shape
+    if P != P2:
+        raise ValueError(f"{OP}: expected a square patch weight (D, C, P, P), got shape {tuple(weight.shape)}")
+    B, C_img, H, W = images.shape
+    if C_img != C:
+        raise ValueError(f"{OP}: images have {C_img} channels but the weight expects in_chans={C}")
+    if H % P or W % P:
+        raise ValueError(f"{OP}: image size {H}x{W} is not divisible by the patch size {P}")
+    if bias is not None:
+        check_float(OP, "bias", bias)
+        check_shape(OP, "bias", bias, (D,))
+    prefix = 0
+    if cls_token is not None:
+        check_float(OP, "cls_token", cls_token)
+        check_shape(OP, "cls_token", cls_token, (1, 1, D))
+        prefix += 1
+    if reg_tokens is not None:
+        check_float(OP, "reg_tokens", reg_tokens)
+        check_ndim(OP, "reg_tokens (1, R, D)", reg_tokens, 3)
+        check_shape(OP, "reg_tokens", reg_tokens, (1, reg_tokens.shape[1], D))
+        prefix += reg_tokens.shape[1]
+    num_patches = (H // P) * (W // P)
+    check_float(OP, "pos_embed", pos_embed)
+    covered = prefix + num_patches if pos_embed_covers_prefix else num_patches
+    what = "prefix + patches" if pos_embed_covers_prefix else "patches only (pos_embed_covers_prefix=False)"
+    if tuple(pos_embed.shape) != (1, covered, D):
+        raise ValueError(f"{OP}: expected pos_embed of shape (1, {covered}, {D}) ({what}: {prefix} prefix "
+                         f"tokens + {H // P}x{W // P} patches), got {tuple(pos_embed.shape)}")
+    return prefix + num_patches
+
+
+# ------------------------------------------------------------------------------------- launchers
+@torch.library.custom_op("vit_fast::patch_embed_fwd", mutates_args=())
+def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
+                    pos_embed_covers_prefix: bool, compute_dtype: torch.dtype) -> torch.Tensor:
+    """Tokens (B, prefix + Np, D) in compute_dtype; one launch."""
+    T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
+    check_float(OP, "compute_dtype", torch.empty(0, dtype=compute_dtype))
+    device = check_kernel_device(OP, images, weight, bias, pos_embed, cls_token, reg_tokens)
+    B, C, H, W = images.shape
+    D, _, P, _ = weight.shape
+    Np, Wp = (H // P) * (W // P), W // P
+    prefix, M = T - Np, B * Np
+    out = torch.empty((B, T, D), dtype=compute_dtype, device=device)
+    blocks, opts = _launch(patch_embed_config(gpu_arch(device), compute_dtype)["fwd"])
+    rows = triton.cdiv(M, blocks["BLOCK_M"]) + triton.cdiv(B * prefix, blocks["BLOCK_M"])
+    grid = (rows * triton.cdiv(D, blocks["BLOCK_N"]),)
+    _patch_embed_fwd_kernel[grid](
+        out, images, weight, bias if bias is not None else weight, pos_embed,
+        cls_token if cls_token is not None else weight, reg_tokens if reg_tokens is not None else weight,
+        *images.stride(), *weight.stride(), pos_embed.stride(1), pos_embed.stride(2),
+        reg_tokens.stride(1) if reg_tokens is not None else 0,
+        M, D, C * P * P, Np, Wp, P, T, prefix, prefix if pos_embed_covers_prefix else 0,
+        HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
+        POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **blocks, **opts)
+    return out
+
+
+@patch_embed_fwd.register_fake
+def _(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype):
+    T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
+    return images.new_empty((images.shape[0], T, weight.shape[0]), dtype=compute_dtype)
+
+
+def _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages):
+    """(shape, dtype) of [dW, dbias, dpos, dcls, dreg, dimages]; absent gradients are empty tensors."""
+    def like(t, present=True):
+        return (tuple(t.shape), t.dtype) if t is not None and present else ((0,), weight.dtype)
+    return [like(weight), like(bias), like(pos_embed), like(cls_token), like(reg_tokens), like(images, needs_dimages)]
+
+
+@torch.library.custom_op("vit_fast::patch_embed_bwd", mutates_args=())
+def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
+                    pos_embed_covers_prefix: bool, needs_dimages: bool) -> list[torch.Tensor]:
+    """[dweight, dbias, dpos_embed, dcls_token, dreg_tokens, dimages], each in its tensor's dtype
+    (an absent tensor, or dimages when not needed, gives an empty tensor). Two or three launches."""
+    T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
+    B, C, H, W = images.shape
+    D, _, P, _ = weight.shape
+    check_float(OP, "dtokens", dtokens)
+    check_shape(OP, "dtokens", dtokens, (B, T, D))
+    device = check_kernel_device(OP, dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens)
+    Np, Wp, K = (H // P) * (W // P), W // P, C * P * P
+    prefix, M = T - Np, B * Np
+    grads = [torch.empty(s, dtype=dt, device=device)
+             for s, dt in _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages)]
+    dW, dbias, dpos, dcls, dreg, dimages = grads
+    cfg = patch_embed_config(gpu_arch(device), dtokens.dtype)
+
+    blocks, opts = _launch(cfg["dweight"])
+    splits, per_split = _dweight_split(M, D, K, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+    partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
+    grid = (triton.cdiv(D, blocks["BLOCK_N"]) * triton.cdiv(K, blocks["BLOCK_K"]), splits)
+    _patch_embed_dweight_kernel[grid](
+        partials, dtokens, images, *dtokens.stride(), *images.stride(),
+        M, D, K, Np, Wp, P, prefix, per_split, HAS_BIAS=bias is not None, **blocks, **opts)
+
+    red = cfg["reduce"]
+    grid = (triton.cdiv(D * K + D, red["BLOCK"]) + triton.cdiv(T * D, red["BLOCK"]),)
+    _patch_embed_reduce_kernel[grid](
+        dW, dbias if bias is not None else dW, dpos, dcls if cls_token is not None else dW,
+        dreg if reg_tokens is not None else dW, partials, dtokens, *dtokens.stride(),
+        splits, B, D, K, T, prefix, 0 if pos_embed_covers_prefix else prefix,
+        HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
+        BLOCK=red["BLOCK"], num_warps=red["num_warps"], num_stages=red["num_stages"])
+
+    if needs_dimages:
+        blocks, opts = _launch(cfg["dimages"])
+        grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(K, blocks["BLOCK_K"]),)
+        _patch_embed_dimages_kernel[grid](
+            dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
+            M, D, K, Np, Wp, P, prefix, **blocks, **opts)
+    return grads
+
+
+@patch_embed_bwd.register_fake
+def _(dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, needs_dimages):
+    return [images.new_empty(s, dtype=dt)
+            for s, dt in _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages)]
+
+
+# -------------------------------------------------------------------------------------- autograd
+class PatchEmbedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype):
+        ctx.save_for_backward(images, weight, bias, pos_embed, cls_token, reg_tokens)
+        ctx.pos_embed_covers_prefix = pos_embed_covers_prefix
+        return patch_embed_fwd(images, weight, bias, pos_embed, cls_token, reg_tokens,
+                               pos_embed_covers_prefix, compute_dtype)
+
+    @staticmethod
+    def backward(ctx, dtokens):
+        images, weight, bias, pos_embed, cls_token, reg_tokens = ctx.saved_tensors
+        dW, dbias, dpos, dcls, dreg, dimages = patch_embed_bwd(
+            dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens,
+            ctx.pos_embed_covers_prefix, ctx.needs_input_grad[0])
+        present = lambda g, t: g if t is not None else None  # noqa: E731
+        return (dimages if ctx.needs_input_grad[0] else None, dW, present(dbias, bias), dpos,
+                present(dcls, cls_token), present(dreg, reg_tokens), None, None)
+
+
+# ------------------------------------------------------------------------------------ functional
+def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pos_embed: torch.Tensor,
+                cls_token: Optional[torch.Tensor] = None, reg_tokens: Optional[torch.Tensor] = None,
+                pos_embed_covers_prefix: bool = True) -> torch.Tensor:
+    """Conv2d patch embedding + [cls, regs...] prefix + position embedding in one kernel (module docstring)."""
+    _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
+    compute_dtype = compute_dtype_for(images)
+    check_float(OP, "compute dtype (autocast dtype)", images.new_empty(0, dtype=compute_dtype))
+    return PatchEmbedFunction.apply(images, weight, bias, pos_embed, cls_token, reg_tokens,
+                                    pos_embed_covers_prefix, compute_dtype)
+
+
+def patch_embed_ref(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pos_embed: torch.Tensor,
+                    cls_token: Optional[torch.Tensor] = None, reg_tokens: Optional[torch.Tensor] = None,
+                    pos_embed_covers_prefix: bool = True) -> torch.Tensor:
+    """Eager reference (timm PatchEmbed + _pos_embed): conv2d -> flatten -> transpose -> cat -> add,
+    returned in the compute dtype (the autocast dtype when autocast is on, else the images' dtype)."""
+    _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix,
+                  dtypes=FLOAT_DTYPES + (torch.float64,))
+    x = F.conv2d(images, weight, bias, stride=weight.shape[-1]).flatten(2).transpose(1, 2)
+    prefix = [t.expand(x.shape[0], -1, -1) for t in (cls_token, reg_tokens) if t is not None]
+    if pos_embed_covers_prefix:
+        x = torch.cat(prefix + [x], dim=1) + pos_embed
+    else:
+        x = torch.cat(prefix + [x + pos_embed], dim=1)
+    return x.to(compute_dtype_for(images))

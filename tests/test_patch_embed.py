@@ -1,0 +1,231 @@
+"""Fused patch embedding (kernels/patch_embed.py) against a float64 conv2d -> flatten -> cat -> add reference.
+
+Every launch in this file writes into NaN-poisoned allocations (autouse fixture), so an output row,
+gradient element or partial the kernels forget to write fails the comparison.
+"""
+import math
+
+import pytest
+import torch
+
+from tests.numerics import assert_close, bound
+from vit_fast.kernels import patch_embed as pe
+from vit_fast.kernels.patch_embed import patch_embed, patch_embed_bwd, patch_embed_fwd, patch_embed_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NAMES = ["images", "weight", "bias", "pos_embed", "cls_token", "reg_tokens"]
+_real_empty = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs):
+    t = _real_empty(*args, **kwargs)
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocations(monkeypatch):
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+
+
+def make_inputs(B, C, H, W, P, D, cls=True, regs=0, covers=True, dtype=torch.float32, bias=True, seed=0):
+    """Random leaf tensors (requires_grad) in `dtype`, scaled so every token is O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = int(cls) + regs
+    num_patches = (H // P) * (W // P)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+
+    return dict(
+        images=rand(B, C, H, W),
+        weight=rand(D, C, P, P, scale=1 / math.sqrt(C * P * P)),
+        bias=rand(D) if bias else None,
+        pos_embed=rand(1, num_patches + (prefix if covers else 0), D, scale=0.5),
+        cls_token=rand(1, 1, D) if cls else None,
+        reg_tokens=rand(1, regs, D) if regs else None,
+    )
+
+
+def call(fn, inputs, covers):
+    return fn(*(inputs[n] for n in NAMES), pos_embed_covers_prefix=covers)
+
+
+def reference(inputs, covers, dtokens):
+    """float64 tokens and gradients of the eager stack."""
+    leaves = {n: None if t is None else t.detach().double().requires_grad_() for n, t in inputs.items()}
+    out = call(patch_embed_ref, leaves, covers)
+    out.backward(dtokens.double())
+    return out, {n: None if t is None else t.grad for n, t in leaves.items()}
+
+
+def check_against_reference(inputs, covers, dtype, backward="randn"):
+    out = call(patch_embed, inputs, covers)
+    assert out.dtype == dtype
+    dtokens = torch.randn_like(out) if backward == "randn" else torch.ones_like(out)
+    if backward == "randn":
+        out.backward(dtokens)
+    else:
+        out.float().sum().backward()  # stride-0 gradient
+    ref, ref_grads = reference(inputs, covers, dtokens)
+    tol = bound(dtype, "dot")
+    assert_close(out, ref, tol, "tokens")
+    for name, t in inputs.items():
+        if t is None:
+            continue
+        assert t.grad is not None and t.grad.dtype == t.dtype, name
+        assert_close(t.grad, ref_grads[name], tol, f"d{name}")
+
+
+# (P, C, H, W, D, cls, regs, covers): square and non-square, P 8/14/16/32, C 1/3/4, prefix variants
+CASES = {
+    "p8_c3_cls": (8, 3, 32, 48, 64, True, 0, True),
+    "p16_c1_regs_no_embed_class": (16, 1, 32, 48, 96, True, 4, False),
+    "p14_c3_no_prefix": (14, 3, 28, 42, 80, False, 0, True),
+    "p16_c4_square_regs_only": (16, 4, 32, 32, 48, False, 2, True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_forward_backward_matches_reference(case, dtype):
+    P, C, H, W, D, cls, regs, covers = CASES[case]
+    inputs = make_inputs(2, C, H, W, P, D, cls, regs, covers, dtype, seed=len(case))
+    check_against_reference(inputs, covers, dtype)
+
+
+def test_wide_and_large_patch():
+    """D = 1280 (ViT-H width) on a tiny image and a P = 32 patch, no bias, cls without pos (no_embed_class)."""
+    inputs = make_inputs(1, 3, 16, 16, 8, 1280, cls=True, covers=True, dtype=torch.bfloat16, seed=3)
+    check_against_reference(inputs, True, torch.bfloat16)
+    inputs = make_inputs(2, 1, 32, 64, 32, 64, cls=True, covers=False, bias=False, seed=4)
+    check_against_reference(inputs, False, torch.float32)
+
+
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_fp32_inputs(amp_dtype):
+    """fp32 images and parameters under autocast: tokens in the autocast dtype, fp32 gradients."""
+    inputs = make_inputs(2, 3, 32, 48, 16, 64, cls=True, regs=1, seed=5)
+    with torch.autocast("cpu", dtype=amp_dtype):
+        out = call(patch_embed, inputs, True)
+        ref_amp = call(patch_embed_ref, inputs, True)
+    assert out.dtype == amp_dtype and ref_amp.dtype == amp_dtype
+    dtokens = torch.randn_like(out)
+    out.backward(dtokens)
+    ref, ref_grads = reference(inputs, True, dtokens)
+    assert_close(out, ref, bound(amp_dtype, "dot"), "tokens")
+    for name, t in inputs.items():
+        assert t.grad.dtype == torch.float32, name
+        assert_close(t.grad, ref_grads[name], bound(amp_dtype, "dot"), f"d{name}")
+
+
+def test_sum_backward_and_strided_images():
+    """.sum() gives a stride-0 dtokens; channels-last images are read through their strides."""
+    inputs = make_inputs(2, 3, 32, 48, 8, 64, cls=True, regs=2, covers=False, seed=6)
+    inputs["images"] = inputs["images"].detach().to(memory_format=torch.channels_last).requires_grad_()
+    check_against_reference(inputs, False, torch.float32, backward="sum")
+
+
+def test_timm_stack_matches():
+    """timm PatchEmbed + _pos_embed with random weights (cls, registers, both pos conventions)."""
+    timm = pytest.importorskip("timm")
+    for regs, no_embed_class in ((0, False), (2, True)):
+        torch.manual_seed(7)
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                                  reg_tokens=regs, no_embed_class=no_embed_class).double()
+        torch.nn.init.normal_(model.pos_embed)  # timm initialises it with small trunc_normal values
+        images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+        expected = model._pos_embed(model.patch_embed(images))
+        proj = model.patch_embed.proj
+        params = [proj.weight, proj.bias, model.pos_embed, model.cls_token, model.reg_token]
+        params = [p.detach().float() if p is not None else None for p in params]
+        out = patch_embed(images.float(), *params, pos_embed_covers_prefix=not no_embed_class)
+        assert_close(out, expected, bound(torch.float32, "dot"), f"tokens (regs={regs})")
+
+
+def test_backward_is_bitwise_repeatable(monkeypatch):
+    """Two backward passes give identical bits, also with the dW partials split over several programs."""
+    small = pe.patch_embed_config(80, torch.float32)
+    small["dweight"] = dict(small["dweight"], BLOCK_M=16)
+    monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype: small)
+    M, K, D = 2 * 4 * 6, 3 * 64, 64
+    splits, _ = pe._dweight_split(M, D, K, dict(small["dweight"], num_sms=small["num_sms"]))
+    assert splits == 3
+    inputs = make_inputs(2, 3, 32, 48, 8, D, cls=True, regs=1, seed=8)
+    check_against_reference(inputs, True, torch.float32)  # correct with a 3-way split
+    out = call(patch_embed, {n: None if t is None else t.detach() for n, t in inputs.items()}, True)
+    dtokens = torch.randn_like(out)
+    args = [inputs[n].detach() for n in NAMES]
+    first = patch_embed_bwd(dtokens, *args, True, True)
+    second = patch_embed_bwd(dtokens, *args, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+class CountLaunches:
+    def __init__(self, kernel, counter):
+        self.kernel, self.counter = kernel, counter
+
+    def __getitem__(self, grid):
+        self.counter.append(self.kernel.fn.__name__)
+        return self.kernel[grid]
+
+
+def test_launch_counts_and_no_image_grad(monkeypatch):
+    """One forward launch; two backward launches, a third only when the images require grad."""
+    launches = []
+    for name in ("_patch_embed_fwd_kernel", "_patch_embed_dweight_kernel", "_patch_embed_reduce_kernel",
+                 "_patch_embed_dimages_kernel"):
+        monkeypatch.setattr(pe, name, CountLaunches(getattr(pe, name), launches))
+    inputs = make_inputs(2, 3, 16, 16, 8, 32, cls=True, seed=9)
+    inputs["images"].requires_grad_(False)
+    out = call(patch_embed, inputs, True)
+    assert len(launches) == 1
+    dtokens = torch.randn_like(out)
+    out.backward(dtokens)
+    assert len(launches) == 3 and inputs["images"].grad is None
+    _, ref_grads = reference(inputs, True, dtokens)
+    assert_close(inputs["weight"].grad, ref_grads["weight"], bound(torch.float32, "dot"), "dweight")
+    inputs["images"].requires_grad_(True)
+    call(patch_embed, inputs, True).backward(dtokens)
+    assert len(launches) == 7 and launches[-1] == "_patch_embed_dimages_kernel"
+
+
+def test_poisoning_is_active():
+    assert torch.isnan(torch.empty(4)).all()
+
+
+def test_custom_ops_trace_under_compile():
+    inputs = make_inputs(2, 3, 16, 32, 8, 32, cls=True, regs=1, seed=10)
+    eager = call(patch_embed, inputs, True)
+    compiled = torch.compile(lambda *a: patch_embed(*a), backend="aot_eager", fullgraph=True)
+    out = compiled(*(inputs[n] for n in NAMES))
+    assert torch.equal(out, eager)
+    torch.library.opcheck(patch_embed_fwd, tuple(inputs[n].detach() for n in NAMES) + (True, torch.float32),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("problem, match", [
+    ("h_not_divisible", "not divisible by the patch size"),
+    ("w_not_divisible", "not divisible by the patch size"),
+    ("channels", "in_chans=3"),
+    ("integer_images", "dtype"),
+    ("pos_embed_length", r"pos_embed of shape \(1, 17, 32\)"),
+    ("three_dim_images", "4 dims"),
+    ("non_square_weight", "square patch"),
+    ("bias_shape", "bias of shape"),
+])
+def test_bad_input_raises_value_error(problem, match):
+    inputs = make_inputs(2, 3, 32, 32, 8, 32, cls=True, seed=11)
+    x = inputs["images"].detach()
+    bad = {
+        "h_not_divisible": dict(images=x[:, :, :30]),
+        "w_not_divisible": dict(images=x[:, :, :, :20]),
+        "channels": dict(images=x[:, :2]),
+        "integer_images": dict(images=x.to(torch.int32)),
+        "pos_embed_length": dict(pos_embed=inputs["pos_embed"][:, 1:]),
+        "three_dim_images": dict(images=x[0]),
+        "non_square_weight": dict(weight=inputs["weight"][..., :4]),
+        "bias_shape": dict(bias=inputs["bias"][:16]),
+    }[problem]
+    inputs.update(bad)
+    with pytest.raises(ValueError, match=match):
+        call(patch_embed, inputs, True)

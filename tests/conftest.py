@@ -38,5 +38,29 @@ def _install_bf16_dot_shim() -> None:
     interp.InterpreterBuilder.create_dot = create_dot_bf16_as_fp32
 
 
+def _install_bf16_round_to_nearest_shim() -> None:
+    """Test-only fix for a second interpreter bf16 gap, never used on a GPU.
+
+    The interpreter's fp32 -> bf16 cast (``x.to(tl.bfloat16)``, e.g. on store) truncates the
+    mantissa (cast_impl passes no rounding mode to _convert_float), while the GPU's cvt.rn.bf16.f32
+    rounds to nearest even: truncation doubles the rounding error of every bf16 output. Round
+    like the GPU (torch's fp32 -> bf16 conversion is RNE and keeps NaN/inf).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    cast_impl = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl_rne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interp.TensorHandle(bits.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl_rne
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _install_bf16_dot_shim()
+    _install_bf16_round_to_nearest_shim()

@@ -1,0 +1,336 @@
+"""kernels/bias_gelu.py: bias_gelu and bias_dropout_add against float64 references, forward and
+backward, plus dropout statistics, launches and bytes per element (interpreter counters).
+
+The poisoning fixture, the traffic counter and ``compare`` are reused by tests/test_layer_norm.py.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.numerics import assert_close, bound, errors
+from vit_fast.kernels import bias_gelu as bg
+from vit_fast.kernels._utils import interpreter_active
+from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_dropout_add_ref, bias_gelu, bias_gelu_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --------------------------------------------------------------------------- shared test helpers
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every torch.empty (the launchers' only allocator) comes back NaN-filled, so an output
+    element or partial-sum row that a kernel forgets to write fails the comparison."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+class Traffic:
+    """Kernel launches and interpreter loads/stores, attributed to tensors by address."""
+
+    def __init__(self):
+        self.launches: list[str] = []
+        self.accesses: dict[str, list[np.ndarray]] = {"read": [], "write": []}
+
+    def record(self, kind, ptrs, mask):
+        addresses = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data]
+        self.accesses[kind].append(addresses.astype(np.uint64))
+        self.accesses[kind + "_size"] = ptrs.get_element_ty().primitive_bitwidth // 8
+
+    def bytes(self, kind: str, t: torch.Tensor) -> int:
+        """Bytes of `kind` ('read'/'write') that fell inside t's storage."""
+        start = t.untyped_storage().data_ptr()
+        end = start + t.untyped_storage().nbytes()
+        total = 0
+        for addresses in self.accesses[kind]:
+            total += int(((addresses >= start) & (addresses < end)).sum()) * t.element_size()
+        return total
+
+    def clear(self):
+        self.__init__()
+
+
+@pytest.fixture
+def traffic(monkeypatch):
+    if not interpreter_active():
+        pytest.skip("counts loads and stores inside the Triton interpreter (TRITON_INTERPRET=1)")
+    from triton.runtime import interpreter as interp
+
+    rec = Traffic()
+    load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
+    run = interp.InterpretedFunction.run
+
+    def counted_load(self, ptrs, mask, *rest):
+        rec.record("read", ptrs, mask)
+        return load(self, ptrs, mask, *rest)
+
+    def counted_store(self, ptrs, value, mask, *rest):
+        rec.record("write", ptrs, mask)
+        return store(self, ptrs, value, mask, *rest)
+
+    def counted_run(self, *args, grid, warmup, **kwargs):
+        rec.launches.append(self.fn.__name__)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", counted_load)
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", counted_store)
+    monkeypatch.setattr(interp.InterpretedFunction, "run", counted_run)
+    return rec
+
+
+def compare(fn, ref_fn, inputs: dict, dtype: torch.dtype, grad_outputs=None, eager_fn=None, seed=None):
+    """Run fn on `inputs` (tensors with requires_grad get gradients) and ref_fn on float64 copies;
+    compare every output and every gradient against the float64 result with the dtype's bound.
+    With eager_fn, also hold the flash-attention rule: kernel error <= 2x the error of eager PyTorch
+    on the same low-precision inputs (+1e-6). `seed` reseeds torch before each call (same dropout)."""
+    def run(f, ins, outs_grads):
+        if seed is not None:
+            torch.manual_seed(seed)
+        outs = f(**ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        leaves = [t for t in ins.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs_grads is None:
+            outs_grads = [torch.randn_like(o, dtype=torch.float64) for o in outs]
+        grads = torch.autograd.grad(outs, leaves, [g.to(o.dtype) for o, g in zip(outs, outs_grads)]) if leaves else ()
+        return outs, grads, outs_grads
+
+    def detached(dt):
+        return {k: (v.detach().to(dt).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor)
+                    and v.is_floating_point() else v) for k, v in inputs.items()}
+
+    outs64, grads64, gouts = run(ref_fn, detached(torch.float64), grad_outputs)
+    outs, grads, _ = run(fn, inputs, gouts)
+    names = [f"out{i}" for i in range(len(outs))] + [
+        f"d{k}" for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    results = list(zip(names, list(outs) + list(grads), list(outs64) + list(grads64)))
+    for name, got, want in results:
+        assert_close(got, want, bound(dtype), name)  # inputs and grads enter in dtype
+    if eager_fn is not None and dtype != torch.float32:
+        eager_outs, eager_grads, _ = run(eager_fn, {k: v for k, v in inputs.items()}, gouts)
+        for (name, got, want), eager in zip(results, list(eager_outs) + list(eager_grads)):
+            kernel_err, eager_err = errors(got, want)[0], errors(eager, want)[0]
+            assert kernel_err <= 2 * eager_err + 1e-6, f"{name}: {kernel_err:.2e} > 2x eager {eager_err:.2e}"
+    return outs, grads
+
+
+def randn(*shape, dtype=torch.float32, grad=True, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(dtype).requires_grad_(grad)
+
+
+# --------------------------------------------------------------------------- bias_gelu
+def eager_bias_gelu(x, bias, approximate):
+    return F.gelu(x + bias.to(x.dtype), approximate=approximate)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 7, 192), (5, 1408)])
+def test_bias_gelu_matches_reference(shape, dtype, approximate):
+    torch.manual_seed(0)
+    inputs = dict(x=randn(*shape, dtype=dtype, scale=2.0), bias=randn(shape[-1], dtype=dtype), approximate=approximate)
+    compare(bias_gelu, bias_gelu_ref, inputs, dtype, eager_fn=eager_bias_gelu)
+
+
+@pytest.mark.parametrize("width", [64, 1000, 3072, 5120, 16384])
+def test_bias_gelu_widths_bf16_autocast_bias(width):
+    """Awkward and ViT-H widths; bf16 activations with an fp32 bias (autocast) -> fp32 dbias."""
+    torch.manual_seed(width)
+    x, bias = randn(3, width, dtype=torch.bfloat16, scale=2.0), randn(width)
+    _, (dx, dbias) = compare(bias_gelu, bias_gelu_ref, dict(x=x, bias=bias), torch.bfloat16)
+    assert dx.dtype == torch.bfloat16 and dbias.dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (1, 256), (2, 3, 4, 320)])
+def test_bias_gelu_rows_and_leading_shapes(shape):
+    torch.manual_seed(1)
+    x, bias = randn(*shape), randn(shape[-1])
+    (y,), (dx, dbias) = compare(bias_gelu, bias_gelu_ref, dict(x=x, bias=bias), torch.float32)
+    assert y.shape == x.shape and dx.shape == x.shape
+    if x.numel() == 0:
+        assert torch.equal(dbias, torch.zeros_like(dbias))
+
+
+def test_bias_gelu_without_bias_and_non_contiguous_inputs():
+    torch.manual_seed(2)
+    base = randn(4, 6, 2 * 384, grad=False)
+    x_strided = base[..., ::2].requires_grad_()  # last dim strided: copied once
+    x_rows = randn(6, 4, 384, grad=False).transpose(0, 1).requires_grad_()  # leading dims permuted
+    x_wide = base[..., :384].requires_grad_()  # row stride 768, columns contiguous: no copy
+    for x in (x_strided, x_rows, x_wide):
+        compare(bias_gelu, bias_gelu_ref, dict(x=x, bias=None), torch.float32)
+
+
+def test_bias_gelu_sum_backward_and_determinism():
+    """.sum() gives a stride-0 grad; 100 rows give several partial rows, summed deterministically."""
+    torch.manual_seed(3)
+    x, bias = randn(100, 320), randn(320)
+    runs = []
+    for _ in range(2):
+        x.grad = bias.grad = None
+        bias_gelu(x, bias).sum().backward()
+        runs.append((x.grad.clone(), bias.grad.clone()))
+    x64, b64 = x.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    bias_gelu_ref(x64, b64).sum().backward()
+    assert_close(runs[0][0], x64.grad, bound(torch.float32), "dx")
+    assert_close(runs[0][1], b64.grad, bound(torch.float32), "dbias")
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_nan_inf_propagate_like_torch(approximate):
+    x = torch.tensor([[float("inf"), -float("inf"), float("nan"), 0.0, -30.0, 30.0, 1e20, -1e20]])
+    y = bias_gelu(x, torch.zeros(8), approximate)
+    assert_close(y, F.gelu(x.double(), approximate=approximate), 1e-6, "gelu(nan/inf)")
+
+
+def test_bias_gelu_bad_input():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        bias_gelu(torch.randn(64), torch.randn(64))
+    with pytest.raises(ValueError, match=r"bias of shape \(64,\)"):
+        bias_gelu(x, torch.randn(65))
+    with pytest.raises(ValueError, match="dtype"):
+        bias_gelu(torch.ones(4, 64, dtype=torch.int32), torch.randn(64))
+    with pytest.raises(ValueError, match="approximate"):
+        bias_gelu(x, torch.randn(64), "sigmoid")
+
+
+def test_bias_gelu_launches_and_bytes(traffic):
+    """Forward: 1 launch reading x and writing y once (2s per element). Backward: 2 launches
+    (row tiles + partial sums) reading x and dy once and writing dx once (3s per element)."""
+    x, bias, dy = torch.randn(40, 768, dtype=torch.bfloat16), torch.randn(768), torch.randn(40, 768,
+                                                                                             dtype=torch.bfloat16)
+    y = bg.bias_gelu_fwd(x, bias, "none")
+    assert traffic.launches == ["_bias_gelu_fwd_kernel"]
+    assert traffic.bytes("read", x) == x.nbytes and traffic.bytes("write", y) == y.nbytes
+    traffic.clear()
+    dx, dbias = bg.bias_gelu_bwd(dy, x, bias, "none")
+    assert traffic.launches == ["_bias_gelu_bwd_kernel", "_sum_partials_kernel"]
+    assert traffic.bytes("read", x) == x.nbytes and traffic.bytes("read", dy) == dy.nbytes
+    assert traffic.bytes("write", dx) == dx.nbytes
+
+
+# --------------------------------------------------------------------------- bias_dropout_add
+def kernel_keep_mask(shape, p, seed, dtype=torch.float32):
+    """The kernel's own dropout mask for `seed`: x = 1, no bias, residual = 0 leaves 1/(1-p) or 0."""
+    torch.manual_seed(seed)
+    ones = torch.ones(shape, device=DEVICE, dtype=dtype)
+    return bias_dropout_add(ones, None, torch.zeros_like(ones), p, True) != 0
+
+
+def eager_bias_dropout_add(x, bias, residual, p, training, **kw):
+    kw = {k: (v.to(x.dtype) if k == "gamma" and v is not None else v) for k, v in kw.items()}
+    return bias_dropout_add_ref(x, bias.to(x.dtype) if bias is not None else None, residual, p, training, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gamma,drop_path", [(False, False), (True, False), (False, True), (True, True)])
+def test_bias_dropout_add_matches_reference(dtype, gamma, drop_path):
+    """Eval mode (no draw) with every combination of LayerScale and drop-path scale."""
+    torch.manual_seed(4)
+    b, n, d = 3, 5, 384
+    inputs = dict(x=randn(b, n, d, dtype=dtype), bias=randn(d, dtype=dtype), residual=randn(b, n, d, dtype=dtype),
+                  p=0.1, training=False, gamma=randn(d, dtype=dtype, scale=0.1) if gamma else None,
+                  sample_scale=torch.tensor([0.0, 1.25, 1.25], device=DEVICE) if drop_path else None)
+    compare(bias_dropout_add, bias_dropout_add_ref, inputs, dtype, eager_fn=eager_bias_dropout_add)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_dropout_add_dropout_mask_forward_and_backward(dtype):
+    """Dropout with the kernel's own mask: forward and every gradient against the F.dropout-style
+    reference applying that mask (so the backward regenerates the forward's mask)."""
+    b, n, d, p, seed = 2, 7, 768, 0.3, 11
+    keep = kernel_keep_mask((b, n, d), p, seed, dtype)
+    torch.manual_seed(5)
+    inputs = dict(x=randn(b, n, d, dtype=dtype), bias=randn(d), residual=randn(b, n, d, dtype=dtype), p=p,
+                  training=True, gamma=randn(d, scale=0.1), sample_scale=torch.tensor([2.0, 0.0], device=DEVICE))
+    compare(bias_dropout_add, lambda **kw: bias_dropout_add_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
+
+
+def test_dropout_rate_seeds_and_eval_mode():
+    m, d, p = 64, 4096, 0.2
+    keep = kernel_keep_mask((m, d), p, seed=1)
+    drop_rate, sigma = 1 - keep.float().mean().item(), math.sqrt(p * (1 - p) / keep.numel())
+    assert abs(drop_rate - p) < 3 * sigma, f"drop rate {drop_rate:.4f} not within 3 sigma of {p}"
+    assert torch.equal(keep, kernel_keep_mask((m, d), p, seed=1)), "same seed, different mask"
+    assert not torch.equal(keep, kernel_keep_mask((m, d), p, seed=2)), "different seeds, same mask"
+    # eval mode and p = 0 skip the draw: no seed taken from torch's generator, output exact
+    x, bias, res = randn(3, 256, grad=False), randn(256, grad=False), randn(3, 256, grad=False)
+    state = torch.get_rng_state()
+    for out in (bias_dropout_add(x, bias, res, 0.5, False), bias_dropout_add(x, bias, res, 0.0, True)):
+        assert torch.equal(torch.get_rng_state(), state)
+        assert_close(out, res.double() + x.double() + bias.double(), bound(torch.float32), "no dropout")
+    assert torch.equal(bias_dropout_add(x, bias, res, 1.0, True), res), "p=1 drops everything"
+
+
+def test_bias_dropout_add_autocast_dtypes_and_plain_backward():
+    """bf16 branch into an fp32 residual stream: fp32 output, bf16 dx, fp32 param grads; and the
+    plain join (no dropout/gamma/scale) returns dout itself as dx (no dx write)."""
+    torch.manual_seed(6)
+    inputs = dict(x=randn(2, 3, 192, dtype=torch.bfloat16), bias=randn(192), residual=randn(2, 3, 192), p=0.0,
+                  training=True, gamma=randn(192, scale=0.1))
+    (out,), (dx, dbias, dres, dgamma) = compare(bias_dropout_add, bias_dropout_add_ref, inputs, torch.bfloat16)
+    assert (out.dtype, dx.dtype, dbias.dtype, dres.dtype, dgamma.dtype) == (torch.float32, torch.bfloat16,
+                                                                            torch.float32, torch.float32,
+                                                                            torch.float32)
+    x, bias, res = randn(2, 3, 192), randn(192), randn(2, 3, 192)
+    dout = torch.randn(2, 3, 192)
+    dx, dbias, dres = torch.autograd.grad(bias_dropout_add(x, bias, res, 0.0, False), (x, bias, res), dout)
+    assert torch.equal(dx, dout) and torch.equal(dres, dout)
+    assert_close(dbias, dout.double().sum((0, 1)), bound(torch.float32), "dbias")
+
+
+def test_bias_dropout_add_bad_input():
+    x, bias = torch.randn(2, 3, 64), torch.randn(64)
+    with pytest.raises(ValueError, match="residual of shape"):
+        bias_dropout_add(x, bias, torch.randn(2, 3, 65), 0.0, False)
+    with pytest.raises(ValueError, match=r"sample_scale of shape \(2,\)"):
+        bias_dropout_add(x, bias, x, 0.0, False, sample_scale=torch.ones(6))
+    with pytest.raises(ValueError, match="dropout probability"):
+        bias_dropout_add(x, bias, x, 1.5, True)
+    with pytest.raises(ValueError, match="dtype"):
+        bias_dropout_add(x, bias, x, 0.0, False, sample_scale=torch.ones(2, dtype=torch.float16))
+
+
+def test_bias_dropout_add_launches_and_bytes(traffic):
+    """Forward 1 launch: x and residual read once, out written once (3s). Backward with dropout and
+    LayerScale, 2 launches: dout and x read once, dx written once (3s); plain: dout only (1s)."""
+    m, d = 24, 768
+    x, res, dout = (torch.randn(m, d, dtype=torch.bfloat16) for _ in range(3))
+    bias, gamma = torch.randn(d), torch.randn(d)
+    out = bg.bias_dropout_add_fwd(x, bias, res, gamma, None, 0.1, 7)
+    assert traffic.launches == ["_bias_dropout_add_fwd_kernel"]
+    assert [traffic.bytes("read", t) for t in (x, res)] == [x.nbytes, res.nbytes]
+    assert traffic.bytes("write", out) == out.nbytes
+    traffic.clear()
+    dx, _ = bg.bias_dropout_add_bwd(dout, x, bias, gamma, None, 0.1, 7)
+    assert traffic.launches == ["_bias_dropout_add_bwd_kernel", "_sum_partials_kernel"]
+    assert [traffic.bytes("read", t) for t in (dout, x)] == [dout.nbytes, x.nbytes]
+    assert traffic.bytes("write", dx) == dx.nbytes
+    traffic.clear()
+    dx, _ = bg.bias_dropout_add_bwd(dout, x, bias, None, None, 0.0, 0)
+    assert dx.numel() == 0 and traffic.bytes("read", x) == 0 and traffic.bytes("read", dout) == dout.nbytes
+
+
+def test_torch_compile_fullgraph_traces_custom_ops():
+    torch._dynamo.reset()
+    x, bias, res = randn(2, 3, 64), randn(64), randn(2, 3, 64)
+
+    def block(x, bias, res):
+        return bias_dropout_add(bias_gelu(x, bias, "tanh"), bias, res, 0.0, False)
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x, bias, res)
+    assert_close(out, block(x, bias, res).double(), bound(torch.float32), "compiled")
+    out.sum().backward()
+    assert x.grad is not None and bias.grad is not None

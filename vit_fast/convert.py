@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .model import VisionTransformer
+from .layers import to_2tuple
 from .presets import ViTConfig, check_fields
 
 # Head count of the standard widths (shapes alone cannot tell it); other widths assume 64-wide heads.
@@ -64,10 +65,14 @@ def _layer_count(keys, pattern: str) -> int:
     return max(found) + 1 if found else 0
 
 
+def _is_square(n: int) -> bool:
+    return n >= 0 and math.isqrt(n) ** 2 == n
+
+
 def _grid_from_tokens(num_patches: int, patch: tuple[int, int]) -> dict:
-    side = math.isqrt(num_patches)
-    if side * side != num_patches:  # non-square grids need img_size from the caller
+    if not _is_square(num_patches):  # non-square grids need img_size from the caller
         return {}
+    side = math.isqrt(num_patches)
     return {"img_size": (side * patch[0], side * patch[1])}
 
 
@@ -110,7 +115,7 @@ def _timm_config_from_model(m: nn.Module) -> dict:
     return cfg
 
 
-def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor]) -> dict:
+def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor], overrides: Mapping = {}) -> dict:
     proj = sd["patch_embed.proj.weight"]
     D, in_chans, ph, pw = proj.shape
     cfg = dict(embed_dim=D, in_chans=in_chans, patch_size=(ph, pw), num_heads=STANDARD_HEADS.get(D, max(1, D // 64)),
@@ -119,9 +124,12 @@ def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor]) -> dict:
     prefix = cfg["class_token"] + cfg["reg_tokens"]
     if "pos_embed" in sd:
         tokens = sd["pos_embed"].shape[1]
-        grid_tokens = tokens - prefix
-        cfg["no_embed_class"] = bool(prefix) and math.isqrt(tokens) ** 2 == tokens and math.isqrt(grid_tokens) ** 2 != grid_tokens
-        cfg.update(_grid_from_tokens(tokens if cfg["no_embed_class"] else grid_tokens, (ph, pw)))
+        if "img_size" in overrides:  # the grid is known: does pos_embed cover the prefix tokens too?
+            h, w = to_2tuple(overrides["img_size"])
+            cfg["no_embed_class"] = bool(prefix) and tokens == (h // ph) * (w // pw)
+        else:  # square grid assumed: only one of tokens / tokens - prefix can be a square
+            cfg["no_embed_class"] = bool(prefix) and _is_square(tokens) and not _is_square(tokens - prefix)
+            cfg.update(_grid_from_tokens(tokens if cfg["no_embed_class"] else tokens - prefix, (ph, pw)))
     else:
         cfg["pos_embed"] = "none"
     if cfg["depth"]:
@@ -132,8 +140,10 @@ def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor]) -> dict:
     cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
     # timm puts the final norm after pooling (fc_norm) exactly when it averages tokens.
     has_fc_norm = "fc_norm.weight" in sd
-    cfg.update(fc_norm=has_fc_norm, final_norm=has_fc_norm or "norm.weight" in sd,
-               global_pool="token" if cfg["class_token"] and not has_fc_norm else "avg")
+    pool = "token" if cfg["class_token"] and not has_fc_norm else "avg"
+    cfg.update(global_pool=pool, final_norm=has_fc_norm or "norm.weight" in sd)
+    if has_fc_norm != (pool == "avg"):
+        cfg["fc_norm"] = has_fc_norm
     return cfg
 
 
@@ -144,7 +154,7 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
         config = _timm_config_from_model(model_or_state_dict)
     else:
         sd = dict(model_or_state_dict)
-        config = _timm_config_from_state_dict(sd)
+        config = _timm_config_from_state_dict(sd, overrides)
     return _build(config, sd, overrides)
 
 
@@ -213,7 +223,7 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
         )
     else:
         sd = hf_to_timm_state_dict(model_or_state_dict)
-        config = {**_timm_config_from_state_dict(sd), "norm_eps": 1e-12}
+        config = {**_timm_config_from_state_dict(sd, overrides), "norm_eps": 1e-12}
     return _build(config, sd, overrides)
 
 
@@ -259,7 +269,7 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
         sd = torchvision_to_timm_state_dict(tv.state_dict())
     else:
         sd = torchvision_to_timm_state_dict(model_or_state_dict)
-        config = _timm_config_from_state_dict(sd)
+        config = _timm_config_from_state_dict(sd, overrides)
     return _build(config, sd, overrides)
 
 

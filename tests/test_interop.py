@@ -1,0 +1,207 @@
+"""Weight interop: timm, Hugging Face and torchvision ViTs with random weights give the same outputs and
+parameter gradients (fp32, relative error < 1e-5) after conversion; checkpoint files load strictly."""
+import re
+
+import pytest
+import timm
+import torch
+import torchvision
+import transformers
+
+import vit_fast
+from vit_fast import CheckpointError, from_hf, from_timm, from_torchvision, load_checkpoint, save_checkpoint
+from vit_fast.convert import hf_to_timm_state_dict, torchvision_to_timm_state_dict
+
+from .numerics import assert_close, bound
+
+RTOL = bound(torch.float32, "dot")  # 1e-5
+
+
+@torch.no_grad()
+def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights everywhere: init leaves biases 0 and norms 1, which would hide a swapped key."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def check_same(ref, ours, x, ref_forward=None, grad_map=dict):
+    """Forward outputs and every parameter gradient of the converted model match the reference."""
+    ref_forward = ref_forward or ref
+    torch.manual_seed(1)
+    out_ref = ref_forward(x)
+    out = ours(x)
+    assert_close(out, out_ref, RTOL, name="logits")
+    weight = torch.randn_like(out_ref)
+    (out_ref * weight).sum().backward()
+    (out * weight).sum().backward()
+    ref_grads = grad_map({k: p.grad for k, p in ref.named_parameters() if p.grad is not None})
+    our_grads = {k: p.grad for k, p in ours.named_parameters() if p.requires_grad}
+    assert set(ref_grads) == set(our_grads)
+    for name, grad in our_grads.items():
+        assert_close(grad, ref_grads[name], RTOL, name=f"grad {name}")
+
+
+TIMM_CASES = {
+    "tiny": ("vit_tiny_patch16_224", dict(depth=2), (224, 224)),
+    "small": ("vit_small_patch16_224", dict(depth=1), (224, 224)),
+    "patch32": ("vit_base_patch32_224", dict(depth=1), (224, 224)),
+    "avg_pool": ("vit_tiny_patch16_224", dict(depth=1, global_pool="avg"), (224, 224)),
+    "no_class_token": ("vit_tiny_patch16_224", dict(depth=1, class_token=False, global_pool="avg"), (224, 224)),
+    "reg_tokens": ("vit_base_patch16_reg4_gap_256", dict(depth=1, embed_dim=192, num_heads=3), (256, 256)),
+    "reg_tokens_cls": ("vit_tiny_patch16_224", dict(depth=1, reg_tokens=2), (224, 224)),
+    "layerscale_qknorm": ("deit3_base_patch16_224", dict(depth=2, embed_dim=192, num_heads=3, qk_norm=True),
+                          (224, 224)),
+    "non_square": ("vit_tiny_patch16_224", dict(depth=1, img_size=(96, 160)), (96, 160)),
+    "in_chans_1": ("vit_tiny_patch16_224", dict(depth=1, in_chans=1, img_size=96), (96, 96)),
+    "dynamic_size": ("vit_tiny_patch16_224", dict(depth=1, dynamic_img_size=True), (160, 112)),
+    "features_only": ("vit_tiny_patch16_224", dict(depth=1, num_classes=0, img_size=64), (64, 64)),
+}
+
+
+@pytest.mark.parametrize("case", list(TIMM_CASES))
+def test_from_timm_model_matches_outputs_and_gradients(case):
+    name, kw, size = TIMM_CASES[case]
+    torch.manual_seed(0)
+    ref = perturb_(timm.create_model(name, **kw))
+    ours = from_timm(ref)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    batch = 1 if ref.embed_dim >= 768 else 2  # keep the CPU suite fast
+    check_same(ref, ours, torch.randn(batch, ref.patch_embed.proj.in_channels, *size))
+
+
+@pytest.mark.parametrize("kw, overrides", [
+    (dict(depth=1, class_token=False, reg_tokens=4, no_embed_class=True, global_pool="avg"), {}),
+    (dict(depth=1, init_values=1e-5, qk_norm=True, num_classes=10), {}),
+    (dict(depth=1, img_size=(64, 96)), dict(img_size=(64, 96))),  # a non-square grid cannot be inferred
+])
+def test_from_timm_state_dict_infers_config(kw, overrides):
+    torch.manual_seed(0)
+    ref = perturb_(timm.create_model("vit_tiny_patch16_224", **kw))
+    ours = from_timm(ref.state_dict(), **overrides).eval()
+    x = torch.randn(2, 3, *ref.patch_embed.img_size)
+    with torch.no_grad():
+        assert_close(ours(x), ref(x), RTOL)
+
+
+def hf_model(**kw):
+    base = dict(hidden_size=192, num_hidden_layers=2, num_attention_heads=3, intermediate_size=768,
+                image_size=64, patch_size=16, num_labels=7, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return perturb_(transformers.ViTForImageClassification(transformers.ViTConfig(**{**base, **kw})))
+
+
+def hf_logits(model):
+    return lambda x: model(pixel_values=x).logits
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=False, num_channels=1), dict(image_size=(48, 80))])
+def test_from_hf_model_matches_outputs_and_gradients(kw):
+    ref = hf_model(**kw)
+    ours = from_hf(ref)
+    assert ours.config.norm_eps == 1e-12 and ours.config.qkv_bias == ref.config.qkv_bias
+    size = ref.config.image_size
+    size = size if isinstance(size, (tuple, list)) else (size, size)
+    check_same(ref, ours, torch.randn(2, ref.config.num_channels, *size), hf_logits(ref), hf_to_timm_state_dict)
+
+
+def to_old_hf_names(sd):
+    """transformers 5.x keys -> the names of transformers 4.x and most hub checkpoints."""
+    renames = [(r"\.layers\.(\d+)\.", r".encoder.layer.\1."), (r"attention\.q_proj", "attention.attention.query"),
+               (r"attention\.k_proj", "attention.attention.key"), (r"attention\.v_proj", "attention.attention.value"),
+               (r"attention\.o_proj", "attention.output.dense"), (r"mlp\.fc1", "intermediate.dense"),
+               (r"mlp\.fc2", "output.dense")]
+    out = {}
+    for k, v in sd.items():
+        for pattern, new in renames:
+            k = re.sub(pattern, new, k)
+        out[k] = v
+    return out
+
+
+def test_from_hf_old_key_names_state_dict():
+    ref = hf_model()
+    old = to_old_hf_names(ref.state_dict())
+    assert "vit.encoder.layer.1.attention.attention.query.weight" in old
+    ours = from_hf(old).eval()  # width 192 -> 3 heads, eps 1e-12, from shapes alone
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert_close(ours(x), ref(pixel_values=x).logits, RTOL)
+    with pytest.raises(CheckpointError, match=r"found only \['k', 'v'\]"):
+        from_hf({k: v for k, v in old.items() if "attention.attention.query" not in k})
+
+
+def tv_model(patch_size):
+    torch.manual_seed(0)
+    return perturb_(torchvision.models.VisionTransformer(image_size=224, patch_size=patch_size, num_layers=1,
+                                                         num_heads=12, hidden_dim=768, mlp_dim=3072,
+                                                         num_classes=10))
+
+
+@pytest.mark.parametrize("patch_size", [16, 32])  # vit_b_16 / vit_b_32 at depth 1
+def test_from_torchvision_matches_outputs_and_gradients(patch_size):
+    ref = tv_model(patch_size)
+    ours = from_torchvision(ref)
+    check_same(ref, ours, torch.randn(1, 3, 224, 224), grad_map=torchvision_to_timm_state_dict)
+    from_sd = from_torchvision(ref.state_dict()).eval()
+    assert from_sd.config == ours.config
+
+
+def test_torchvision_vit_b_16_config_is_the_timm_preset():
+    with torch.device("meta"):
+        tv = torchvision.models.vit_b_16()
+    cfg = vit_fast.convert._timm_config_from_state_dict(torchvision_to_timm_state_dict(tv.state_dict()))
+    preset = vit_fast.presets.get_config("vit_base_patch16_224")
+    assert vit_fast.ViTConfig(**cfg) == preset
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_checkpoint_round_trip(tmp_path, suffix):
+    torch.manual_seed(0)
+    src = perturb_(vit_fast.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4))
+    path = tmp_path / f"model{suffix}"
+    save_checkpoint(src, path)
+    dst = load_checkpoint(vit_fast.VisionTransformer(src.config), path)
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+
+
+def test_checkpoint_in_hf_format_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    ref = hf_model()
+    save_file(ref.state_dict(), tmp_path / "hf.safetensors")
+    ours = load_checkpoint(from_hf(ref), tmp_path / "hf.safetensors").eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert_close(ours(x), ref(pixel_values=x).logits, RTOL)
+
+
+def test_mismatched_checkpoint_names_keys_and_shapes(tmp_path):
+    small = vit_fast.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4)
+    sd = small.state_dict()
+    sd["head.weight"] = torch.zeros(9, 32)
+    del sd["blocks.1.mlp.fc2.bias"]
+    sd["blocks.0.attn.extra"] = torch.zeros(1)
+    torch.save(sd, tmp_path / "bad.pth")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(small, tmp_path / "bad.pth")
+    message = str(info.value)
+    assert "bad.pth" in message and "missing keys (1): blocks.1.mlp.fc2.bias" in message
+    assert "unexpected keys (1): blocks.0.attn.extra" in message
+    assert "head.weight: checkpoint (9, 32) vs model (1000, 32)" in message
+
+
+class NotATensor:
+    pass
+
+
+def test_checkpoint_loading_refuses_pickled_code(tmp_path):
+    model = vit_fast.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4)
+    torch.save({"state_dict": model.state_dict(), "evil": NotATensor()}, tmp_path / "pickled.pt")
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        load_checkpoint(model, tmp_path / "pickled.pt")
+    with pytest.raises(ValueError, match="expected a .safetensors, .pt, .pth or .bin file"):
+        load_checkpoint(model, tmp_path / "model.ckpt")

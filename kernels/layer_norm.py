@@ -55,6 +55,7 @@ from .bias_gelu import (
     _check_rows_input,
     _check_sample_scale,
     as_rows,
+    bias_dropout_add_bwd,
     bias_dropout_add_ref,
     kernel_signature,
     num_partials,
@@ -275,8 +276,10 @@ class AddLayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out=None):
         h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd = ctx.saved_tensors
         n = h.shape[1]
-        dy2 = as_rows(dy, n) if dy is not None else torch.zeros_like(h)
         dh_out2 = as_rows(dh_out, n) if dh_out is not None else None
+        if dy is None:  # normed unused: only the join's backward (no LN pass over zeros)
+            return AddLayerNormFunction._join_backward(ctx, dh_out2, x2, branch_bias, gamma, sample_scale)
+        dy2 = as_rows(dy, n)
         dh, dx, dparams = add_layer_norm_bwd(dy2, dh_out2, h, x2, weight, bias, branch_bias, gamma, sample_scale,
                                              mean, rstd, ctx.p, ctx.seed, ctx.store_dx)
         dh = dh.view(ctx.shape)
@@ -288,6 +291,17 @@ class AddLayerNormFunction(torch.autograd.Function):
             return dh, None, dweight, dbias, None, None, None, None, None, None
         dx = dx.view(ctx.shape) if ctx.store_dx else dh
         return dx, dh.to(ctx.res_dtype), dweight, dbias, dbranch, dgamma, None, None, None, None
+
+
+    @staticmethod
+    def _join_backward(ctx, dh2, x2, branch_bias, gamma, sample_scale):
+        dx, dparams = bias_dropout_add_bwd(dh2, x2, branch_bias, gamma, sample_scale, ctx.p, ctx.seed)
+        grads = iter(dparams)
+        dbranch = next(grads).to(branch_bias.dtype) if branch_bias is not None else None
+        dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
+        dh = dh2.view(ctx.shape)
+        dx = dx.view(ctx.shape) if ctx.store_dx else dh
+        return dx, dh.to(ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None
 
 
 def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:

@@ -1,0 +1,214 @@
+"""kernels/layer_norm.py: layer_norm and add_layer_norm against float64 references (F.layer_norm
+and the unfused residual join), forward and every gradient, dropout / LayerScale / drop-path,
+autocast dtypes, determinism, launches and bytes per element."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.numerics import assert_close, bound
+from tests.test_bias_gelu import DEVICE, DTYPES, compare, kernel_keep_mask, poisoned_outputs, randn, traffic  # noqa: F401
+from vit_fast.kernels import layer_norm as ln
+from vit_fast.kernels.bias_gelu import bias_dropout_add
+from vit_fast.kernels.layer_norm import add_layer_norm, add_layer_norm_ref, layer_norm, layer_norm_ref
+
+
+def ln_inputs(shape, dtype, param_dtype=None, eps=1e-6):
+    d = shape[-1]
+    param_dtype = param_dtype or dtype
+    return dict(x=randn(*shape, dtype=dtype, scale=3.0) + 0.5, weight=randn(d, dtype=param_dtype),
+                bias=randn(d, dtype=param_dtype), eps=eps)
+
+
+def eager_layer_norm(x, weight, bias, eps):
+    return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), bias.to(x.dtype), eps)
+
+
+def eager_add_layer_norm(x, residual, weight, bias, eps=1e-6, **kw):
+    h = residual + x
+    return eager_layer_norm(h, weight, bias, eps), h
+
+
+# --------------------------------------------------------------------------- layer_norm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 5, 192), (3, 768), (1, 1408)])
+def test_layer_norm_matches_reference(shape, dtype):
+    torch.manual_seed(0)
+    compare(layer_norm, layer_norm_ref, ln_inputs(shape, dtype), dtype, eager_fn=eager_layer_norm)
+
+
+@pytest.mark.parametrize("width", [64, 97, 384, 1024, 1280, 1664, 2048, 4096, 8192])
+def test_layer_norm_widths_autocast_params(width):
+    """Every ViT width and a prime one, bf16 activations with fp32 weight/bias: bf16 dx, fp32 grads."""
+    torch.manual_seed(width)
+    _, (dx, dw, db) = compare(layer_norm, layer_norm_ref, ln_inputs((2, width), torch.bfloat16, torch.float32),
+                              torch.bfloat16)
+    assert (dx.dtype, dw.dtype, db.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-12])
+@pytest.mark.parametrize("shape", [(0, 768), (1, 384), (2, 3, 4, 320), (37, 192)])
+def test_layer_norm_shapes_and_eps(shape, eps):
+    """0 rows, 1 row, 3 leading dims, and 37 rows (several row tiles and partial rows); HF's eps."""
+    torch.manual_seed(1)
+    (y,), (dx, dw, db) = compare(layer_norm, layer_norm_ref, ln_inputs(shape, torch.float32, eps=eps), torch.float32)
+    assert y.shape == shape and dx.shape == shape
+    if y.numel() == 0:
+        assert torch.equal(dw, torch.zeros_like(dw)) and torch.equal(db, torch.zeros_like(db))
+
+
+def test_layer_norm_non_contiguous_inputs_and_sum_backward():
+    torch.manual_seed(2)
+    base = randn(4, 6, 2 * 256, grad=False)
+    w, b = randn(256), randn(256)
+    for x in (base[..., ::2], randn(6, 4, 256, grad=False).transpose(0, 1), base[..., :256]):
+        compare(layer_norm, layer_norm_ref, dict(x=x.requires_grad_(), weight=w, bias=b, eps=1e-6), torch.float32)
+    x = base[..., 256:].requires_grad_()
+    layer_norm(x, w, b).sum().backward()  # stride-0 grad of ones
+    x64 = x.detach().double().requires_grad_()
+    layer_norm_ref(x64, w.double(), b.double()).sum().backward()
+    assert_close(x.grad, x64.grad, bound(torch.float32), "dx from .sum()", atol=1e-5)
+
+
+def test_layer_norm_nan_inf_propagate_like_torch():
+    x = torch.randn(4, 64)
+    x[1, 3], x[2, 5], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    w, b = torch.randn(64), torch.randn(64)
+    assert_close(layer_norm(x, w, b), F.layer_norm(x.double(), (64,), w.double(), b.double(), 1e-6), 1e-6, "LN")
+
+
+def test_layer_norm_bad_input():
+    x, w = torch.randn(4, 64), torch.randn(64)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        layer_norm(torch.randn(64), w, w)
+    with pytest.raises(ValueError, match=r"weight of shape \(64,\)"):
+        layer_norm(x, torch.randn(63), w)
+    with pytest.raises(ValueError, match="expected bias as a tensor"):
+        layer_norm(x, w, None)
+    with pytest.raises(ValueError, match="dtype"):
+        layer_norm(x.to(torch.int64), w, w)
+    with pytest.raises(ValueError, match="hidden size of at most"):
+        layer_norm(torch.randn(1, 20000), torch.randn(20000), torch.randn(20000))
+    with pytest.raises(ValueError, match="residual of shape"):
+        add_layer_norm(x, torch.randn(4, 32), w, w)
+    with pytest.raises(ValueError, match=r"gamma of shape \(64,\)"):
+        add_layer_norm(x, x, w, w, gamma=torch.randn(32))
+    with pytest.raises(ValueError, match="dropout_p"):
+        add_layer_norm(x, x, w, w, dropout_p=-0.1, training=True)
+
+
+# --------------------------------------------------------------------------- add_layer_norm
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_layer_norm_plain_form(dtype):
+    """add_layer_norm(x, residual, weight, bias, eps) exactly as the issue states it."""
+    torch.manual_seed(3)
+    inputs = dict(ln_inputs((2, 9, 384), dtype), residual=randn(2, 9, 384, dtype=dtype))
+    compare(add_layer_norm, add_layer_norm_ref, inputs, dtype, eager_fn=eager_add_layer_norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("branch_bias,gamma,drop_path,dropout", [
+    (True, False, False, False), (True, True, False, False), (False, False, True, False),
+    (True, True, True, True), (False, True, False, True)])
+def test_add_layer_norm_residual_join(dtype, branch_bias, gamma, drop_path, dropout):
+    """Every factor of the join, with the kernel's own dropout mask in the reference."""
+    b, n, d, p, seed = 3, 4, 192, 0.25, 21
+    keep = kernel_keep_mask((b, n, d), p, seed, dtype) if dropout else None
+    torch.manual_seed(4)
+    inputs = dict(ln_inputs((b, n, d), dtype), residual=randn(b, n, d, dtype=dtype),
+                  branch_bias=randn(d, dtype=dtype) if branch_bias else None,
+                  gamma=randn(d, dtype=dtype, scale=0.5) if gamma else None,
+                  sample_scale=torch.tensor([1 / 0.9, 0.0, 1 / 0.9], device=DEVICE) if drop_path else None,
+                  dropout_p=p if dropout else 0.0, training=dropout)
+    compare(add_layer_norm, lambda **kw: add_layer_norm_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
+
+
+def test_add_layer_norm_join_equals_bias_dropout_add():
+    """The shared join: add_layer_norm's h is bias_dropout_add's output bit for bit (same seed)."""
+    x, res, bb, gamma = randn(2, 5, 256, grad=False), randn(2, 5, 256, grad=False), randn(256), randn(256)
+    w, b, scale = randn(256), randn(256), torch.tensor([2.0, 0.5], device=DEVICE)
+    torch.manual_seed(7)
+    _, h = add_layer_norm(x, res, w, b, branch_bias=bb, gamma=gamma, sample_scale=scale, dropout_p=0.4, training=True)
+    torch.manual_seed(7)
+    assert torch.equal(h, bias_dropout_add(x, bb, res, 0.4, True, gamma=gamma, sample_scale=scale))
+
+
+def test_add_layer_norm_autocast_dtypes():
+    """bf16 branch, fp32 residual stream and fp32 params: normed bf16, h fp32, fp32 param grads."""
+    torch.manual_seed(5)
+    inputs = dict(ln_inputs((2, 3, 768), torch.bfloat16, torch.float32), residual=randn(2, 3, 768),
+                  branch_bias=randn(768), gamma=randn(768, scale=0.1))
+    (y, h), grads = compare(add_layer_norm, add_layer_norm_ref, inputs, torch.bfloat16)
+    assert (y.dtype, h.dtype) == (torch.bfloat16, torch.float32)
+    assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * 5  # x, weight, bias, residual, bb, gamma
+
+
+@pytest.mark.parametrize("use", ["normed", "h"])
+def test_add_layer_norm_gradient_through_one_output(use):
+    """Only one output used downstream: the missing gradient is not read (nor materialised)."""
+    torch.manual_seed(6)
+    inputs = dict(ln_inputs((5, 320), torch.float32), residual=randn(5, 320), branch_bias=randn(320),
+                  gamma=randn(320), dropout_p=0.2, training=True)
+    keep = kernel_keep_mask((5, 320), 0.2, seed=10)
+    if use == "h":  # the LN parameters do not reach h
+        inputs["weight"].requires_grad_(False), inputs["bias"].requires_grad_(False)
+
+    def pick(f):
+        return lambda **kw: f(**kw)[0 if use == "normed" else 1]
+    ref = pick(lambda **kw: add_layer_norm_ref(**kw, keep_mask=keep))
+    compare(pick(add_layer_norm), ref, inputs, torch.float32, seed=10)
+
+
+def test_add_layer_norm_backward_is_deterministic():
+    """37 rows x 1408 -> several programs' partial rows; two backward passes are bitwise equal."""
+    torch.manual_seed(8)
+    inputs = dict(ln_inputs((37, 1408), torch.bfloat16, torch.float32), residual=randn(37, 1408, dtype=torch.bfloat16),
+                  branch_bias=randn(1408), gamma=randn(1408), dropout_p=0.1, training=True)
+    leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+    dy, dh = torch.randn(37, 1408, dtype=torch.bfloat16), torch.randn(37, 1408, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(9)
+        runs.append(torch.autograd.grad(add_layer_norm(**inputs), leaves, (dy, dh)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_layer_norm_launches_and_bytes(traffic):
+    """layer_norm: fwd 1 launch (read x, write y: 2s), bwd 2 launches (read dy, x, write dx: 3s).
+    add_layer_norm: fwd 1 launch (read x, residual, write normed, h: 4s), bwd 2 launches
+    (read dy, dh_out, h, write dh: 4s; + x and dx with LayerScale: 6s)."""
+    m, d = 20, 384
+    x, res, dy, dh_out = (torch.randn(m, d, dtype=torch.bfloat16) for _ in range(4))
+    w, b, gamma = torch.randn(d), torch.randn(d), torch.randn(d)
+
+    def moved(kind, *ts):
+        return [traffic.bytes(kind, t) for t in ts]
+
+    y, _, mean, rstd = ln.add_layer_norm_fwd(x, None, w, b, None, None, None, 1e-6, 0.0, 0)
+    assert traffic.launches == ["_layer_norm_fwd_kernel"]
+    assert moved("read", x) == [x.nbytes] and moved("write", y, mean, rstd) == [y.nbytes, 4 * m, 4 * m]
+    traffic.clear()
+    dx, _, _ = ln.add_layer_norm_bwd(dy, None, x, x, w, b, None, None, None, mean, rstd, 0.0, 0, False)
+    assert traffic.launches == ["_layer_norm_bwd_kernel", "_sum_partials_kernel"]
+    assert moved("read", dy, x) == [dy.nbytes, x.nbytes] and moved("write", dx) == [dx.nbytes]
+    traffic.clear()
+    y, h, mean, rstd = ln.add_layer_norm_fwd(x, res, w, b, None, gamma, None, 1e-6, 0.1, 3)
+    assert traffic.launches == ["_layer_norm_fwd_kernel"]
+    assert moved("read", x, res) == [x.nbytes, res.nbytes] and moved("write", y, h) == [y.nbytes, h.nbytes]
+    traffic.clear()
+    dh, dx, _ = ln.add_layer_norm_bwd(dy, dh_out, h, x, w, b, None, gamma, None, mean, rstd, 0.1, 3, True)
+    assert traffic.launches == ["_layer_norm_bwd_kernel", "_sum_partials_kernel"]
+    assert moved("read", dy, dh_out, h, x) == [dy.nbytes, dh_out.nbytes, h.nbytes, x.nbytes]
+    assert moved("write", dh, dx) == [dh.nbytes, dx.nbytes]
+
+
+def test_torch_compile_fullgraph_traces_add_layer_norm():
+    torch._dynamo.reset()
+    inputs = dict(ln_inputs((2, 3, 64), torch.float32), residual=randn(2, 3, 64), gamma=randn(64))
+    compiled = torch.compile(add_layer_norm, fullgraph=True, backend="aot_eager")
+    y, h = compiled(**inputs)
+    y_ref, h_ref = add_layer_norm(**inputs)
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+    (y.sum() + h.sum()).backward()
+    assert inputs["gamma"].grad is not None

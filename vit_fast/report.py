@@ -212,8 +212,18 @@ def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, nu
         return dict(regs=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
                     shared_bytes=int(k.metadata.shared) + usage["SHARED"], tensor_cores=tensor_core_use(k.asm["ptx"], arch), error="")
     except Exception as e:  # a compile error is a finding of the report, not a crash of it
-        msg = " ".join(str(e).split())
-        return dict(error=f"{type(e).__name__}: {msg[:300]}")
+        return dict(error=compile_error_message(e))
+
+
+def compile_error_message(e: BaseException) -> str:
+    """'<location>: <innermost cause>' of a Triton CompilationError chain (its text repeats the source)."""
+    chain = [e]
+    while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    where = str(e).splitlines()[0].strip() if str(e) else ""
+    inner = chain[-1]
+    msg = " ".join(str(inner).split()) or type(inner).__name__
+    return f"{type(inner).__name__} ({where}) {msg}"[:300] if where.startswith("at ") else f"{type(inner).__name__}: {msg}"[:300]
 
 
 def occupancy(regs: int, shared: int, num_warps: int, arch: int) -> tuple[int, float]:

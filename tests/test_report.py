@@ -1,0 +1,91 @@
+"""`vit-fast report`: cuobjdump parsing, occupancy, and the AOT compile gate for the base preset (issue 7).
+
+The base-preset test compiles every config the kernels' tables launch for vit_base_patch16_224 (bf16,
+fp16, fp32; sm_80 and sm_90) and fails on any spill, any shared memory over the per-block limit, any
+compile error, or a dot compiled without tensor-core instructions. Results are cached on disk
+(~/.cache/vit_fast/aot); a cold run compiles in 2 processes.
+"""
+import types
+
+import pytest
+import torch
+
+from vit_fast import report
+from vit_fast.kernels._utils import AotSpec
+
+from . import aot_fixture_kernels as fixture
+
+SAMPLE = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _mm_kernel:
+  REG:255 STACK:424 SHARED:1024 LOCAL:8 CONSTANT[0]:416 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_parse_resource_usage():
+    assert report.parse_resource_usage(SAMPLE) == dict(REG=255, STACK=424, SHARED=1024, LOCAL=8)
+    with pytest.raises(ValueError, match="REG"):
+        report.parse_resource_usage("Resource usage:\n Common:\n  GLOBAL:0\n")
+
+
+@pytest.mark.parametrize("regs, shared, warps, arch, expected", [
+    (32, 0, 4, 80, 64),            # thread-limited: 16 blocks of 4 warps
+    (168, 8192, 4, 80, 12),        # register-limited: 65536 / (168*32 -> 5376) = 12 warps = 3 blocks
+    (64, 100 * 1024, 4, 80, 4),    # shared-limited: one 100 KB block per 164 KB SM
+    (64, 100 * 1024, 4, 90, 8),    # two fit in the H100's 228 KB
+    (255, 0, 8, 90, 8),            # 255 regs -> 8192 per warp -> 8 warps
+])
+def test_occupancy(regs, shared, warps, arch, expected):
+    got, frac = report.occupancy(regs, shared, warps, arch)
+    assert got == expected and frac == expected / 64
+
+
+def test_tensor_core_use():
+    assert report.tensor_core_use("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {", 90) == "wgmma"
+    assert report.tensor_core_use("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {", 80) == "mma"
+    assert report.tensor_core_use("fma.rn.f32 %r1, %r2;", 90) == "NO"
+
+
+def _fixture_module():
+    sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "K": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+
+    def aot_specs(arch, **_):
+        return [
+            AotSpec("tile_matmul", fixture._tile_matmul_kernel, sig, dict(BM=128, BN=128, BK=64), 4, 3, has_dot=True),
+            AotSpec("global_scale", fixture._global_scale_kernel, {"X": "*fp32", "N": "i32", "BLOCK": "constexpr"},
+                    dict(BLOCK=128), 4),
+        ]
+    return types.SimpleNamespace(aot_specs=aot_specs)
+
+
+def test_report_sees_good_spilling_and_broken_kernels(monkeypatch, tmp_path):
+    """The gate can fail: a spilling tile and a kernel that does not compile are both reported.
+
+    Failures are not cached: the test sees the cache return the compiled row but retry the broken one."""
+    monkeypatch.setenv("VIT_FAST_AOT_CACHE", str(tmp_path))
+    monkeypatch.setattr(report, "kernel_modules", lambda: [_fixture_module()])
+    rows = report.run_report(["vit_tiny_patch16_224"], dtypes=["bf16"], archs=[80], workers=2)
+    by_config = {(r.kernel, r.config): r for r in rows}
+    spilling = by_config[("tile_matmul", "BM=128 BN=128 BK=64 w4 s3")]
+    assert spilling.regs == 255 and spilling.shared_bytes > 0 and spilling.tensor_cores == "mma"
+    assert spilling.threads == 128 and 0 < spilling.occupancy <= 1
+    assert spilling.spill_bytes > 0 and spilling.problems() == [f"spills {spilling.spill_bytes} B/thread"]
+    broken = by_config[("global_scale", "BLOCK=128 w4 s1")]
+    assert "_NOT_CONSTEXPR" in broken.error and broken.problems()
+    assert "2 compiled configs, 2 with problems" in report.summarize(rows)
+    # Successful compiles are cached and reused; errors are not cached (they are retried).
+    again = report.run_report(["vit_tiny_patch16_224"], dtypes=["bf16"], archs=[80], workers=2)
+    assert [(r.kernel, r.cached) for r in again] == [("global_scale", False), ("tile_matmul", True)]
+
+
+def test_base_preset_compiles_without_spills_for_sm80_and_sm90():
+    assert report.kernel_modules(), "no kernel module exposes aot_specs"
+    rows = report.run_report(["vit_base_patch16_224"], dtypes=list(report.DTYPES), archs=list(report.ARCHS), workers=2)
+    kernels = {r.kernel for r in rows}
+    assert {(k, a) for k in kernels for a in report.ARCHS} <= {(r.kernel, r.arch) for r in rows}
+    dots = [r for r in rows if r.tensor_cores != "-"]
+    assert dots and all(r.regs > 0 and r.threads > 0 for r in rows if not r.error)
+    bad = [f"{r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}" for r in rows if r.problems()]
+    assert not bad, f"{len(bad)} of {len(rows)} configs fail the GPU-readiness gate:\n" + "\n".join(bad)

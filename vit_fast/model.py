@@ -22,6 +22,7 @@ from .presets import GLOBAL_POOLS, ViTConfig, get_config
 class VisionTransformer(nn.Module):
     def __init__(self, config: Optional[ViTConfig] = None, **overrides):
         super().__init__()
+        # Always a private copy: set_backend / reset_classifier must not change the caller's config.
         cfg = config.replace(**overrides) if config is not None else ViTConfig(**overrides)
         self.config = cfg
         self.num_classes = cfg.num_classes

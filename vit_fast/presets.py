@@ -93,6 +93,7 @@ class ViTConfig:
         return self.global_pool in ("avg", "avgmax", "max") if self.fc_norm is None else self.fc_norm
 
     def replace(self, **overrides) -> "ViTConfig":
+        """A new config with some fields changed (always a copy, also with no overrides)."""
         check_fields(overrides)
         return dataclasses.replace(self, **overrides)
 

@@ -205,7 +205,9 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights of a transformers ViTModel / ViTForImageClassification.
 
     Keeps Hugging Face's LayerNorm eps (1e-12) and GELU flavour. From a state dict, eps defaults to 1e-12
-    and num_heads to the standard one for the width (pass num_heads=... otherwise)."""
+    and num_heads to the standard one for the width (pass num_heads=... otherwise). Eval outputs are
+    identical; in training, hidden_dropout_prob also drops after the GELU here (timm's Mlp), which
+    Hugging Face's ViTIntermediate does not."""
     if isinstance(model_or_state_dict, nn.Module):
         hf = model_or_state_dict
         c = hf.config

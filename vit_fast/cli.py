@@ -40,6 +40,8 @@ def info_main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", default="vit_base_patch16_224", help="preset name (see --list)")
     parser.add_argument("--batch", type=int, default=2, help="images in the random batch (default 2)")
     parser.add_argument("--img-size", type=int, default=None, help="square input size (default: the preset's)")
+    parser.add_argument("--backend", default="torch", choices=("torch", "triton", "auto"),
+                        help="module backend (default torch: the reference path runs anywhere)")
     parser.add_argument("--list", action="store_true", help="print the preset names and exit")
     args = parser.parse_args(list(argv))
 
@@ -52,7 +54,9 @@ def info_main(argv: Sequence[str]) -> int:
         return 0
     if args.batch < 1:
         parser.error("--batch must be >= 1")
-    overrides = {} if args.img_size is None else {"img_size": args.img_size}
+    overrides = {"backend": args.backend}
+    if args.img_size is not None:
+        overrides["img_size"] = args.img_size
     try:
         model = vit_fast.create_model(args.model, **overrides).eval()
     except (ValueError, TypeError) as e:

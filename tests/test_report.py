@@ -13,7 +13,7 @@ import torch
 from vit_fast import report
 from vit_fast.kernels._utils import AotSpec
 
-from . import aot_fixture_kernels as fixture
+from . import fixture_kernels as fixture
 
 SAMPLE = """
 Resource usage:

@@ -1,4 +1,4 @@
-"""Three tiny kernels with known compile outcomes, for tests/test_report.py (the report must see each one)."""
+"""Tiny kernels with known costs: compile outcomes for tests/test_report.py, bytes for tests/test_traffic.py."""
 import triton
 import triton.language as tl
 
@@ -22,3 +22,14 @@ def _global_scale_kernel(X, N, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < N)
     tl.store(X + offs, x * _NOT_CONSTEXPR, mask=offs < N)
+
+
+@triton.jit
+def _rows_times_vector_kernel(Y, X, W, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Y[m, n] = X[m, n] * W[n]; every program re-reads all of W (requested bytes > distinct bytes)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    w = tl.load(W + cols, mask=cols < N, other=0.0)
+    x = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(Y + rows[:, None] * N + cols[None, :], x * w[None, :], mask=mask)

@@ -1,0 +1,83 @@
+"""`vit-fast traffic`: the aten and Triton counters, the batch and depth extrapolations, and the fused
+path against timm eager (issue 7)."""
+import pytest
+import torch
+import triton
+
+from vit_fast import traffic
+
+from . import fixture_kernels as fixture
+
+TINY = "vit_tiny_patch16_224"
+
+
+def test_aten_ops_count_tensor_bytes_flops_and_skip_views():
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    bias = torch.randn(16)
+    with traffic.StepCounter(instrument_triton=False) as c:
+        y = a @ b                              # mm: reads a, b; writes y
+        y = y.view(16, 64).t().t()             # views: no launch
+        z = y + bias.view(16, 1).expand(16, 64)  # expanded stride-0 operand counts its 16 floats once
+    assert [o.name for o in c.ops] == ["mm", "add"]
+    mm, add = c.ops
+    assert (mm.family, mm.bytes_read, mm.bytes_written, mm.flops) == ("GEMM", (64 * 32 + 32 * 16) * 4, 64 * 16 * 4, 2 * 64 * 32 * 16)
+    assert (add.family, add.bytes_read, add.bytes_written, add.flops) == ("elementwise", (16 * 64 + 16) * 4, 16 * 64 * 4, 0)
+    assert z.shape == (16, 64)
+
+
+def test_roofline_is_the_slower_of_compute_and_memory():
+    op = traffic.Op("mm", "GEMM", 1, bytes_read=3e9, bytes_written=0, flops=790e12 * 1e-3)
+    assert op.roofline_s("H100", torch.bfloat16) == pytest.approx(1e-3)  # 1 ms of compute, 1 ms of bytes
+    assert op.roofline_s("A100", torch.bfloat16) == pytest.approx(790 / 312 * 1e-3)
+    assert op.roofline_s("A100", torch.float32) == pytest.approx(2 * 790 / 312 * 1e-3)  # TF32 at half rate
+
+
+@torch.library.custom_op("vit_fast_test::rows_times_vector", mutates_args=())
+def rows_times_vector(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)          # no kernel: not counted
+    scratch = torch.zeros(5)         # a fill kernel in the launcher: counted as an aten op
+    M, N = x.shape
+    fixture._rows_times_vector_kernel[(triton.cdiv(M, 4),)](y, x, w, M, N, BLOCK_M=4, BLOCK_N=triton.next_power_of_2(N))
+    return y + scratch.sum() * 0
+
+
+def test_triton_launch_counts_unmasked_lanes_and_distinct_addresses():
+    """10 rows x 7 columns in programs of 4 rows: 3 programs, each reading all of w (28 B)."""
+    x, w = torch.randn(10, 7), torch.randn(7)
+    with traffic.StepCounter() as c:
+        y = rows_times_vector(x, w)
+    torch.testing.assert_close(y, x * w)
+    names = [o.name for o in c.ops]
+    assert names == ["zeros", "_rows_times_vector_kernel", "sum", "mul", "add"], names
+    k = c.ops[1]
+    assert k.triton and k.family == "other" and k.launches == 1
+    assert k.bytes_read == (70 + 7) * 4            # x once, w once (distinct addresses)
+    assert k.requested == (70 + 3 * 7 + 70) * 4    # w requested by each of 3 programs; y written once
+    assert k.bytes_written == 70 * 4 and k.flops == 0
+    # The interpreter's copies of the arguments to and from the host are not counted as aten ops.
+    assert not any(o.name == "copy_" for o in c.ops)
+
+
+def test_batch_and_depth_extrapolation_match_direct_counts():
+    """Counting at batch 2, 3 and depth 1, 2 then extrapolating equals counting batch 4 at depth 3 directly."""
+    kw = dict(dtype=torch.bfloat16, depth=3, img_size=64)  # exactness does not depend on the size
+    direct = traffic.measure("timm_eager_unfused_attn", TINY, 4, count_batches=(4,), count_depths=None, **kw)
+    modelled = traffic.measure("timm_eager_unfused_attn", TINY, 4, count_batches=(2, 3), count_depths=(1, 2), **kw)
+    assert set(direct.groups) == set(modelled.groups)
+    for key, want in direct.groups.items():
+        for k, v in want.items():
+            assert modelled.groups[key][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (key, k)
+    assert "extrapolated per op to batch 4" in modelled.how and "extrapolated to depth 3" in modelled.how
+
+
+def test_eager_timm_step_is_counted_completely():
+    r = traffic.measure("timm_eager_unfused_attn", TINY, 2, count_batches=(2,))
+    fam = r.by_family()
+    assert set(fam) == {"GEMM", "attention", "norm", "elementwise", "embed", "other"}
+    # 12 blocks x (qkv, proj, fc1, fc2) + head: forward addmm, backward 2 mm each (input grads of the
+    # patch embedding are not needed).
+    assert fam["GEMM"]["launches"] == 49 * 3
+    assert fam["norm"]["launches"] == 25 * 2
+    # ViT-Ti/16: 1.08 GFLOP per image forward in the linear layers, x3 for a training step, 2 images.
+    assert fam["GEMM"]["flops"] == pytest.approx(3 * 2 * 2 * 197 * 12 * 442368 + 3 * 2 * 2 * 192 * 1000, rel=1e-6)
+    assert r.totals()["H100"] < r.totals()["A100"]

@@ -1,0 +1,490 @@
+"""`vit-fast traffic`: bytes moved and kernel launches of one training step, with a roofline (GUIDE.md 3c).
+
+One step is forward + cross-entropy + backward, no optimizer. It is counted on CPU:
+  - aten ops with a TorchDispatchMode: every non-view aten op is one launch, reading the bytes of its
+    tensor inputs and writing the bytes of its tensor outputs (memory span of each tensor, so an
+    expanded stride-0 tensor counts once); FLOPs from torch.utils.flop_counter's formulas;
+  - Triton kernels by instrumenting the Triton interpreter (TRITON_INTERPRET=1): each launch, the bytes
+    of every load and store over unmasked lanes ("requested") and over distinct addresses ("unique",
+    a DRAM model where re-reads within one launch hit L2, as the aten side assumes), and 2*M*N*K per
+    tl.dot. The interpreter's own argument copies are not counted.
+The eager paths are timm's VisionTransformer (random weights) under torch.autocast, with timm's fused
+SDPA attention and with ``fused_attn=False``; the fused path is vit_fast's model with backend='triton'.
+
+Counting runs at two small batches; every op is fitted as ``fixed + per_image * batch`` (weights and
+their gradients are the fixed part, activations the per-image part) and evaluated at the requested
+batch. The interpreter is slow, so models are also counted at depth 1 and 2 only: all blocks run the
+same ops on the same shapes, so every sum is affine in depth and is evaluated at the preset's depth
+(tests check both extrapolations against direct counts). The roofline lower bound of an op is max(FLOPs / peak, bytes / bandwidth) with the guide's
+measured H100 and A100 figures; the step time is the sum over ops, launch overhead excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# GUIDE.md 5: measured H100 figures, A100 datasheet figures. fp32 GEMMs run as TF32 at half the rate.
+ROOFLINE = {
+    "H100": dict(tflops=790.0, tb_per_s=3.0),
+    "A100": dict(tflops=312.0, tb_per_s=2.0),
+}
+FAMILIES = ("GEMM", "attention", "norm", "elementwise", "embed", "other")
+
+_GEMM = {"mm", "addmm", "_scaled_mm", "linear"}
+# bmm only appears in ViT as the two attention products of the unfused path (q @ k^T, attn @ v).
+_ATTENTION = {"bmm", "baddbmm", "_softmax", "_softmax_backward_data", "softmax"}
+_NORM = {"native_layer_norm", "native_layer_norm_backward", "layer_norm"}
+_EMBED = {"convolution", "convolution_backward", "_convolution", "cat"}  # cat: the class token joins the patches
+_OTHER = {"_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward"}
+# aten ops that launch no kernel on a GPU (allocation, metadata, host-side scalars).
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "lift_fresh_copy", "alias",
+              "_local_scalar_dense", "is_same_size", "_has_compatible_shallow_copy_type", "set_", "new_empty",
+              "new_empty_strided", "_unsafe_view"}
+_TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed"}
+
+
+@dataclass
+class Op:
+    name: str
+    family: str
+    launches: int = 1
+    bytes_read: float = 0.0  # unique bytes (aten: tensor spans; Triton: distinct addresses per launch)
+    bytes_written: float = 0.0
+    flops: float = 0.0
+    requested: float = 0.0  # Triton only: bytes over unmasked lanes, re-reads included (aten: = read + written)
+    triton: bool = False
+
+    @property
+    def bytes(self) -> float:
+        return self.bytes_read + self.bytes_written
+
+    def roofline_s(self, gpu: str, dtype: torch.dtype) -> float:
+        peak = ROOFLINE[gpu]["tflops"] * 1e12 * (0.5 if dtype == torch.float32 else 1.0)
+        return max(self.flops / peak, self.bytes / (ROOFLINE[gpu]["tb_per_s"] * 1e12))
+
+
+def aten_family(name: str) -> str:
+    if name in _GEMM:
+        return "GEMM"
+    if name in _ATTENTION or "attention" in name:
+        return "attention"
+    if name in _NORM:
+        return "norm"
+    if name in _EMBED:
+        return "embed"
+    if name in _OTHER:
+        return "other"
+    return "elementwise"
+
+
+def triton_family(module: str, name: str) -> str:
+    for key, family in _TRITON_FAMILIES.items():
+        if key in module.rsplit(".", 1)[-1] or key in name:
+            return family
+    return "other"
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of memory a tensor covers: its span, so expanded (stride-0) dims count once."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    return min(span, t.numel()) * t.element_size()
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += tensor_bytes(t)
+    return total
+
+
+def _attention_flops(name: str, args) -> float:
+    """Forward 4*B*H*Nq*Nk*d; backward 10*B*H*Nq*Nk*d (four products plus the FA2 score recompute)."""
+    q, k = args[0], args[1]
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return 0.0
+    if "backward" in name:  # args: grad_out, q, k, v, ...
+        q, k = args[1], args[2]
+        return 10.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    return 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+
+
+class StepCounter(TorchDispatchMode):
+    """Records every aten op and (with instrument_triton) every interpreted Triton launch as an Op."""
+
+    def __init__(self, instrument_triton: bool = True):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.instrument_triton = instrument_triton
+        self._in_triton = 0
+        self._launch: Op | None = None
+        self._addresses: dict[str, list] = {}
+        self._patches: list = []
+
+    # -- aten ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._in_triton:  # the interpreter copying kernel arguments to and from the host
+            return func(*args, **kwargs)
+        impl = self._vit_fast_custom_op(func)
+        if impl is not None:  # run the launcher's body under this mode so its aten ops are seen too
+            with self:
+                return impl(*args, **kwargs)
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _NO_KERNEL:
+            return out
+        from torch.utils.flop_counter import flop_registry
+
+        family = aten_family(name)
+        if func.overloadpacket in flop_registry:
+            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        elif family == "attention" and "attention" in name:
+            flops = _attention_flops(name, args)
+        else:
+            flops = 0.0
+        read = _unique_bytes(tree_leaves((args, kwargs)))
+        written = _unique_bytes(tree_leaves(out))
+        self.ops.append(Op(name, family, 1, read, written, flops, read + written))
+        return out
+
+    @staticmethod
+    def _vit_fast_custom_op(func):
+        if not func.namespace.startswith("vit_fast"):
+            return None
+        from torch._library.custom_ops import _maybe_get_opdef
+
+        opdef = _maybe_get_opdef(func._name)
+        return None if opdef is None else opdef._init_fn
+
+    # -- Triton interpreter --------------------------------------------------------------------
+    def __enter__(self):
+        # Re-entered around custom-op bodies (the mode is off inside __torch_dispatch__): patch once.
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth == 1 and self.instrument_triton:
+            self._patch_interpreter()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            for obj, attr, orig in reversed(self._patches):
+                setattr(obj, attr, orig)
+            self._patches.clear()
+        return super().__exit__(*exc)
+
+    def _patch(self, obj, attr, new):
+        self._patches.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, new)
+
+    def _patch_interpreter(self):
+        from triton.runtime import interpreter as interp
+
+        counter = self
+        run, load, store, dot = (interp.InterpretedFunction.run, interp.InterpreterBuilder.create_masked_load,
+                                 interp.InterpreterBuilder.create_masked_store, interp.InterpreterBuilder.create_dot)
+
+        def counted_run(fn_self, *args, grid, warmup, **kwargs):
+            if warmup or counter._launch is not None:
+                return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+            fn = fn_self.fn
+            counter._launch = Op(fn.__name__, triton_family(fn.__module__, fn.__name__), triton=True)
+            counter._addresses = {"r": [], "w": []}
+            counter._in_triton += 1
+            try:
+                return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                counter._in_triton -= 1
+                op, counter._launch = counter._launch, None
+                op.bytes_read = _distinct_bytes(counter._addresses["r"])
+                op.bytes_written = _distinct_bytes(counter._addresses["w"])
+                counter.ops.append(op)
+
+        def note(kind, ptrs, mask):
+            op = counter._launch
+            if op is None:
+                return
+            size = ptrs.get_element_ty().primitive_bitwidth // 8
+            addresses = ptrs.data if mask is None else ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]
+            op.requested += addresses.size * size
+            counter._addresses[kind].append((addresses.ravel().copy(), size))
+
+        def counted_load(b, ptrs, mask, *rest):
+            note("r", ptrs, mask)
+            return load(b, ptrs, mask, *rest)
+
+        def counted_store(b, ptrs, value, mask, *rest):
+            note("w", ptrs, mask)
+            return store(b, ptrs, value, mask, *rest)
+
+        def counted_dot(b, a, bb, d, *rest):
+            if counter._launch is not None:
+                counter._launch.flops += 2.0 * a.data.size * bb.data.shape[-1]
+            return dot(b, a, bb, d, *rest)
+
+        self._patch(interp.InterpretedFunction, "run", counted_run)
+        self._patch(interp.InterpreterBuilder, "create_masked_load", counted_load)
+        self._patch(interp.InterpreterBuilder, "create_masked_store", counted_store)
+        # Patch the currently installed create_dot (tests may have wrapped it with the bf16 shim).
+        self._patch(interp.InterpreterBuilder, "create_dot", counted_dot)
+
+
+def _distinct_bytes(chunks) -> float:
+    by_size: dict[int, list] = {}
+    for addresses, size in chunks:
+        by_size.setdefault(size, []).append(addresses)
+    return float(sum(np.unique(np.concatenate(a)).size * size for size, a in by_size.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Models and one counted step
+
+PATHS = ("timm_eager", "timm_eager_unfused_attn", "vit_fast")
+PATH_LABELS = {
+    "timm_eager": "timm eager (SDPA attention)",
+    "timm_eager_unfused_attn": "timm eager, fused_attn=False",
+    "vit_fast": "vit_fast backend='triton'",
+}
+
+
+def build_model(path: str, preset: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if path.startswith("timm"):
+        import timm
+
+        model = timm.create_model(preset, pretrained=False, **overrides)
+        if path == "timm_eager_unfused_attn":
+            for m in model.modules():
+                if hasattr(m, "fused_attn"):
+                    m.fused_attn = False
+        return model.train()
+    import vit_fast
+
+    return vit_fast.create_model(preset, backend="triton", **overrides).train()
+
+
+def count_step(model: torch.nn.Module, batch: int, dtype: torch.dtype = torch.bfloat16, img_size: int = 224,
+               in_chans: int = 3, num_classes: int = 1000) -> list[Op]:
+    """Ops of one forward + cross-entropy + backward at `batch`, under autocast to `dtype` (none for fp32)."""
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, in_chans, img_size, img_size, generator=gen)
+    y = torch.randint(0, max(num_classes, 1), (batch,), generator=gen)
+    model.zero_grad(set_to_none=True)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    with StepCounter() as counter:
+        with autocast:
+            out = model(x)
+        loss = F.cross_entropy(out.float(), y) if num_classes else out.float().square().mean()
+        loss.backward()
+    return counter.ops
+
+
+def scale_ops(small: list[Op], large: list[Op], b_small: int, b_large: int, batch: int) -> list[Op]:
+    """Per-op affine extrapolation from two counted batches to `batch` (fixed + per_image * batch)."""
+    if len(small) != len(large) or any(a.name != b.name for a, b in zip(small, large)):
+        raise RuntimeError(f"the op sequence differs between batch {b_small} and {b_large}; cannot scale per op")
+
+    def fit(a, b):
+        return max(a + (b - a) * (batch - b_small) / (b_large - b_small), 0.0)
+
+    return [Op(b.name, b.family, b.launches, fit(a.bytes_read, b.bytes_read), fit(a.bytes_written, b.bytes_written),
+               fit(a.flops, b.flops), fit(a.requested, b.requested), b.triton) for a, b in zip(small, large)]
+
+
+TOTAL_KEYS = ("launches", "read", "written", "requested", "flops") + tuple(ROOFLINE)
+
+
+def aggregate(ops: list[Op], dtype: torch.dtype) -> dict[tuple, dict]:
+    """Sum per (family, op name, is-Triton): launches, bytes, FLOPs, and roofline seconds per GPU
+    (computed per op, then summed: ops run one after another)."""
+    groups: dict[tuple, dict] = {}
+    for o in ops:
+        g = groups.setdefault((o.family, o.name, o.triton), dict.fromkeys(TOTAL_KEYS, 0.0))
+        g["launches"] += o.launches
+        g["read"] += o.bytes_read
+        g["written"] += o.bytes_written
+        g["requested"] += o.requested
+        g["flops"] += o.flops
+        for gpu in ROOFLINE:
+            g[gpu] += o.roofline_s(gpu, dtype)
+    return groups
+
+
+def extrapolate_depth(shallow: dict, deep: dict, d_shallow: int, d_deep: int, depth: int) -> dict:
+    """Every block of a ViT is the same ops on the same shapes, so each group's sum is affine in depth."""
+    out = {}
+    for key in set(shallow) | set(deep):
+        a = shallow.get(key, dict.fromkeys(TOTAL_KEYS, 0.0))
+        b = deep.get(key, dict.fromkeys(TOTAL_KEYS, 0.0))
+        out[key] = {k: max(a[k] + (b[k] - a[k]) * (depth - d_shallow) / (d_deep - d_shallow), 0.0) for k in TOTAL_KEYS}
+    return out
+
+
+def _sum(groups) -> dict:
+    total = dict.fromkeys(TOTAL_KEYS, 0.0)
+    for g in groups:
+        for k in TOTAL_KEYS:
+            total[k] += g[k]
+    return total
+
+
+@dataclass
+class PathResult:
+    path: str
+    groups: dict  # (family, op name, triton) -> totals, at `batch` and the model's full depth
+    batch: int
+    how: str = ""
+    count_seconds: float = 0.0
+
+    def totals(self) -> dict:
+        return _sum(self.groups.values())
+
+    def by_family(self) -> dict[str, dict]:
+        return {fam: _sum(g for (f, _, _), g in self.groups.items() if f == fam)
+                for fam in FAMILIES if any(f == fam for f, _, _ in self.groups)}
+
+    def triton_totals(self) -> dict:
+        return _sum(g for (_, _, triton), g in self.groups.items() if triton)
+
+
+def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloat16, count_batches=(2, 3),
+            count_depths=(1, 2), **overrides) -> PathResult:
+    """Count `path` for `preset` at the small batches and depths, scaled to `batch` and the full depth.
+
+    With count_depths=None the model is counted at its full depth; with one count batch equal to
+    `batch` nothing is scaled in batch.
+    """
+    from vit_fast.presets import get_config
+
+    cfg = get_config(preset, **overrides)
+    kw = dict(dtype=dtype, img_size=cfg.img_size[0], in_chans=cfg.in_chans, num_classes=cfg.num_classes)
+    depths = tuple(count_depths) if count_depths and cfg.depth > max(count_depths) else (cfg.depth,)
+    batches = (batch,) if batch in count_batches else tuple(count_batches)
+    t0 = time.perf_counter()
+    per_depth = []
+    for depth in depths:
+        model = build_model(path, preset, **{**overrides, "depth": depth})
+        counted = [count_step(model, b, **kw) for b in batches]
+        ops = counted[0] if len(batches) == 1 else scale_ops(*counted, *batches, batch)
+        per_depth.append(aggregate(ops, dtype))
+    groups = per_depth[0] if len(depths) == 1 else extrapolate_depth(*per_depth, *depths, cfg.depth)
+    how = f"counted at batch {' and '.join(map(str, batches))}"
+    if len(batches) > 1:
+        how += f", extrapolated per op to batch {batch} as fixed + per_image * batch"
+    if len(depths) > 1:
+        how += f"; counted at depth {depths[0]} and {depths[1]}, extrapolated to depth {cfg.depth} (blocks are identical)"
+    return PathResult(path, groups, batch, how, time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+
+
+def _row(cells, widths):
+    return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def format_path(r: PathResult) -> str:
+    head = ("family", "launches", "read GB", "written GB", "GFLOP", "H100 ms", "A100 ms")
+    widths = (12, 8, 9, 10, 9, 8, 8)
+    lines = [f"{PATH_LABELS.get(r.path, r.path)}: {r.how} (counting took {r.count_seconds:.0f} s)", _row(head, widths)]
+    for fam, t in list(r.by_family().items()) + [("total", r.totals())]:
+        lines.append(_row((fam, t["launches"], f"{t['read'] / 1e9:.3f}", f"{t['written'] / 1e9:.3f}", f"{t['flops'] / 1e9:.0f}",
+                           f"{t['H100'] * 1e3:.2f}", f"{t['A100'] * 1e3:.2f}"), widths))
+    tt = r.triton_totals()
+    if tt["launches"]:
+        req, uniq = tt["requested"] / 1e9, (tt["read"] + tt["written"]) / 1e9
+        lines.append(f"Triton kernels: {uniq:.3f} GB distinct addresses per launch, {req:.3f} GB requested by unmasked lanes (re-reads included)")
+    return "\n".join(lines)
+
+
+def format_summary(results: list[PathResult]) -> str:
+    base = results[0].totals()
+    head = ("path", "launches", "GB moved", "H100 ms", "H100 img/s", "A100 ms", "A100 img/s", "bytes/eager", "launches/eager")
+    widths = (32, 8, 9, 8, 10, 8, 10, 11, 14)
+    lines = [_row(head, widths)]
+    for r in results:
+        t = r.totals()
+        lines.append(_row((PATH_LABELS.get(r.path, r.path), t["launches"], f"{(t['read'] + t['written']) / 1e9:.2f}",
+                           f"{t['H100'] * 1e3:.1f}", f"{r.batch / t['H100']:.0f}", f"{t['A100'] * 1e3:.1f}", f"{r.batch / t['A100']:.0f}",
+                           f"{(t['read'] + t['written']) / (base['read'] + base['written']):.2f}", f"{t['launches'] / base['launches']:.2f}"), widths))
+    return "\n".join(lines)
+
+
+def fused_model_available() -> tuple[bool, str]:
+    try:
+        import vit_fast
+
+        if not hasattr(vit_fast, "create_model"):
+            return False, "vit_fast.create_model does not exist yet"
+    except Exception as e:  # pragma: no cover - import failure is reported, not raised
+        return False, f"vit_fast import failed: {e}"
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return False, "the fused path is counted in the Triton interpreter; TRITON_INTERPRET=1 must be set before triton is imported"
+    return True, ""
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="vit-fast traffic", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="vit_base_patch16_224", help="preset name")
+    parser.add_argument("--batch", type=int, default=256, help="batch the counts are scaled to")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--count-batches", type=int, nargs=2, default=(2, 3), metavar=("B1", "B2"),
+                        help="the two small batches actually counted (default 2 3; at batch 1 autograd skips some reductions)")
+    parser.add_argument("--count-depths", type=int, nargs=2, default=(1, 2), metavar=("D1", "D2"),
+                        help="the two depths actually counted (default 1 2); 0 0 counts the full depth")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--json", help="write per-path totals and per-family figures to this path")
+    return parser
+
+
+def main(argv=None, args: argparse.Namespace | None = None) -> int:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # takes effect only if triton is not imported yet
+    args = args or build_parser().parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    print(f"vit-fast traffic: {args.model}, {args.dtype}, batch {args.batch}: one training step "
+          f"(forward + cross-entropy + backward, no optimizer), counted on CPU, not timed. "
+          f"Roofline = sum over ops of max(FLOPs/peak, bytes/bandwidth); H100 {ROOFLINE['H100']['tflops']:.0f} TFLOP/s, "
+          f"{ROOFLINE['H100']['tb_per_s']} TB/s; A100 {ROOFLINE['A100']['tflops']:.0f} TFLOP/s, {ROOFLINE['A100']['tb_per_s']} TB/s; "
+          "launch overhead excluded. Eager: one launch per non-view aten op.\n")
+    results = []
+    for path in args.paths:
+        if path == "vit_fast":
+            ok, why = fused_model_available()
+            if not ok:
+                print(f"{PATH_LABELS[path]}: not counted: {why}\n")
+                continue
+        r = measure(path, args.model, args.batch, dtype, tuple(args.count_batches), tuple(args.count_depths) if all(args.count_depths) else None)
+        results.append(r)
+        print(format_path(r) + "\n", flush=True)
+    if results:
+        print(format_summary(results))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, dtype=args.dtype, batch=args.batch, roofline=ROOFLINE,
+                           paths={r.path: dict(how=r.how, totals=r.totals(), families=r.by_family()) for r in results}), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,9 @@ from typing import Callable, Optional, Sequence
 
 COMMANDS: dict[str, str] = {
     "info": "vit_fast.cli:info_main",
+    "report": "vit_fast.report:main",
+    "traffic": "vit_fast.traffic:main",
+    "bench": "vit_fast.bench:main",
 }
 
 

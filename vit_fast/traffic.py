@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -405,7 +406,7 @@ def format_path(r: PathResult) -> str:
     widths = (12, 8, 9, 10, 9, 8, 8)
     lines = [f"{PATH_LABELS.get(r.path, r.path)}: {r.how} (counting took {r.count_seconds:.0f} s)", _row(head, widths)]
     for fam, t in list(r.by_family().items()) + [("total", r.totals())]:
-        lines.append(_row((fam, t["launches"], f"{t['read'] / 1e9:.3f}", f"{t['written'] / 1e9:.3f}", f"{t['flops'] / 1e9:.0f}",
+        lines.append(_row((fam, round(t["launches"]), f"{t['read'] / 1e9:.3f}", f"{t['written'] / 1e9:.3f}", f"{t['flops'] / 1e9:.0f}",
                            f"{t['H100'] * 1e3:.2f}", f"{t['A100'] * 1e3:.2f}"), widths))
     tt = r.triton_totals()
     if tt["launches"]:
@@ -421,7 +422,7 @@ def format_summary(results: list[PathResult]) -> str:
     lines = [_row(head, widths)]
     for r in results:
         t = r.totals()
-        lines.append(_row((PATH_LABELS.get(r.path, r.path), t["launches"], f"{(t['read'] + t['written']) / 1e9:.2f}",
+        lines.append(_row((PATH_LABELS.get(r.path, r.path), round(t["launches"]), f"{(t['read'] + t['written']) / 1e9:.2f}",
                            f"{t['H100'] * 1e3:.1f}", f"{r.batch / t['H100']:.0f}", f"{t['A100'] * 1e3:.1f}", f"{r.batch / t['A100']:.0f}",
                            f"{(t['read'] + t['written']) / (base['read'] + base['written']):.2f}", f"{t['launches'] / base['launches']:.2f}"), widths))
     return "\n".join(lines)
@@ -457,8 +458,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # takes effect only if triton is not imported yet
     args = args or build_parser().parse_args(argv)
+    if "vit_fast" in args.paths and os.environ.get("TRITON_INTERPRET") != "1":
+        # The fused path is counted in the interpreter, which must be on before any kernel is defined.
+        if "triton" in sys.modules:
+            argv = sys.argv[1:] if argv is None else list(argv)
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            return subprocess.run([sys.executable, "-m", "vit_fast.traffic", *argv], env=env).returncode
+        os.environ["TRITON_INTERPRET"] = "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"vit-fast traffic: {args.model}, {args.dtype}, batch {args.batch}: one training step "
           f"(forward + cross-entropy + backward, no optimizer), counted on CPU, not timed. "

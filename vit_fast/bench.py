@@ -1,0 +1,206 @@
+"""`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (GUIDE.md 6).
+
+For every preset x batch x dtype, four paths run in one process: timm eager, timm + torch.compile,
+vit_fast (backend='triton'), vit_fast + torch.compile. A step is forward under torch.autocast (fp32
+master weights; no autocast for fp32) + cross-entropy + backward + optimizer step. After warm-up
+(which includes compilation) each step is timed with CUDA events; the report gives the median step
+time and its spread (10th-90th percentile), images/s, MFU (3 x analytic forward FLOPs per image
+against the GPU's dense peak) and peak memory. Inputs rotate through several batches larger than L2
+so no step reads a warm cache. Results go to CSV and JSON tagged with the GPU, torch, triton and git
+revision, plus a PNG bar chart. Without CUDA it prints one line and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Dense tensor-core peaks (datasheet, SXM) for MFU; fp32 runs as TF32 at half the rate.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+NO_CUDA = ("vit-fast bench: training throughput needs a CUDA GPU; on this machine use `vit-fast traffic` "
+           "(bytes, launches, roofline) and `vit-fast report` (registers, spills, shared memory).")
+
+
+def peak_tflops(device_name: str, dtype: torch.dtype, override: float | None) -> float | None:
+    peak = override or next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+    if peak is None:
+        return None
+    return peak / 2 if dtype == torch.float32 else peak
+
+
+def git_revision() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def build(path: str, preset: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if path.startswith("timm"):
+        import timm
+
+        model = timm.create_model(preset, pretrained=False)
+    else:
+        import vit_fast
+
+        model = vit_fast.create_model(preset, backend="triton")
+    model = model.cuda().train()
+    return torch.compile(model) if path.endswith("compile") else model
+
+
+def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_classes: int, steps: int, warmup: int,
+                  rotate: int = 4) -> dict:
+    """Median/percentile step time (CUDA events) and peak memory of forward + loss + backward + AdamW."""
+    inputs = [torch.randn(batch, 3, img_size, img_size, device="cuda") for _ in range(rotate)]
+    labels = [torch.randint(0, max(num_classes, 1), (batch,), device="cuda") for _ in range(rotate)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+
+    def step(i):
+        x, y = inputs[i % rotate], labels[i % rotate]
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            out = model(x)
+        loss = F.cross_entropy(out.float(), y) if num_classes else out.float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        step(i)
+        end.record()
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in events)
+    return dict(step_ms=statistics.median(ms), p10_ms=ms[int(0.1 * (len(ms) - 1))], p90_ms=ms[int(0.9 * (len(ms) - 1))],
+                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
+
+
+def run(args) -> list[dict]:
+    import triton
+
+    import vit_fast
+
+    device = torch.cuda.get_device_name()
+    meta = dict(gpu=device, torch=torch.__version__, triton=triton.__version__, git=git_revision())
+    rows = []
+    for preset in args.models:
+        cfg = vit_fast.get_config(preset)
+        train_flops = 3 * vit_fast.forward_flops(cfg)
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            peak = peak_tflops(device, dtype, args.peak_tflops)
+            for batch in args.batches:
+                for path in args.paths:
+                    row = dict(meta, model=preset, dtype=dtype_name, batch=batch, path=path)
+                    try:
+                        model = build(path, preset)
+                        row.update(time_training(model, batch, dtype, cfg.img_size[0], cfg.num_classes, args.steps, args.warmup))
+                        row["images_per_s"] = batch / row["step_ms"] * 1e3
+                        achieved = train_flops * row["images_per_s"] / 1e12
+                        row["tflops"] = achieved
+                        row["mfu"] = achieved / peak if peak else float("nan")
+                    except Exception as e:  # one failing path (e.g. out of memory) must not lose the others
+                        row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                    finally:
+                        model = None
+                        torch.cuda.empty_cache()
+                    rows.append(row)
+                    print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    head = f"{r['model']:24s} {r['dtype']:4s} b{r['batch']:<4d} {r['path']:17s}"
+    if "error" in r:
+        return f"{head} FAILED {r['error']}"
+    return (f"{head} {r['images_per_s']:8.0f} img/s  step {r['step_ms']:7.1f} ms [{r['p10_ms']:.1f}-{r['p90_ms']:.1f}]  "
+            f"{r['tflops']:6.1f} TFLOP/s  MFU {r['mfu']:5.1%}  peak mem {r['peak_mem_gb']:5.1f} GiB")
+
+
+def write_outputs(rows: list[dict], out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(out_dir, f"throughput-{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    keys = sorted({k for r in rows for k in r})
+    with open(base + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    written = [base + ".json", base + ".csv"]
+    try:
+        written.append(plot(rows, base + ".png"))
+    except ImportError:
+        pass
+    return written
+
+
+def plot(rows: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["model"], r["dtype"], r["batch"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
+    width = 0.8 / len(PATHS)
+    for j, p in enumerate(PATHS):
+        vals = [next((r.get("images_per_s", 0) for r in rows if (r["model"], r["dtype"], r["batch"]) == c and r["path"] == p), 0)
+                for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], vals, width, label=p)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels([f"{m.replace('vit_', '').replace('_patch', '/')}\n{d} b{b}" for m, d, b in cases], fontsize=8)
+    ax.set_ylabel("training images/s")
+    ax.set_title(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, {rows[0]['git']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="vit-fast bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["vit_base_patch16_224"], help="presets")
+    parser.add_argument("--batches", nargs="+", type=int, default=[128])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense peak for MFU if the GPU is not known")
+    parser.add_argument("--out", default="bench/results", help="folder for the CSV, JSON and PNG")
+    return parser
+
+
+def main(argv=None, args: argparse.Namespace | None = None) -> int:
+    args = args or build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NO_CUDA)
+        return 0
+    rows = run(args)
+    for path in write_outputs(rows, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

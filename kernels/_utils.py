@@ -110,3 +110,7 @@ class AotSpec:
     num_stages: int = 1
     has_dot: bool = False  # True where the PTX should use tensor-core instructions
     note: str = field(default="")  # which shape/config this entry serves
+    # Arguments a real launch specialises as multiples of 16 (aligned pointers, strides): compile
+    # them with attrs={(i,): [["tt.divisibility", 16]]}, else the AOT build gets scalar, unvectorised
+    # loads and reports registers/spills a real launch does not have.
+    divisible_by_16: tuple[str, ...] = ()

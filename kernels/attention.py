@@ -347,26 +347,22 @@ class AttentionConfig:
 def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int) -> AttentionConfig:
     """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
 
-    Every entry used by the ViT presets compiles for sm_80 and sm_90 without register spills
-    (checked with triton.compile + cuobjdump, see aot_specs). Sequences of at most 64 tokens use one
-    tile of the next power of two; longer ones use 128-row q tiles in the forward (fp16/bf16).
+    Every entry compiles for sm_80 and sm_90 without register spills, with and without dropout
+    (triton.compile + cuobjdump, see aot_specs). Short sequences clamp the tiles to N rounded up
+    to a power of two (>= 16), which only lowers register use.
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
-    fp32 = dtype == torch.float32
     stages = 3 if arch >= 90 else 2
-    if seq_len <= 64:
-        t = max(16, next_power_of_2(seq_len))
-        small = Tile(t, t, 4, 1)
-        return AttentionConfig(fwd=small, dkdv=small, dq=small, delta=Tile(t, t, 4, 1))
-    if fp32:
-        fwd = Tile(64, 32, 4, stages) if not wide else Tile(64, 32, 8, stages)
-        dkdv = Tile(32, 64, 4, stages) if not wide else Tile(32, 64, 8, stages)
-        dq = Tile(64, 32, 4, stages) if not wide else Tile(64, 32, 8, stages)
+    if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
+        warps = 8 if wide else 4
+        fwd, dkdv, dq = Tile(64, 32, warps, stages), Tile(32, 32, warps, stages), Tile(64, 32, 8, stages)
     else:
-        fwd = Tile(128, 64, 4, stages) if not wide else Tile(128, 64, 8, stages)
-        dkdv = Tile(64, 64, 4, stages) if not wide else Tile(32, 64, 4, stages)
-        dq = Tile(64, 64, 4, stages) if not wide else Tile(64, 32, 4, stages)
-    return AttentionConfig(fwd=fwd, dkdv=dkdv, dq=dq, delta=Tile(64, 64, 4, 1))
+        fwd = Tile(128, 64, 8, stages)
+        dkdv = Tile(32, 64, 8 if wide else 4, stages)
+        dq = Tile(64, 32, 4, stages)
+    cap = max(16, next_power_of_2(seq_len))
+    clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
+    return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq), delta=Tile(min(64, cap), 16, 4, 1))
 
 
 def attention_grid(batch_heads: int, seq_len: int, block: int) -> tuple[int]:
@@ -669,24 +665,42 @@ def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, 
 _FLOAT_ARGS = ("scale", "dropout_p", "inv_keep")
 
 
-def _aot_spec(name, fn, dtype, constexprs, tile, note, lse_like=("Lse", "Delta")):
+def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]:
+    """Integer arguments of a packed-layout launch (qkv (B, N, 3HD), out/dO (B, N, HD))."""
+    N, H, D = tokens, num_heads, head_dim
+    values = dict(num_heads=H, seq_len=N, head_dim=D, num_rows=1)
+    for t in "qkvd":  # q, k, v and the packed gradient: (B, H, N, D) view of a (B, N, 3HD) tensor
+        values.update({f"stride_{t}b": N * 3 * H * D, f"stride_{t}h": D, f"stride_{t}n": 3 * H * D, f"stride_{t}d": 1})
+    for t in "og":  # out and dO: (B, H, N, D) view of a (B, N, HD) tensor
+        values.update({f"stride_{t}b": N * H * D, f"stride_{t}h": D, f"stride_{t}n": H * D, f"stride_{t}d": 1})
+    return values
+
+
+def _aot_spec(name, fn, dtype, constexprs, tile, note, values):
     """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
-    (lse/delta fp32, Rows i64), ints i32, floats fp32, unit D-strides specialised to 1 as Triton does."""
-    constexprs = dict(constexprs, **{a: 1 for a in fn.arg_names if a.startswith("stride_") and a.endswith("d")})
-    signature = {}
+    (lse/delta/probs fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1 and
+    multiples of 16 are listed in divisible_by_16, both as Triton specialises a real launch."""
+    constexprs = dict(constexprs, **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
+    elem = torch.empty((), dtype=dtype).element_size()
+    head_offset_aligned = values["num_heads"] * values["head_dim"] * elem % 16 == 0  # k, v inside qkv
+    signature, divisible = {}, []
     for arg in fn.arg_names:
         if arg in constexprs:
             signature[arg] = "constexpr"
-        elif arg in lse_like or arg == "P":
-            signature[arg] = "*fp32"
-        elif arg == "Rows":
-            signature[arg] = "*i64"
-        elif arg[0].isupper():
-            signature[arg] = "*" + TRITON_DTYPE_NAMES[dtype]
+        elif arg[0].isupper():  # a pointer
+            signature[arg] = {"Lse": "*fp32", "Delta": "*fp32", "P": "*fp32", "Rows": "*i64"}.get(
+                arg, "*" + TRITON_DTYPE_NAMES[dtype])
+            if arg not in ("K", "V", "DK", "DV") or head_offset_aligned:
+                divisible.append(arg)
+        elif arg in _FLOAT_ARGS:
+            signature[arg] = "fp32"
         else:
-            signature[arg] = "fp32" if arg in _FLOAT_ARGS else "i32"
+            signature[arg] = "i32"
+            if values.get(arg, 1) % 16 == 0:
+                divisible.append(arg)
     return AotSpec(name=name, fn=fn, signature=signature, constexprs=constexprs, num_warps=tile.num_warps,
-                   num_stages=tile.num_stages, has_dot=fn is not _attention_delta_kernel, note=note)
+                   num_stages=tile.num_stages, has_dot=fn is not _attention_delta_kernel, note=note,
+                   divisible_by_16=tuple(divisible))
 
 
 def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int, **_) -> list[AotSpec]:
@@ -696,18 +710,19 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     cfg = attention_config(tokens, D, dtype, arch)
     block_d = _block_d(D)
     precision = "tf32" if dtype == torch.float32 else "ieee"
+    values = _launch_values(tokens, num_heads, D)
     specs = [_aot_spec("attention_delta", _attention_delta_kernel, dtype,
-                       dict(BLOCK_M=cfg.delta.block_m, BLOCK_D=block_d), cfg.delta, f"N={tokens} D={D}")]
+                       dict(BLOCK_M=cfg.delta.block_m, BLOCK_D=block_d), cfg.delta, f"N={tokens} D={D}", values)]
     for dropout in (False, True):
         for name, fn, tile in (("attention_fwd", _attention_fwd_kernel, cfg.fwd),
                                ("attention_dkdv", _attention_dkdv_kernel, cfg.dkdv),
                                ("attention_dq", _attention_dq_kernel, cfg.dq)):
             constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, DROPOUT=dropout,
                               INPUT_PRECISION=precision)
-            specs.append(_aot_spec(name, fn, dtype, constexprs, tile, f"N={tokens} D={D} dropout={dropout}"))
+            specs.append(_aot_spec(name, fn, dtype, constexprs, tile, f"N={tokens} D={D} dropout={dropout}", values))
     specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
                            dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
-                                INPUT_PRECISION=precision), cfg.dq, f"N={tokens} D={D} attention maps"))
+                                INPUT_PRECISION=precision), cfg.dq, f"N={tokens} D={D} attention maps", values))
     return specs
 
 

@@ -249,9 +249,11 @@ def test_config_table_and_aot_specs():
                         assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
     specs = A.aot_specs(tokens=197, width=768, num_heads=12, dtype=torch.bfloat16, arch=90)
     assert {s.name for s in specs} >= {"attention_fwd", "attention_delta", "attention_dkdv", "attention_dq"}
-    for s in specs:  # every kernel argument is typed, constexprs given
+    for s in specs:  # every kernel argument is typed, constexprs given, alignment as a real launch
         assert list(s.signature) == list(s.fn.arg_names), s.name
         assert all(s.signature[k] == "constexpr" for k in s.constexprs)
+        assert {"stride_qn", "stride_qh"} & set(s.signature) <= set(s.divisible_by_16), s.name
+        assert "seq_len" not in s.divisible_by_16  # 197 is no multiple of 16
 
 
 def test_tf32_only_when_allowed(monkeypatch):

@@ -1,11 +1,20 @@
-"""Building blocks of the reference Vision Transformer (backend 'torch').
+"""Building blocks of the Vision Transformer, each with a reference and a fused Triton path.
 
 Module and parameter names follow timm exactly (patch_embed.proj, blocks.N.attn.qkv, mlp.fc1, ls1.gamma,
-...) so timm state dicts load unchanged. Every module takes ``backend`` ('auto' | 'triton' | 'torch') and
-keeps it in ``self.backend``; only the pure-PyTorch path exists here. The seams the fused paths replace:
-  - Attention: ``qkv = self.qkv(x)`` (B, N, 3*H*D) then ``self.attend(qkv)`` -> (B, N, H*D);
-  - Mlp: fc1 -> act -> drop1 -> norm -> fc2 -> drop2 (fc1 bias + GELU is one fusable step);
-  - Block: the two residual joins are written out in ``forward``.
+...) so timm state dicts load unchanged. Every module takes ``backend`` ('auto' | 'triton' | 'torch', see
+vit_fast/backend.py) and keeps it in ``self.backend``; the path is chosen per call from the input tensor.
+
+The fused path (GEMMs stay in torch / cuBLAS, every elementwise and normalisation step is a kernel):
+  - PatchEmbed: one ``patch_embed`` launch (conv as an im2col GEMM + bias);
+  - LayerNorm: ``layer_norm``; ``LayerNorm.join`` = residual join + this norm in one ``add_layer_norm``;
+  - Attention: qkv GEMM -> ``attention`` straight on the packed (B, N, 3HD) qkv -> proj GEMM;
+  - Mlp: fc1 GEMM without bias -> ``bias_gelu`` -> fc2 GEMM;
+  - Block.forward_pair(normed, residual, next_norm): proj and fc2 GEMMs run WITHOUT their bias; the bias,
+    LayerScale, per-sample drop-path scale and dropout ride in the residual-join kernel, which also
+    computes the following LayerNorm (norm2, then the next block's norm1 or the final norm).
+Routed through reference ops, also on the fused path (documented, never silently different):
+qk_norm attention (split heads + q/k LayerNorm + SDPA), Mlp drop1 > 0 (F.dropout after bias_gelu),
+a non-Identity Mlp norm, attention maps (``Attention.attention_probs``).
 """
 from __future__ import annotations
 
@@ -16,13 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "triton", "torch")
+import vit_fast.kernels.attention as attention_kernels
+from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_gelu
+from vit_fast.kernels.layer_norm import add_layer_norm
+from vit_fast.kernels.layer_norm import layer_norm as layer_norm_kernel
+from vit_fast.kernels.patch_embed import patch_embed as patch_embed_kernel
 
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
+from .backend import BACKENDS, check_backend, resolve_backend  # noqa: F401  (re-exported)
 
 
 def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -33,8 +42,33 @@ def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(x), int(x)
 
 
-def layer_norm(dim: int, eps: float) -> nn.LayerNorm:
-    return nn.LayerNorm(dim, eps=eps)
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters and state dict) that runs the ``layer_norm`` kernel on the fused path."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, backend: str = "torch"):
+        super().__init__(dim, eps=eps)
+        self.backend = check_backend(backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if resolve_backend(self.backend, x) == "triton":
+            return layer_norm_kernel(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+
+def layer_norm(dim: int, eps: float, backend: str = "torch") -> LayerNorm:
+    return LayerNorm(dim, eps=eps, backend=backend)
+
+
+def residual_join(branch: torch.Tensor, residual: torch.Tensor, bias: Optional[torch.Tensor],
+                  gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], dropout_p: float,
+                  training: bool, norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """new_residual = residual + sample_scale[b] * gamma * dropout(branch + bias), and with a following
+    LayerNorm also ``norm(new_residual)``, in one kernel: returns (normed or None, new_residual)."""
+    if norm is None:
+        return None, bias_dropout_add(branch, bias, residual, dropout_p, training, gamma=gamma,
+                                      sample_scale=sample_scale)
+    return add_layer_norm(branch, residual, norm.weight, norm.bias, norm.eps, branch_bias=bias, gamma=gamma,
+                          sample_scale=sample_scale, dropout_p=dropout_p, training=training)
 
 
 class PatchEmbed(nn.Module):
@@ -83,8 +117,13 @@ class PatchEmbed(nn.Module):
         return H // ph, W // pw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_input(x)
-        x = self.proj(x).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
+        grid = self.check_input(x)
+        if resolve_backend(self.backend, x) == "triton":
+            # Used alone the kernel adds no tokens and a zero position embedding (the model passes its own).
+            zero_pos = x.new_zeros((1, grid[0] * grid[1], self.embed_dim), dtype=self.proj.weight.dtype)
+            x = patch_embed_kernel(x, self.proj.weight, self.proj.bias, zero_pos)
+        else:
+            x = self.proj(x).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
         return self.norm(x)
 
 
@@ -101,8 +140,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.backend = check_backend(backend)
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.q_norm = layer_norm(self.head_dim, norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = layer_norm(self.head_dim, norm_eps) if qk_norm else nn.Identity()
+        # q/k norms stay reference ops on every backend (the attention kernel reads raw packed qkv)
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -114,7 +154,12 @@ class Attention(nn.Module):
         return self.q_norm(q), self.k_norm(k), v
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D)."""
+        """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D).
+
+        Fused path: the ``attention`` kernel reads q, k, v through strides of the packed qkv and writes
+        (B, N, H*D). With qk_norm the reference ops run (the kernel has no per-head LayerNorm)."""
+        if not isinstance(self.q_norm, nn.LayerNorm) and resolve_backend(self.backend, qkv) == "triton":
+            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
@@ -124,6 +169,10 @@ class Attention(nn.Module):
         """Softmax attention probabilities (B, H, N, N) for the normalised input x (no dropout)."""
         q, k, _ = self.split_heads(self.qkv(x))
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """Fused path: attention output through the proj GEMM *without* its bias (the residual join adds it)."""
+        return F.linear(self.attend(self.qkv(x)), self.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -147,9 +196,22 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_features, in_features)
         self.drop2 = nn.Dropout(drop)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
+        ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
+        if resolve_backend(self.backend, x) == "torch":
+            return self.norm(self.drop1(self.act(self.fc1(x))))
+        x = bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias, self.act.approximate)
+        if self.drop1.p > 0 and self.training:
+            x = self.drop1(x)
+        return self.norm(x)
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """Fused path: fc2 GEMM *without* its bias (the residual join adds it, then drop2)."""
+        return F.linear(self.hidden(x), self.fc2.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.drop1(self.act(self.fc1(x)))
-        return self.drop2(self.fc2(self.norm(x)))
+        return self.drop2(self.fc2(self.hidden(x)))
 
 
 class LayerScale(nn.Module):
@@ -186,6 +248,15 @@ class DropPath(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return drop_path(x, self.drop_prob, self.training)
 
+    def sample_scale(self, branch: torch.Tensor) -> Optional[torch.Tensor]:
+        """The per-sample factor (B,) fp32 (0 or 1/keep) the fused join applies, or None when inactive.
+        Drawn like ``drop_path`` (same generator, dtype and count as for the branch tensor), so a fixed
+        seed gives the reference and the fused path the same drop decisions."""
+        if self.drop_prob == 0.0 or not self.training:
+            return None
+        keep = 1.0 - self.drop_prob
+        return branch.new_empty((branch.shape[0],)).bernoulli_(keep).div_(keep).float()
+
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob:.3f}"
 
@@ -199,20 +270,52 @@ class Block(nn.Module):
                  backend: str = "torch"):
         super().__init__()
         self.backend = check_backend(backend)
-        self.norm1 = layer_norm(dim, norm_eps)
+        self.norm1 = layer_norm(dim, norm_eps, backend)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
                               proj_drop=proj_drop, norm_eps=norm_eps, backend=backend)
         self.ls1 = LayerScale(dim, init_values, backend=backend) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path, backend=backend) if drop_path > 0 else nn.Identity()
-        self.norm2 = layer_norm(dim, norm_eps)
+        self.norm2 = layer_norm(dim, norm_eps, backend)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, drop=proj_drop, backend=backend)
         self.ls2 = LayerScale(dim, init_values, backend=backend) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path, backend=backend) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if resolve_backend(self.backend, x) == "triton":
+            return self.forward_pair(layer_norm_kernel(x, self.norm1.weight, self.norm1.bias, self.norm1.eps),
+                                     x, None)[1]
+        return self.forward_reference(x)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
+
+    def forward_pair(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm]
+                     ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """The model-level fused step: (norm1(x), x) -> (next_norm(x'), x') with x' = this block's output.
+
+        Two join kernels: proj output + bias, ls1, drop-path, proj dropout, add, norm2 in one
+        ``add_layer_norm``; fc2 output + bias, ls2, drop-path, mlp dropout, add and ``next_norm`` in
+        another (``bias_dropout_add`` when next_norm is None, then the first output is None)."""
+        if resolve_backend(self.backend, residual) == "torch":
+            x = self.forward_reference(residual)
+            return (next_norm(x) if next_norm is not None else None), x
+        y = self.attn.branch(normed)
+        normed, residual = residual_join(y, residual, self.attn.proj.bias, _gamma(self.ls1),
+                                         _sample_scale(self.drop_path1, y), self.attn.proj_drop.p, self.training,
+                                         self.norm2)
+        y = self.mlp.branch(normed)
+        return residual_join(y, residual, self.mlp.fc2.bias, _gamma(self.ls2), _sample_scale(self.drop_path2, y),
+                             self.mlp.drop2.p, self.training, next_norm)
+
+
+def _gamma(ls: nn.Module) -> Optional[torch.Tensor]:
+    return ls.gamma if isinstance(ls, LayerScale) else None
+
+
+def _sample_scale(dp: nn.Module, branch: torch.Tensor) -> Optional[torch.Tensor]:
+    return dp.sample_scale(branch) if isinstance(dp, DropPath) else None
 
 
 def resample_abs_pos_embed(posemb: torch.Tensor, new_size: tuple[int, int], old_size: tuple[int, int] | None = None,

@@ -5,6 +5,13 @@
 
 ``VisionTransformer(config)`` or ``VisionTransformer(**config_fields)``; ``create_model(name, **overrides)``
 builds a preset. ``model.set_backend('torch' | 'triton' | 'auto')`` switches every module at once.
+
+Fused path (backend resolving to 'triton', see vit_fast/backend.py): one ``patch_embed`` launch builds the
+whole token sequence (a dynamic-size pos_embed is resampled first, on the small tensor); the block loop
+carries (normed, residual) pairs so every residual join is fused with the LayerNorm that follows it
+(``Block.forward_pair``): norm1 of block 0 is the only stand-alone LayerNorm, the last block's join
+computes the final norm (or, with fc_norm / no final norm, is a plain ``bias_dropout_add``).
+Under autocast the residual stream keeps the parameter dtype (fp32), as in the reference model.
 """
 from __future__ import annotations
 
@@ -14,8 +21,9 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from .layers import (Block, PatchEmbed, check_backend, init_weights_vit_timm, named_apply,
-                     resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
+from .backend import check_backend, resolve_backend
+from .layers import (Block, LayerNorm, PatchEmbed, init_weights_vit_timm, layer_norm_kernel, named_apply,
+                     patch_embed_kernel, resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
 from .presets import GLOBAL_POOLS, ViTConfig, get_config
 
 
@@ -56,8 +64,10 @@ class VisionTransformer(nn.Module):
                   drop_path=dpr[i], norm_eps=cfg.norm_eps, act=cfg.act, backend=cfg.backend)
             for i in range(cfg.depth)])
         use_fc_norm = cfg.use_fc_norm
-        self.norm = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.final_norm and not use_fc_norm else nn.Identity()
-        self.fc_norm = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.final_norm and use_fc_norm else nn.Identity()
+        final_norm = cfg.final_norm and not use_fc_norm
+        self.norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if final_norm else nn.Identity()
+        self.fc_norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if cfg.final_norm and use_fc_norm \
+            else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
 
@@ -122,9 +132,8 @@ class VisionTransformer(nn.Module):
             pe = torch.cat([pe.new_zeros(1, self.num_prefix_tokens, self.embed_dim), pe], dim=1)
         return pe
 
-    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        B = x.shape[0]
-        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+    def _resized_pos_embed(self, grid: tuple[int, int]) -> Optional[torch.Tensor]:
+        """The position embedding for a patch grid (resampled only with dynamic_img_size)."""
         pos_embed = self.pos_embed
         if pos_embed is not None and tuple(grid) != self.patch_embed.grid_size:  # only with dynamic_img_size
             if self.config.pos_embed == "sincos":
@@ -135,6 +144,12 @@ class VisionTransformer(nn.Module):
                 pos_embed = resample_abs_pos_embed(
                     pos_embed, new_size=grid, old_size=self.patch_embed.grid_size,
                     num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
+        return pos_embed
+
+    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        B = x.shape[0]
+        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        pos_embed = self._resized_pos_embed(grid)
         if pos_embed is None:
             x = torch.cat(prefix + [x], dim=1)
         elif self.no_embed_class:  # position embedding covers the patches only: add, then concat
@@ -146,16 +161,48 @@ class VisionTransformer(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images -> token sequence entering the first block (B, prefix + h*w, D)."""
         grid = self.patch_embed.check_input(x)
-        return self._pos_embed(self.patch_embed(x), grid)
+        if resolve_backend(self.patch_embed.backend, x) == "torch":
+            return self._pos_embed(self.patch_embed(x), grid)
+        pos_embed = self._resized_pos_embed(grid)
+        covers_prefix = not self.no_embed_class
+        if pos_embed is None:  # pos_embed='none': the kernel adds zeros
+            tokens = grid[0] * grid[1] + (self.num_prefix_tokens if covers_prefix else 0)
+            pos_embed = x.new_zeros((1, tokens, self.embed_dim), dtype=self.patch_embed.proj.weight.dtype)
+        # Outside autocast: tokens come out in the images' dtype, so the residual stream keeps the
+        # reference's dtype under AMP (fp32: timm's pos_embed add promotes it); an fp32 patch GEMM is <2%
+        # of the FLOPs.
+        with torch.autocast(x.device.type, enabled=False):
+            tokens = patch_embed_kernel(x, self.patch_embed.proj.weight, self.patch_embed.proj.bias, pos_embed,
+                                        self.cls_token, self.reg_token, covers_prefix)
+        return self.pos_drop(tokens)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
+        if len(self.blocks) and resolve_backend(self.backend, x) == "triton":
+            return self._forward_blocks_fused(x)
         if self.grad_checkpointing and torch.is_grad_enabled():
             for blk in self.blocks:
                 x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
         else:
             x = self.blocks(x)
         return self.norm(x)
+
+    def _forward_blocks_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """Blocks + final norm carrying (normed, residual): every join is fused with the next LayerNorm."""
+        blocks = list(self.blocks)
+        final_norm = self.norm if isinstance(self.norm, nn.LayerNorm) else None
+        norm1 = blocks[0].norm1
+        normed, residual = layer_norm_kernel(x, norm1.weight, norm1.bias, norm1.eps), x
+        for i, blk in enumerate(blocks):
+            next_norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else final_norm
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                # torch.utils.checkpoint restores the CPU RNG state before recomputing, and the kernels
+                # draw their dropout seeds from it (next_seed), so the recomputed masks are the same.
+                normed, residual = torch.utils.checkpoint.checkpoint(blk.forward_pair, normed, residual, next_norm,
+                                                                     use_reentrant=False)
+            else:
+                normed, residual = blk.forward_pair(normed, residual, next_norm)
+        return normed if final_norm is not None else self.norm(residual)
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
         pool_type = self.global_pool if pool_type is None else pool_type

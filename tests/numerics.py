@@ -7,30 +7,7 @@ from __future__ import annotations
 
 import torch
 
-# Relative-norm bounds from the guide. "dot" is for ops with a matmul inside (fp32 via ieee dot).
-BOUNDS = {
-    ("elementwise", torch.float32): 1e-6,
-    ("dot", torch.float32): 1e-5,
-    ("elementwise", torch.float16): 1e-3,
-    ("dot", torch.float16): 1e-3,
-    ("elementwise", torch.bfloat16): 1e-2,
-    ("dot", torch.bfloat16): 1e-2,
-}
-
-
-def bound(dtype: torch.dtype, kind: str = "elementwise") -> float:
-    return BOUNDS[(kind, dtype)]
-
-
-def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(relative norm error, max abs error) of out against ref, both computed in float64."""
-    out64, ref64 = out.detach().double(), ref.detach().double()
-    finite = torch.isfinite(ref64)
-    diff = (out64 - ref64)[finite]
-    denom = ref64[finite].norm().item()
-    rel = diff.norm().item() / denom if denom > 0 else diff.norm().item()
-    max_abs = diff.abs().max().item() if diff.numel() else 0.0
-    return rel, max_abs
+from vit_fast.numerics import BOUNDS, EAGER_SLACK, bound, errors  # noqa: F401  (one source of truth)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float, name: str = "output", atol: float | None = None):

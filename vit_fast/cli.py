@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "report": "vit_fast.report:main",
     "traffic": "vit_fast.traffic:main",
     "bench": "vit_fast.bench:main",
+    "check": "vit_fast.check:main",
 }
 
 

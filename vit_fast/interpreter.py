@@ -1,0 +1,54 @@
+"""Fixes for two Triton-interpreter bf16 gaps, so CPU runs of the kernels compute what the GPU computes.
+
+Installed by the test suite (tests/conftest.py) and by ``vit-fast check`` when it runs the kernels in
+the interpreter; never used on a GPU, and a no-op unless TRITON_INTERPRET=1.
+
+1. tl.dot on bf16 operands: the interpreter holds bf16 values as uint16 bit patterns and multiplies the
+   bits (triton-lang/triton#4972, #10945; maintainers: bf16 "not supported yet"). The GPU runs the dot on
+   tensor cores with bf16 operands and fp32 accumulation; widening the operands to fp32 reproduces that
+   exactly (bf16 -> fp32 is lossless). GUIDE.md 3a.
+2. fp32 -> bf16 casts (``x.to(tl.bfloat16)``, e.g. on store) truncate the mantissa in the interpreter
+   (cast_impl passes no rounding mode), while the GPU's cvt.rn.bf16.f32 rounds to nearest even:
+   truncation doubles the rounding error of every bf16 output. Round like the GPU (torch's fp32 -> bf16
+   conversion is RNE and keeps NaN/inf).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_installed = False
+
+
+def install_bf16_shims() -> bool:
+    """Patch the interpreter (once); returns whether the shims are active."""
+    global _installed
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if _installed:
+        return True
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    create_dot, cast_impl = interp.InterpreterBuilder.create_dot, interp.InterpreterBuilder.cast_impl
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot_bf16_as_fp32(self, a, b, d, *rest):
+        return create_dot(self, widen(a), widen(b), d, *rest)
+
+    def cast_impl_rne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interp.TensorHandle(bits.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    interp.InterpreterBuilder.create_dot = create_dot_bf16_as_fp32
+    interp.InterpreterBuilder.cast_impl = cast_impl_rne
+    _installed = True
+    return True

@@ -13,7 +13,7 @@ L = prefix + Np and every token gets its row; otherwise L = Np and the prefix to
 Forward (one launch). The patch rows are a GEMM  X[m, k] @ W[k, n]  with m = b*Np + hp*Wp + wp and
 k = c*P*P + py*P + px (the conv weight's (C, P, P) flattening); the A tile is gathered from the
 NCHW images by pointer arithmetic (no im2col tensor), cast to the compute dtype in the load, the
-accumulator is fp32 and the epilogue adds bias[n] + pos_embed[prefix? + p, n] before one store at
+accumulator is fp32, the epilogue adds bias[n] + pos_embed[prefix? + p, n] before one store at
 token row prefix + p. Extra programs after the patch rows write the B*prefix prefix rows
 (cls/reg + their pos_embed rows).
 
@@ -28,8 +28,10 @@ Backward (dY = dtokens, any strides, e.g. stride 0 from ``.sum()``):
               pixel is written exactly once); only when the images require grad.
 
 Dtype policy: compute dtype = the autocast dtype when autocast is on for the images' device, else the
-images' dtype. fp32 images are cast in the load, fp32 accumulation (fp32 compute uses IEEE dots),
-tokens come out in the compute dtype; every gradient comes out in its tensor's own dtype.
+images' dtype. fp32 images are cast in the load, fp32 accumulation,
+tokens come out in the compute dtype; every gradient comes out in its tensor's own dtype. fp32 dots
+use TF32 when ``torch.backends.cudnn.allow_tf32`` is set (PyTorch's default, what eager Conv2d does),
+IEEE fp32 otherwise.
 
 Bytes per image (ViT-B/16, 224 px, bf16 compute, fp32 images, D=768, Np=196): forward reads the
 image once (602 KB fp32; re-reads for other n-blocks hit L2), writes 197*768*2 = 303 KB of tokens;
@@ -54,16 +56,26 @@ OP = "patch_embed"
 
 
 # --------------------------------------------------------------------------------------- kernels
+# K is walked in tiles of ROWS patch rows x PATCH_PAD columns of one channel (PATCH_PAD = next power of
+# two >= P): tile t covers channel c = t // STEPS and rows py0 = (t % STEPS) * ROWS ..., so inside a tile
+# the pixel offsets are row-contiguous runs the compiler can vectorize (no div/mod by runtime values).
 @triton.jit
-def _pixel_offsets(offs_k, P, stride_c, stride_y, stride_x):
-    """Offsets of the pixels k = c*P*P + py*P + px inside one patch (also used for the weight)."""
-    c = offs_k // (P * P)
-    r = offs_k % (P * P)
-    return c * stride_c + (r // P) * stride_y + (r % P) * stride_x
+def _tile_pixels(t, stride_c, stride_y, stride_x,
+                 PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """(pixel offsets, valid mask, conv-weight index k = c*P*P + py*P + px) of the ROWS*PATCH_PAD tile t."""
+    STEPS: tl.constexpr = (PATCH + ROWS - 1) // ROWS
+    c = t // STEPS
+    py = (t % STEPS) * ROWS + tl.arange(0, ROWS * PATCH_PAD) // PATCH_PAD
+    px = tl.arange(0, ROWS * PATCH_PAD) % PATCH_PAD
+    if (PATCH == PATCH_PAD) and (PATCH % ROWS == 0):
+        valid = tl.full((ROWS * PATCH_PAD,), 1, tl.int1)  # statically in range: keeps loads vectorizable
+    else:
+        valid = (py < PATCH) & (px < PATCH)
+    return c * stride_c + py * stride_y + px * stride_x, valid, c * (PATCH * PATCH) + py * PATCH + px
 
 
 @triton.jit
-def _patch_rows(offs_m, Np, Wp, P, prefix, stride_b, stride_h, stride_w, stride_tb, stride_tt):
+def _patch_rows(offs_m, Np, Wp, P: tl.constexpr, prefix, stride_b, stride_h, stride_w, stride_tb, stride_tt):
     """For patch rows m = b*Np + p: (image offset of the patch's top-left pixel, token row offset, p)."""
     b = offs_m // Np
     p = offs_m % Np
@@ -73,9 +85,9 @@ def _patch_rows(offs_m, Np, Wp, P, prefix, stride_b, stride_h, stride_w, stride_
 
 
 @triton.jit
-def _dot(a, b, acc):
+def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
     if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")  # fp32 compute means fp32 math (like cuDNN without TF32)
+        return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     return tl.dot(a, b, acc)
 
 
@@ -85,9 +97,11 @@ def _patch_embed_fwd_kernel(
     sxb, sxc, sxh, sxw,  # image strides
     swd, swc, swy, swx,  # weight strides
     spt, spd, srt,  # pos_embed strides (token, channel), reg_tokens token stride
-    M, D, K, Np, Wp, P, T, prefix, pos_base,  # M = B*Np patch rows, K = C*P*P, T = prefix + Np tokens
+    M, D, C, Np, Wp, T, prefix, pos_base,  # M = B*Np patch rows, T = prefix + Np tokens
     HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_REG: tl.constexpr, POS_PREFIX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
+    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr,  # P is a model constant
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # 1-D grid, n fastest: programs that share an image tile run together (L2 reuse of the gather).
     pid = tl.program_id(0)
@@ -99,16 +113,14 @@ def _patch_embed_fwd_kernel(
     if pid_m < tl.cdiv(M, BLOCK_M):
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
-        img, tok, p = _patch_rows(offs_m, Np, Wp, P, prefix, sxb, sxh, sxw, T * D, D)
+        img, tok, p = _patch_rows(offs_m, Np, Wp, PATCH, prefix, sxb, sxh, sxw, T * D, D)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(X + img[:, None] + _pixel_offsets(offs_k, P, sxc, sxh, sxw)[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(cdt)
-            w = tl.load(W + offs_n[None, :] * swd + _pixel_offsets(offs_k, P, swc, swy, swx)[:, None],
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(cdt)
-            acc = _dot(a, w, acc)
+        for t in range(0, C * ((PATCH + ROWS - 1) // ROWS)):
+            xpix, valid, _ = _tile_pixels(t, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS)
+            wpix, _, _ = _tile_pixels(t, swc, swy, swx, PATCH, PATCH_PAD, ROWS)
+            a = tl.load(X + img[:, None] + xpix[None, :], mask=mask_m[:, None] & valid[None, :], other=0.0)
+            w = tl.load(W + offs_n[None, :] * swd + wpix[:, None], mask=valid[:, None] & mask_n[None, :], other=0.0)
+            acc = _dot(a.to(cdt), w.to(cdt), acc, INPUT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc += tl.load(Pos + (pos_base + p)[:, None] * spt + offs_n[None, :] * spd,
@@ -133,42 +145,42 @@ def _patch_embed_fwd_kernel(
 
 @triton.jit
 def _patch_embed_dweight_kernel(
-    Part, DY, X,  # fp32 partials (S, D*K + D); dtokens (B, T, D) any strides; images
+    Part, DY, X,  # fp32 partials (S, D*K + D), K = C*P*P; dtokens (B, T, D) any strides; images
     sdb, sdt, sdd,  # dtokens strides
     sxb, sxc, sxh, sxw,  # image strides
-    M, D, K, Np, Wp, P, prefix, blocks_per_split,  # each split covers blocks_per_split row blocks
+    M, D, K, Np, Wp, prefix, blocks_per_split,  # each split covers blocks_per_split row blocks
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # grid (n-blocks x k-tiles, S): program (n, t, s) owns dW[n-block, k-tile t] over split s of the patches
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_k = tl.cdiv(K, BLOCK_K)
-    pid_n = pid // num_k
-    pid_k = pid % num_k
+    num_t = (K // (PATCH * PATCH)) * ((PATCH + ROWS - 1) // ROWS)
+    pid_n = pid // num_t
+    pid_t = pid % num_t
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < D
-    mask_k = offs_k < K
-    pix = _pixel_offsets(offs_k, P, sxc, sxh, sxw)
+    pix, valid, offs_k = _tile_pixels(pid_t, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS)
     cdt = DY.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, ROWS * PATCH_PAD), dtype=tl.float32)
     bias_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     m_begin = split * blocks_per_split * BLOCK_M
     m_end = tl.minimum(m_begin + blocks_per_split * BLOCK_M, M)
     for m0 in range(m_begin, m_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < m_end
-        img, tok, p = _patch_rows(offs_m, Np, Wp, P, prefix, sxb, sxh, sxw, sdb, sdt)
+        img, tok, p = _patch_rows(offs_m, Np, Wp, PATCH, prefix, sxb, sxh, sxw, sdb, sdt)
         dy_t = tl.load(DY + tok[None, :] + offs_n[:, None] * sdd, mask=mask_n[:, None] & mask_m[None, :], other=0.0)
-        x = tl.load(X + img[:, None] + pix[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(cdt)
-        acc = _dot(dy_t, x, acc)
-        if HAS_BIAS:  # every k-block sums it (cheap next to the dot); only pid_k == 0 stores it
+        x = tl.load(X + img[:, None] + pix[None, :], mask=mask_m[:, None] & valid[None, :], other=0.0)
+        acc = _dot(dy_t, x.to(cdt), acc, INPUT_PRECISION)
+        if HAS_BIAS:  # every k-tile sums it (cheap next to the dot); only pid_t == 0 stores it
             bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
     row = Part + split.to(tl.int64) * (D * K + D)
-    tl.store(row + offs_n[:, None] * K + offs_k[None, :], acc, mask=mask_n[:, None] & mask_k[None, :])
+    tl.store(row + offs_n[:, None] * K + offs_k[None, :], acc, mask=mask_n[:, None] & valid[None, :])
     if HAS_BIAS:
-        if pid_k == 0:
-            tl.store(row + D * K + offs_n, bias_acc, mask=mask_n)
+        tl.store(row + D * K + offs_n, bias_acc, mask=mask_n & (pid_t == 0))
 
 
 @triton.jit
@@ -216,36 +228,37 @@ def _patch_embed_dimages_kernel(
     sdb, sdt, sdd,  # dtokens strides
     sgb, sgc, sgh, sgw,  # image-gradient strides
     swd, swc, swy, swx,  # weight strides
-    M, D, K, Np, Wp, P, prefix,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M, D, C, Np, Wp, prefix,
+    INPUT_PRECISION: tl.constexpr,
+    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # program (m-block, k-tile t): dX[m-block, tile t] = dY[m-block, :] @ W[:, tile t], scattered to pixels
     pid = tl.program_id(0)
-    num_k = tl.cdiv(K, BLOCK_K)
-    offs_m = (pid // num_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = (pid % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    num_t = C * ((PATCH + ROWS - 1) // ROWS)
+    offs_m = (pid // num_t) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    mask_k = offs_k < K
-    img, tok, p = _patch_rows(offs_m, Np, Wp, P, prefix, sgb, sgh, sgw, sdb, sdt)
-    wpix = _pixel_offsets(offs_k, P, swc, swy, swx)
+    img, tok, p = _patch_rows(offs_m, Np, Wp, PATCH, prefix, sgb, sgh, sgw, sdb, sdt)
+    wpix, valid, _ = _tile_pixels(pid % num_t, swc, swy, swx, PATCH, PATCH_PAD, ROWS)
     cdt = DY.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, ROWS * PATCH_PAD), dtype=tl.float32)
     for n0 in range(0, D, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < D
         dy = tl.load(DY + tok[:, None] + offs_n[None, :] * sdd, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-        w = tl.load(W + offs_n[:, None] * swd + wpix[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(cdt)
-        acc = _dot(dy, w, acc)
-    dst = DX + img[:, None] + _pixel_offsets(offs_k, P, sgc, sgh, sgw)[None, :]
-    tl.store(dst, acc.to(DX.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
+        w = tl.load(W + offs_n[:, None] * swd + wpix[None, :], mask=mask_n[:, None] & valid[None, :], other=0.0)
+        acc = _dot(dy, w.to(cdt), acc, INPUT_PRECISION)
+    gpix, _, _ = _tile_pixels(pid % num_t, sgc, sgh, sgw, PATCH, PATCH_PAD, ROWS)
+    tl.store(DX + img[:, None] + gpix[None, :], acc.to(DX.dtype.element_ty), mask=mask_m[:, None] & valid[None, :])
 
 
 # ---------------------------------------------------------------------------------- config table
 # Per arch and compute-dtype width: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each GEMM.
 # M = patches, N = width D, K = pixels per patch. fwd tiles (M, N) over K; dweight tiles (N, K) over M
-# (split into S chunks); dimages tiles (M, K) over N. fp32 compute uses IEEE dots (no tensor cores),
-# so its tiles are smaller to keep the fp32 operands in registers without spills.
+# (split into S chunks); dimages tiles (M, K) over N. fp32 compute (IEEE dots run on FMA units, TF32
+# on tensor cores) uses smaller tiles so the fp32 operands stay in registers without spills.
 _CONFIGS = {
-    (80, 2): dict(fwd=(128, 128, 32, 4, 3), dweight=(64, 128, 64, 4, 3), dimages=(128, 64, 64, 4, 3)),
+    (80, 2): dict(fwd=(128, 128, 32, 8, 3), dweight=(64, 128, 64, 4, 3), dimages=(128, 64, 64, 4, 3)),
     (90, 2): dict(fwd=(128, 128, 64, 8, 3), dweight=(64, 128, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
     (80, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
     (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
@@ -264,19 +277,78 @@ def patch_embed_config(arch: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def _dweight_split(M: int, D: int, K: int, cfg: dict) -> tuple[int, int]:
+def _dweight_split(M: int, D: int, k_tiles: int, cfg: dict) -> tuple[int, int]:
     """(S, row blocks per split): a fixed cut of the patch axis for the dW partials (depends on shape only)."""
-    tiles = triton.cdiv(D, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"])
+    tiles = triton.cdiv(D, cfg["BLOCK_N"]) * k_tiles
     m_blocks = triton.cdiv(M, cfg["BLOCK_M"])
     splits = min(m_blocks, max(1, triton.cdiv(2 * cfg["num_sms"], tiles)))
     per_split = triton.cdiv(m_blocks, splits)
     return triton.cdiv(m_blocks, per_split), per_split
 
 
-def _launch(cfg: dict) -> tuple[dict, dict]:
-    """Split a GEMM config into (block-size constexprs, launch options)."""
-    blocks = {k: v for k, v in cfg.items() if k.startswith("BLOCK")}
-    return blocks, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+def input_precision(dtype: torch.dtype) -> str:
+    """fp32 dots follow the flag eager Conv2d follows (cuDNN TF32, on by default in PyTorch)."""
+    return "tf32" if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "ieee"
+
+
+def _gemm_launch(cfg: dict, dtype: torch.dtype, patch: int) -> tuple[dict, dict, int]:
+    """(constexprs, launch options, k-tiles per channel) of a GEMM kernel: a K tile is ROWS patch rows
+    of PATCH_PAD columns, ROWS * PATCH_PAD ~ the table's BLOCK_K."""
+    pad = triton.next_power_of_2(patch)
+    rows = min(max(1, cfg["BLOCK_K"] // pad), pad)
+    constexprs = dict(INPUT_PRECISION=input_precision(dtype), PATCH=patch, PATCH_PAD=pad, ROWS=rows,
+                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    return constexprs, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), triton.cdiv(patch, rows)
+
+
+def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size: int = 16, in_chans: int = 3,
+              img_size: int = 224, batch: int = 256, pos_embed_covers_prefix: bool = True,
+              param_dtype: torch.dtype = torch.float32, images_dtype: torch.dtype = torch.float32,
+              **_) -> list[AotSpec]:
+    """Every launch of one training step's patch embedding (forward, dW/dbias partials, reduction, and
+    dimages for images that require grad), for contiguous square images of ``img_size`` and a class
+    token plus ``tokens - 1 - patches`` register tokens. Defaults: mixed precision (fp32 images and
+    parameters, ``dtype`` compute). Integer arguments take the values this launch would pass, so unit
+    strides become constexpr 1 and multiples of 16 land in divisible_by_16, as Triton specialises them."""
+    cfg = patch_embed_config(arch, dtype)
+    P, C, D, T = patch_size, in_chans, width, tokens
+    Wp = img_size // P
+    Np = Wp * Wp
+    prefix, K, M = T - Np, C * P * P, batch * Np
+    cdt, img, par = (TRITON_DTYPE_NAMES[d] for d in (dtype, images_dtype, param_dtype))
+    steps = _gemm_launch(cfg["dweight"], dtype, P)[2]
+    splits, per_split = _dweight_split(M, D, C * steps, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+    image_strides = dict(b=C * img_size * img_size, c=img_size * img_size, h=img_size, w=1)
+    values = dict(  # every integer argument of the four kernels at this launch
+        {f"sx{k}": v for k, v in image_strides.items()}, **{f"sg{k}": v for k, v in image_strides.items()},
+        swd=K, swc=P * P, swy=P, swx=1, spt=D, spd=1, srt=D, sdb=T * D, sdt=D, sdd=1,
+        M=M, D=D, C=C, K=K, Np=Np, Wp=Wp, T=T, prefix=prefix, pos_base=0 if pos_embed_covers_prefix else prefix,
+        blocks_per_split=per_split, S=splits, B=batch)
+    flags = dict(HAS_BIAS=True, HAS_CLS=int(prefix > 0), HAS_REG=prefix > 1)
+    note = f"N={T} D={D} P={P} C={C} {img_size}px {cdt} compute, {img} images, {par} params"
+    kernels = [  # (name, kernel, pointer types, flags, config)
+        ("patch_embed_fwd", _patch_embed_fwd_kernel,
+         dict(Out=cdt, X=img, W=par, Bias=par, Pos=par, Cls=par, Reg=par),
+         dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg["fwd"]),
+        ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
+         dict(HAS_BIAS=True), cfg["dweight"]),
+        ("patch_embed_reduce", _patch_embed_reduce_kernel,
+         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), flags, cfg["reduce"]),
+        ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg["dimages"]),
+    ]
+    specs = []
+    for name, fn, pointers, constexprs, launch in kernels:
+        if "PATCH" in fn.arg_names:
+            constexprs = dict(constexprs, **_gemm_launch(launch, dtype, P)[0])
+        else:
+            constexprs = dict(constexprs, BLOCK=launch["BLOCK"])
+        constexprs.update({a: 1 for a in fn.arg_names if values.get(a) == 1})
+        signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers else "i32"
+                     for a in fn.arg_names}
+        divisible = tuple(a for a, t in signature.items() if t.startswith("*") or (t == "i32" and values[a] % 16 == 0))
+        specs.append(AotSpec(name, fn, signature, constexprs, launch["num_warps"], launch["num_stages"],
+                             has_dot=name != "patch_embed_reduce", note=note, divisible_by_16=divisible))
+    return specs
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -344,17 +416,17 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     Np, Wp = (H // P) * (W // P), W // P
     prefix, M = T - Np, B * Np
     out = torch.empty((B, T, D), dtype=compute_dtype, device=device)
-    blocks, opts = _launch(patch_embed_config(gpu_arch(device), compute_dtype)["fwd"])
-    rows = triton.cdiv(M, blocks["BLOCK_M"]) + triton.cdiv(B * prefix, blocks["BLOCK_M"])
-    grid = (rows * triton.cdiv(D, blocks["BLOCK_N"]),)
+    consts, opts, _ = _gemm_launch(patch_embed_config(gpu_arch(device), compute_dtype)["fwd"], compute_dtype, P)
+    rows = triton.cdiv(M, consts["BLOCK_M"]) + triton.cdiv(B * prefix, consts["BLOCK_M"])
+    grid = (rows * triton.cdiv(D, consts["BLOCK_N"]),)
     _patch_embed_fwd_kernel[grid](
         out, images, weight, bias if bias is not None else weight, pos_embed,
         cls_token if cls_token is not None else weight, reg_tokens if reg_tokens is not None else weight,
         *images.stride(), *weight.stride(), pos_embed.stride(1), pos_embed.stride(2),
         reg_tokens.stride(1) if reg_tokens is not None else 0,
-        M, D, C * P * P, Np, Wp, P, T, prefix, prefix if pos_embed_covers_prefix else 0,
+        M, D, C, Np, Wp, T, prefix, prefix if pos_embed_covers_prefix else 0,
         HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
-        POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **blocks, **opts)
+        POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
     return out
 
 
@@ -390,13 +462,13 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
     dW, dbias, dpos, dcls, dreg, dimages = grads
     cfg = patch_embed_config(gpu_arch(device), dtokens.dtype)
 
-    blocks, opts = _launch(cfg["dweight"])
-    splits, per_split = _dweight_split(M, D, K, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+    consts, opts, steps = _gemm_launch(cfg["dweight"], dtokens.dtype, P)
+    splits, per_split = _dweight_split(M, D, C * steps, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
     partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
-    grid = (triton.cdiv(D, blocks["BLOCK_N"]) * triton.cdiv(K, blocks["BLOCK_K"]), splits)
+    grid = (triton.cdiv(D, consts["BLOCK_N"]) * C * steps, splits)
     _patch_embed_dweight_kernel[grid](
         partials, dtokens, images, *dtokens.stride(), *images.stride(),
-        M, D, K, Np, Wp, P, prefix, per_split, HAS_BIAS=bias is not None, **blocks, **opts)
+        M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
 
     red = cfg["reduce"]
     grid = (triton.cdiv(D * K + D, red["BLOCK"]) + triton.cdiv(T * D, red["BLOCK"]),)
@@ -408,11 +480,11 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
         BLOCK=red["BLOCK"], num_warps=red["num_warps"], num_stages=red["num_stages"])
 
     if needs_dimages:
-        blocks, opts = _launch(cfg["dimages"])
-        grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(K, blocks["BLOCK_K"]),)
+        consts, opts, steps = _gemm_launch(cfg["dimages"], dtokens.dtype, P)
+        grid = (triton.cdiv(M, consts["BLOCK_M"]) * C * steps,)
         _patch_embed_dimages_kernel[grid](
             dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
-            M, D, K, Np, Wp, P, prefix, **blocks, **opts)
+            M, D, C, Np, Wp, prefix, **consts, **opts)
     return grads
 
 

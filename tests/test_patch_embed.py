@@ -25,6 +25,8 @@ def _poisoned_empty(*args, **kwargs):
 @pytest.fixture(autouse=True)
 def poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
+    # fp32 bounds are for IEEE dots; on a GPU the kernel (like Conv2d) would use TF32 under this flag
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 def make_inputs(B, C, H, W, P, D, cls=True, regs=0, covers=True, dtype=torch.float32, bias=True, seed=0):
@@ -148,7 +150,7 @@ def test_backward_is_bitwise_repeatable(monkeypatch):
     small["dweight"] = dict(small["dweight"], BLOCK_M=16)
     monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype: small)
     M, K, D = 2 * 4 * 6, 3 * 64, 64
-    splits, _ = pe._dweight_split(M, D, K, dict(small["dweight"], num_sms=small["num_sms"]))
+    splits, _ = pe._dweight_split(M, D, 3 * 1, dict(small["dweight"], num_sms=small["num_sms"]))
     assert splits == 3
     inputs = make_inputs(2, 3, 32, 48, 8, D, cls=True, regs=1, seed=8)
     check_against_reference(inputs, True, torch.float32)  # correct with a 3-way split
@@ -191,6 +193,13 @@ def test_launch_counts_and_no_image_grad(monkeypatch):
 
 def test_poisoning_is_active():
     assert torch.isnan(torch.empty(4)).all()
+
+
+def test_fp32_dot_precision_follows_the_conv_tf32_flag(monkeypatch):
+    assert pe.input_precision(torch.float32) == "ieee"  # the fixture turned TF32 off
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert pe.input_precision(torch.float32) == "tf32"
+    assert pe.input_precision(torch.bfloat16) == "ieee"  # ignored for 16-bit dots
 
 
 def test_custom_ops_trace_under_compile():

@@ -460,6 +460,24 @@ def _check_sample_scale(op: str, sample_scale: Optional[torch.Tensor], x: torch.
     check_shape(op, "sample_scale", sample_scale, (x.shape[0],))
 
 
+def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optional[torch.Tensor],
+                 gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], p: float, training: bool,
+                 *more: Optional[torch.Tensor], bias_name: str = "bias", p_name: str = "p") -> tuple[float, int]:
+    """Validate a residual join's inputs (x already checked) and pick its dropout: returns (p, seed),
+    p = 0 and no seed drawn from torch's generator in eval mode or for p = 0."""
+    n = x.shape[-1]
+    check_float(op, "residual", residual)
+    check_shape(op, "residual", residual, tuple(x.shape))
+    _check_param(op, bias_name, bias, n)
+    _check_param(op, "gamma", gamma, n)
+    _check_sample_scale(op, sample_scale, x)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{op}: expected dropout probability {p_name} in [0, 1], got {p}")
+    check_kernel_device(op, x, residual, bias, gamma, sample_scale, *more)
+    p = float(p) if training else 0.0
+    return p, (next_seed() if p > 0 else 0)
+
+
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
     """GELU(x + bias) over the last dim of x (..., N); bias (N,) or None. See the module docstring."""
     n = _check_rows_input("bias_gelu", x)
@@ -484,18 +502,8 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
 
     x, residual: (B, ..., N); bias, gamma: (N,) or None; sample_scale: (B,) fp32 or None.
     """
-    op = "bias_dropout_add"
-    n = _check_rows_input(op, x)
-    check_float(op, "residual", residual)
-    check_shape(op, "residual", residual, tuple(x.shape))
-    _check_param(op, "bias", bias, n)
-    _check_param(op, "gamma", gamma, n)
-    _check_sample_scale(op, sample_scale, x)
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{op}: expected dropout probability p in [0, 1], got {p}")
-    check_kernel_device(op, x, bias, residual, gamma, sample_scale)
-    p = float(p) if training else 0.0
-    seed = next_seed() if p > 0 else 0
+    _check_rows_input("bias_dropout_add", x)
+    p, seed = prepare_join("bias_dropout_add", x, residual, bias, gamma, sample_scale, p, training)
     return BiasDropoutAddFunction.apply(x, bias, residual, gamma, sample_scale, p, seed)
 
 

@@ -35,7 +35,10 @@ row) and per-column parameters ignored). Launches per call in brackets:
 The unfused eager path moves add 3s + LN 2s = 5s forward (7s with a separate bias add, 9s with
 dropout), and backward 4s+ plus separate parameter-grad reductions.
 
-Limits: N from 1 to 16384 in one tile per row (tested 64..8192, incl. 192..1664 ViT widths);
+Limits: N from 1 to 8192 in one tile per row (tested 64..8192, incl. 192..1664 ViT widths).
+Compiled for sm_80 / sm_90 every ViT-width launch (aot_specs) runs without spills; at 8192 the
+join backward with LayerScale spills up to 176 bytes per thread (32 warps cap registers at 64)
+- correct but slower; plain LayerNorm and every forward are spill-free up to 8192;
 any leading shape, 0 rows included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
 Inputs whose last dimension is not contiguous are copied once; row strides are passed through.
 """
@@ -48,24 +51,23 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_float, check_kernel_device, check_shape, next_power_of_2, \
-    next_seed
+from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2
 from .bias_gelu import (
     _check_param,
     _check_rows_input,
-    _check_sample_scale,
     as_rows,
     bias_dropout_add_bwd,
     bias_dropout_add_ref,
     kernel_signature,
     num_partials,
+    prepare_join,
     residual_join_bwd,
     residual_join_fwd,
     stores_dx,
     sum_partials,
 )
 
-MAX_WIDTH = 16384
+MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
 
 
 @triton.jit
@@ -170,12 +172,15 @@ def _layer_norm_bwd_kernel(
 
 def ln_config(n: int, arch: int = 80) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): a whole padded row per tile (statistics in registers), rows
-    stacked to 2048 elements for narrow widths, about 8 elements per thread (16 from 8192 up):
-    the backward keeps ~10 row-sized fp32 tiles live, which fits without spills (checked by
-    compiling aot_specs for sm_80 / sm_90) and leaves room for two or more programs per SM."""
+    stacked to 2048 elements for narrow widths with 8 elements per thread; single-row tiles
+    (widths > 1024) get 4-8 elements per thread, up to 32 warps. The backward keeps ~10 row-sized
+    fp32 tiles live: at 8 warps a 2048-wide row hits ptxas' 128-register cap and spills on sm_90,
+    at 16 it stays under 100 (aot_specs compiled for sm_80 / sm_90). One table for both archs."""
     block_n = next_power_of_2(n)
     block_m = max(1, min(16, 2048 // block_n))
-    return block_m, block_n, max(1, min(16, block_m * block_n // 256))
+    if block_m > 1 or block_n < 2048:
+        return block_m, block_n, max(1, block_m * block_n // 256)
+    return 1, block_n, min(32, block_n // 128)
 
 
 def _param_grad_dtype(params: list[torch.Tensor]) -> torch.dtype:
@@ -341,18 +346,9 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     x, residual: (B, ..., N); weight, bias, branch_bias, gamma: (N,); sample_scale: (B,) fp32
     (drop-path: 0 or 1/keep_prob per sample). See the module docstring for dtypes and traffic.
     """
-    op = "add_layer_norm"
-    n = _check_ln_inputs(op, x, weight, bias, eps)
-    check_float(op, "residual", residual)
-    check_shape(op, "residual", residual, tuple(x.shape))
-    _check_param(op, "branch_bias", branch_bias, n)
-    _check_param(op, "gamma", gamma, n)
-    _check_sample_scale(op, sample_scale, x)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{op}: expected dropout_p in [0, 1], got {dropout_p}")
-    check_kernel_device(op, x, residual, weight, bias, branch_bias, gamma, sample_scale)
-    p = float(dropout_p) if training else 0.0
-    seed = next_seed() if p > 0 else 0
+    _check_ln_inputs("add_layer_norm", x, weight, bias, eps)
+    p, seed = prepare_join("add_layer_norm", x, residual, branch_bias, gamma, sample_scale, dropout_p, training,
+                           weight, bias, bias_name="branch_bias", p_name="dropout_p")
     return AddLayerNormFunction.apply(x, residual, weight, bias, branch_bias, gamma, sample_scale, float(eps), p, seed)
 
 

@@ -212,3 +212,30 @@ def test_torch_compile_fullgraph_traces_add_layer_norm():
     assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
     (y.sum() + h.sum()).backward()
     assert inputs["gamma"].grad is not None
+
+
+@pytest.mark.parametrize("width,hidden", [(384, 1536), (1408, 6144)])
+def test_aot_specs_match_kernels_and_config_tables(width, hidden):
+    """Every AotSpec names each kernel argument once, in order, marks exactly the constexpr
+    parameters as such, types every pointer, and uses the blocks the launchers' tables pick."""
+    import inspect
+
+    from vit_fast.kernels import bias_gelu as bg
+
+    for arch in (80, 90):
+        specs = ln.aot_specs(tokens=197, width=width, mlp_hidden=hidden, dtype=torch.bfloat16, arch=arch) + \
+            bg.aot_specs(tokens=197, width=width, mlp_hidden=hidden, dtype=torch.bfloat16, arch=arch)
+        assert {s.name for s in specs} >= {"layer_norm_fwd", "layer_norm_bwd", "bias_gelu_fwd", "bias_gelu_bwd",
+                                           "bias_dropout_add_fwd", "bias_dropout_add_bwd", "sum_partials"}
+        for s in specs:
+            params = inspect.signature(s.fn.fn).parameters
+            assert list(s.signature) == list(params), s.name
+            constexprs = {name for name, prm in params.items() if "constexpr" in str(prm.annotation)}
+            assert set(s.constexprs) == constexprs, s.name
+            assert {k for k, v in s.signature.items() if v == "constexpr"} == constexprs, s.name
+            pointers = [k for k in params if k[0].isupper() and k not in constexprs and k not in ("M", "N", "G")]
+            assert pointers and all(s.signature[k].startswith("*") for k in pointers), s.name
+            if s.name.startswith("layer_norm"):
+                assert (s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == ln.ln_config(width, arch)
+            elif s.name.startswith("bias_gelu"):
+                assert (s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == bg.tile_config(hidden, arch)

@@ -7,6 +7,7 @@ from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, res
 from .convert import (CheckpointError, from_hf, from_timm, from_torchvision, load_checkpoint,
                       save_checkpoint)
 from .model import VisionTransformer, count_params, create_model, forward_flops
+from .optimize import optimize
 from .presets import PRESETS, ViTConfig, get_config, list_models
 
 __version__ = "0.1.0"
@@ -14,6 +15,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Attention", "Block", "CheckpointError", "from_hf", "from_timm", "from_torchvision",
     "load_checkpoint", "save_checkpoint", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "PRESETS", "ViTConfig",
-    "VisionTransformer", "count_params", "create_model", "forward_flops", "get_config", "list_models",
+    "VisionTransformer", "count_params", "create_model", "forward_flops", "get_config", "list_models", "optimize",
     "resample_abs_pos_embed", "__version__",
 ]

@@ -1,0 +1,176 @@
+"""vit_fast.optimize(): random-weight timm, transformers and torchvision ViTs become vit_fast models with the
+same outputs (reference backend, and the Triton kernels through the interpreter), the same forward
+signatures, device, dtype, mode and frozen parameters; unsupported features are a clear error."""
+import pytest
+import timm
+import torch
+import torchvision
+import transformers
+
+import vit_fast
+from vit_fast.optimize import HFViT
+
+from .numerics import assert_close, bound
+
+RTOL = bound(torch.float32, "dot")  # 1e-5
+BACKENDS = ["torch", "triton"]  # 'triton' runs the kernels in the interpreter on CPU (conftest)
+
+
+@torch.no_grad()
+def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights everywhere: init leaves biases 0 and norms 1, which would hide a swapped key."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=g).to(p) * 0.05)
+    return model
+
+
+def timm_vit(**kw):
+    torch.manual_seed(0)
+    base = dict(depth=2, embed_dim=64, num_heads=2, img_size=32, num_classes=5)
+    return perturb_(timm.create_model("vit_tiny_patch16_224", **{**base, **kw})).eval()
+
+
+def torchvision_vit():
+    torch.manual_seed(0)
+    return perturb_(torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=2, num_heads=2,
+                                                         hidden_dim=64, mlp_dim=128, num_classes=7)).eval()
+
+
+def hf_vit(cls=transformers.ViTForImageClassification, **kw):
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(**{**dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=128, image_size=32, patch_size=16, num_labels=3,
+                                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), **kw})
+    return perturb_(cls(config)).eval()
+
+
+def images(batch=2, size=32, seed=1):
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_timm_same_outputs_and_signature(backend):
+    ref = timm_vit(global_pool="avg", reg_tokens=1, init_values=0.1)
+    model = vit_fast.optimize(ref, backend=backend)
+    assert isinstance(model, vit_fast.VisionTransformer) and model.config.backend == backend
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    x = images()
+    assert_close(model(x), ref(x), RTOL, name="logits")
+    features = model.forward_features(x)
+    assert_close(features, ref.forward_features(x), RTOL, name="forward_features")
+    assert_close(model.forward_head(features, pre_logits=True), ref.forward_head(features, pre_logits=True), RTOL,
+                 name="forward_head(pre_logits=True)")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_torchvision_same_logits(backend):
+    ref = torchvision_vit()
+    model = vit_fast.optimize(ref, backend=backend)
+    x = images()
+    assert_close(model(x), ref(x), RTOL, name="logits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_hf_classifier_same_outputs_loss_and_tuple(backend):
+    ref = hf_vit()
+    model = vit_fast.optimize(ref, backend=backend)
+    assert isinstance(model, HFViT) and model.config is ref.config
+    x, labels = images(), torch.tensor([0, 2])
+    want, got = ref(x, labels=labels), model(pixel_values=x, labels=labels)
+    assert type(got) is type(want)
+    assert_close(got.logits, want.logits, RTOL, name="logits")
+    assert_close(got.loss, want.loss, RTOL, name="loss")
+    got_tuple = model(x, return_dict=False)
+    assert isinstance(got_tuple, tuple) and len(got_tuple) == len(ref(x, return_dict=False))
+    assert_close(got_tuple[0], want.logits, RTOL, name="tuple logits")
+    hidden, hidden_ref = model(x, output_hidden_states=True).hidden_states, ref(x, output_hidden_states=True).hidden_states
+    assert len(hidden) == len(hidden_ref) == 3
+    for i, (h, r) in enumerate(zip(hidden, hidden_ref)):
+        assert_close(h, r, RTOL, name=f"hidden_states[{i}]")
+    assert model.classifier is model.model.head
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_hf_vit_model_last_hidden_state_and_pooler(backend):
+    ref = hf_vit(transformers.ViTModel)
+    model = vit_fast.optimize(ref, backend=backend)
+    x = images()
+    want, got = ref(pixel_values=x), model(x)
+    assert type(got) is type(want)
+    assert_close(got.last_hidden_state, want.last_hidden_state, RTOL, name="last_hidden_state")
+    assert_close(got.pooler_output, want.pooler_output, RTOL, name="pooler_output")
+    bare = hf_vit(lambda config: transformers.ViTModel(config, add_pooling_layer=False))
+    got, want = vit_fast.optimize(bare, backend=backend)(x), bare(x)
+    assert got.pooler_output is None and want.pooler_output is None
+    assert_close(got.last_hidden_state, want.last_hidden_state, RTOL, name="last_hidden_state without pooler")
+    with pytest.raises(ValueError, match="no classifier"):
+        model(x, labels=torch.tensor([0, 1]))
+
+
+def test_gradients_flow_like_the_source():
+    """Training through the optimized model: every parameter gradient equals the source model's."""
+    ref = timm_vit()
+    model = vit_fast.optimize(ref, backend="torch")
+    x = images()
+    weight = torch.randn(2, 5, generator=torch.Generator().manual_seed(3))
+    (ref(x) * weight).sum().backward()
+    (model(x) * weight).sum().backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad, dict(ref.named_parameters())[name].grad, RTOL, name=f"grad {name}")
+
+
+def test_dtype_mode_and_frozen_parameters_preserved():
+    ref = timm_vit().to(torch.bfloat16).train()
+    ref.patch_embed.proj.weight.requires_grad_(False)
+    model = vit_fast.optimize(ref)
+    assert model.training and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.device for p in model.parameters()} == {ref.cls_token.device}
+    assert not model.patch_embed.proj.weight.requires_grad and model.head.weight.requires_grad
+    with torch.no_grad():
+        x = images().to(torch.bfloat16)
+        assert_close(model.eval()(x), ref.eval()(x), bound(torch.bfloat16, "dot"), name="bf16 logits")
+
+    hf = hf_vit()
+    hf.vit.layers[0].attention.q_proj.weight.requires_grad_(False)
+    hf.vit.layers[1].attention.k_proj.weight.requires_grad_(False)
+    hf.vit.layers[1].attention.q_proj.weight.requires_grad_(False)
+    hf.vit.layers[1].attention.v_proj.weight.requires_grad_(False)
+    out = vit_fast.optimize(hf.half())
+    assert not out.training and {p.dtype for p in out.parameters()} == {torch.float16}
+    assert out.model.blocks[0].attn.qkv.weight.requires_grad  # k and v still train: the fused qkv trains
+    assert not out.model.blocks[1].attn.qkv.weight.requires_grad
+    assert out(images()).logits.dtype == torch.float16  # float32 pixels are cast, as transformers does
+
+
+def test_vit_fast_model_is_switched_in_place():
+    model = vit_fast.create_model("vit_tiny_patch16_224", depth=1, img_size=32)
+    assert vit_fast.optimize(model, backend="torch") is model and model.config.backend == "torch"
+
+
+def test_unsupported_features_are_listed():
+    ref = timm_vit(pre_norm=True, pool_include_prefix=True, scale_mlp_norm=True, global_pool="avg")
+    with pytest.raises(ValueError) as info:
+        vit_fast.optimize(ref)
+    message = str(info.value)
+    for feature in ("pool_include_prefix", "scale_mlp_norm", "pre_norm"):
+        assert feature in message, message
+    swiglu = timm_vit(mlp_layer=timm.layers.SwiGLUPacked, act_layer=torch.nn.SiLU)
+    with pytest.raises(ValueError, match=r"GluMlp|SwiGLU|SiLU"):
+        vit_fast.optimize(swiglu)
+    with pytest.raises(ValueError, match="expected a timm VisionTransformer"):
+        vit_fast.optimize(torch.nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        vit_fast.optimize(timm_vit(), backend="cuda")
+    with pytest.raises(ValueError, match="interpolate_pos_encoding"):
+        vit_fast.optimize(hf_vit())(images(), interpolate_pos_encoding=True)
+
+
+def test_triton_backend_without_kernels_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a CPU-only machine outside the test suite
+    with pytest.raises(RuntimeError, match="backend='triton' needs a model on CUDA"):
+        vit_fast.optimize(timm_vit(), backend="triton")

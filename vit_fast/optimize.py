@@ -1,0 +1,232 @@
+"""One-line drop-in: ``vit_fast.optimize(model)`` turns an existing ViT into a vit_fast model.
+
+    model = timm.create_model("vit_base_patch16_224", pretrained=True).cuda()
+    model = vit_fast.optimize(model)            # same weights, same head, same forward signature
+
+Accepted sources and what comes back (same device, dtype, train/eval mode and requires_grad flags):
+  - timm VisionTransformer        -> vit_fast.VisionTransformer (timm's own module and parameter names;
+                                     forward / forward_features / forward_head as timm's);
+  - torchvision VisionTransformer -> vit_fast.VisionTransformer (forward(x) -> logits);
+  - transformers ViTModel / ViTForImageClassification -> ``HFViT``, a thin wrapper around a
+    vit_fast.VisionTransformer that takes ``pixel_values`` (positional or keyword), ``labels`` and
+    ``return_dict`` / ``output_hidden_states`` and returns the source model's output type;
+  - a vit_fast VisionTransformer  -> the same object, switched to ``backend``.
+A source using a feature vit_fast does not implement raises one ValueError listing every such feature:
+the result is never a silently different model.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .backend import check_backend, kernels_can_run_on
+from .convert import (_timm_config_from_model, from_hf, from_timm, from_torchvision, hf_to_timm_state_dict,
+                      torchvision_to_timm_state_dict)
+from .model import VisionTransformer
+
+
+def optimize(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """A vit_fast model with ``model``'s weights, head and forward signature, running ``backend``
+    ('auto': the Triton kernels on CUDA tensors, the PyTorch reference elsewhere; 'triton'; 'torch')."""
+    check_backend(backend)
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise ValueError("optimize: pass the bare model and wrap the result in DistributedDataParallel/"
+                         "DataParallel afterwards (got a wrapped model)")
+    if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+        raise ValueError("optimize: pass the model before torch.compile and compile the result instead")
+    kind = source_kind(model)
+    device, dtype = _device_and_dtype(model)
+    if backend == "triton" and not kernels_can_run_on(device):
+        raise RuntimeError(f"optimize: backend='triton' needs a model on CUDA (or CPU with TRITON_INTERPRET=1); "
+                           f"the model is on {device}. Use backend='auto' or 'torch'.")
+    if kind == "vit_fast":
+        return model.set_backend(backend)
+    if kind == "timm":
+        problems = timm_unsupported(model)
+        if problems:
+            raise ValueError("optimize: this timm model uses features vit_fast does not implement:\n  - "
+                             + "\n  - ".join(problems))
+        fast = from_timm(model)
+        fast.set_grad_checkpointing(bool(getattr(model, "grad_checkpointing", False)))
+        names = {k: k for k in dict(model.named_parameters())}
+    elif kind == "torchvision":
+        fast = from_torchvision(model)
+        names = _mapped_names(model, torchvision_to_timm_state_dict)
+    else:  # transformers
+        fast = HFViT(model, from_hf(model))
+        names = {k: "model." + v for k, v in _mapped_names(model, hf_to_timm_state_dict).items()}
+    fast = fast.to(device=device, dtype=dtype)
+    _copy_requires_grad(model, fast, names)
+    fast.train(model.training)
+    return fast.set_backend(backend)
+
+
+def source_kind(model: nn.Module) -> str:
+    """'vit_fast' | 'timm' | 'torchvision' | 'hf' for a supported ViT class, else a ValueError."""
+    if isinstance(model, VisionTransformer):
+        return "vit_fast"
+    cls = type(model)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if where == "timm.models.vision_transformer.VisionTransformer":
+        return "timm"
+    if where == "torchvision.models.vision_transformer.VisionTransformer":
+        return "torchvision"
+    if where in ("transformers.models.vit.modeling_vit.ViTModel",
+                 "transformers.models.vit.modeling_vit.ViTForImageClassification"):
+        return "hf"
+    raise ValueError(f"optimize: expected a timm VisionTransformer, a torchvision VisionTransformer, a transformers "
+                     f"ViTModel / ViTForImageClassification or a vit_fast VisionTransformer; got {where}")
+
+
+def _device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    tensors = list(model.parameters()) + list(model.buffers())
+    devices = {t.device for t in tensors}
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    if len(devices) != 1 or len(dtypes) != 1:
+        raise ValueError(f"optimize: expected every parameter on one device with one floating dtype, got devices "
+                         f"{sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}; move the model with "
+                         f".to(device, dtype) first")
+    return devices.pop(), dtypes.pop()
+
+
+def _mapped_names(model: nn.Module, to_timm) -> dict[str, str]:
+    """Source parameter name -> vit_fast name: the converter's key map run on one-element index tensors
+    (q, k and v fused into one qkv all map onto the qkv name; dropped keys such as the pooler map to none)."""
+    names = [name for name, _ in model.named_parameters()]
+    mapped = to_timm({name: torch.tensor([float(i)]) for i, name in enumerate(names)})
+    return {names[int(i)]: new for new, index in mapped.items() for i in index.tolist()}
+
+
+def _copy_requires_grad(source: nn.Module, fast: nn.Module, names: dict[str, str]) -> None:
+    """Frozen source parameters stay frozen (a fused qkv is trainable if any of q, k, v was)."""
+    trainable: dict[str, bool] = {}
+    for name, p in source.named_parameters():
+        if name in names:
+            trainable[names[name]] = trainable.get(names[name], False) or p.requires_grad
+    for name, p in fast.named_parameters():
+        if name in trainable and p.requires_grad:  # keep frozen-by-design params (sin-cos pos_embed) frozen
+            p.requires_grad_(trainable[name])
+
+
+# ----------------------------------------------------------------------------------------------- timm
+def timm_unsupported(model: nn.Module) -> list[str]:
+    """Every feature of a timm VisionTransformer that vit_fast does not implement (empty: convertible)."""
+    from timm.layers import LayerNorm as TimmLayerNorm
+    from timm.layers import LayerScale, Mlp, PatchEmbed
+    from timm.layers.drop import DropPath
+    from timm.models.vision_transformer import Attention, Block, VisionTransformer as TimmViT
+
+    allowed = {TimmViT, PatchEmbed, Block, Attention, Mlp, LayerScale, DropPath, TimmLayerNorm, nn.LayerNorm,
+               nn.Conv2d, nn.Linear, nn.GELU, nn.Dropout, nn.Identity, nn.Sequential, nn.ModuleList}
+    problems = []
+    foreign = Counter()
+    first_path = {}
+    for path, module in model.named_modules():
+        cls = type(module)
+        if cls not in allowed:
+            foreign[cls.__name__] += 1
+            first_path.setdefault(cls.__name__, path)
+    problems += [f"module {name} ({n}x, e.g. {first_path[name]!r})" for name, n in foreign.items()]
+    if getattr(model, "pool_include_prefix", False):
+        problems.append("pool_include_prefix=True")
+    if not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity):
+        problems.append("patch dropout (patch_drop_rate > 0)")
+    for i, blk in enumerate(getattr(model, "blocks", [])):
+        if not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity):
+            problems.append(f"attention output norm (scale_attn_norm=True), blocks.{i}.attn.norm")
+        if not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
+            problems.append(f"MLP hidden norm (scale_mlp_norm=True), blocks.{i}.mlp.norm")
+        if i == 0:  # config-level switches are the same in every block
+            break
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    if len({m.eps for m in norms}) > 1:
+        problems.append(f"LayerNorms with different eps {sorted({m.eps for m in norms})}")
+    if any(not m.elementwise_affine or m.bias is None for m in norms):
+        problems.append("LayerNorm without affine weight/bias")
+    try:
+        _timm_config_from_model(model)
+    except ValueError as e:  # the converter's own list (pre_norm, attention pooling, ...)
+        problems.append(str(e).removeprefix("from_timm: "))
+    return problems
+
+
+# ------------------------------------------------------------------------------------- transformers
+class HFViT(nn.Module):
+    """A transformers ViTModel / ViTForImageClassification look-alike around a vit_fast model.
+
+    ``forward(pixel_values, labels=None, return_dict=None, output_hidden_states=None)`` returns
+    BaseModelOutputWithPooling (ViTModel: last_hidden_state, pooler_output) or ImageClassifierOutput
+    (loss when labels are given, logits), or their tuples with return_dict=False. Masked-patch
+    pre-training inputs, attention masks, head masks, interpolate_pos_encoding and attention outputs
+    raise a clear error (use ``model.model.get_attention_maps`` for attention maps).
+    """
+
+    def __init__(self, source: nn.Module, fast: VisionTransformer):
+        super().__init__()
+        self.model = fast
+        self.config = source.config
+        self.is_classifier = hasattr(source, "classifier")
+        pooler = None if self.is_classifier else getattr(source, "pooler", None)
+        self.pooler = copy.deepcopy(pooler)  # ViTModel's dense + tanh on the first token (None when absent)
+        self._loss_function = source.loss_function if self.is_classifier else None
+
+    # What the source classes expose besides forward
+    @property
+    def classifier(self) -> nn.Module:
+        return self.model.head
+
+    def set_backend(self, backend: str) -> "HFViT":
+        self.model.set_backend(backend)
+        return self
+
+    def gradient_checkpointing_enable(self, **_) -> None:
+        self.model.set_grad_checkpointing(True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.set_grad_checkpointing(False)
+
+    def forward(self, pixel_values: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                *, return_dict: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, interpolate_pos_encoding: Optional[bool] = None,
+                bool_masked_pos: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                head_mask: Optional[torch.Tensor] = None, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+
+        unsupported = [name for name, value in [
+            ("output_attentions", output_attentions), ("interpolate_pos_encoding", interpolate_pos_encoding),
+            ("bool_masked_pos", bool_masked_pos), ("attention_mask", attention_mask), ("head_mask", head_mask),
+        ] + list(kwargs.items()) if value not in (None, False)]
+        if unsupported:
+            raise ValueError(f"vit_fast.optimize'd ViT: unsupported arguments {unsupported}; run the original "
+                             f"transformers model for these")
+        if pixel_values is None:
+            raise ValueError("You have to specify pixel_values")
+        if labels is not None and not self.is_classifier:
+            raise ValueError("labels: a ViTModel has no classifier (use ViTForImageClassification)")
+        model = self.model
+        pixel_values = pixel_values.to(model.patch_embed.proj.weight.dtype)  # as transformers does
+        want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        if want_hidden:
+            x = model.embed(pixel_values)
+            hidden_states = [x]
+            for blk in model.blocks:
+                x = blk(x)
+                hidden_states.append(x)
+            sequence = model.norm(x)
+            hidden_states = tuple(hidden_states)
+        else:
+            sequence, hidden_states = model.forward_features(pixel_values), None
+        if self.is_classifier:
+            logits = model.forward_head(sequence)
+            loss = self._loss_function(labels, logits, self.config) if labels is not None else None
+            out = ImageClassifierOutput(loss=loss, logits=logits, hidden_states=hidden_states)
+        else:
+            pooled = self.pooler(sequence) if self.pooler is not None else None
+            out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled,
+                                             hidden_states=hidden_states)
+        want_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+        return out if want_dict else out.to_tuple()

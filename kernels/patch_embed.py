@@ -190,7 +190,7 @@ def _patch_embed_reduce_kernel(
     sdb, sdt, sdd,  # dtokens strides
     S, B, D, K, T, prefix, pos_base,  # pos_base = 0 when pos_embed covers the prefix, else prefix
     HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_REG: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BATCH_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_w = tl.cdiv(D * K + D, BLOCK)
@@ -205,16 +205,20 @@ def _patch_embed_reduce_kernel(
         if HAS_BIAS:
             tl.store(DBias + (offs - D * K), acc.to(DBias.dtype.element_ty), mask=mask & (offs >= D * K))
     else:
-        # dpos / dcls / dreg: sums over the batch of the token gradient, element e = t*D + n
-        offs = (pid - num_w) * BLOCK + tl.arange(0, BLOCK)
+        # dpos / dcls / dreg: sums over the batch of the token gradient, element e = t*D + n; BATCH_TILE
+        # images per step keep several loads in flight, one tl.sum at the end fixes the order
+        WIDTH: tl.constexpr = BLOCK // BATCH_TILE
+        offs = (pid - num_w) * WIDTH + tl.arange(0, WIDTH)
         mask = offs < T * D
         t = offs // D
         n = offs % D
-        src = DY + t.to(tl.int64) * sdt + n * sdd
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for _ in range(0, B):  # pointer increments keep the batch offset 64-bit
-            acc += tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            src += sdb
+        src = DY + (t.to(tl.int64) * sdt + n * sdd)[None, :]
+        tile = tl.zeros((BATCH_TILE, WIDTH), dtype=tl.float32)
+        for b0 in range(0, B, BATCH_TILE):
+            rows = b0 + tl.arange(0, BATCH_TILE)
+            tile += tl.load(src + rows.to(tl.int64)[:, None] * sdb, mask=(rows < B)[:, None] & mask[None, :],
+                            other=0.0).to(tl.float32)
+        acc = tl.sum(tile, axis=0)
         tl.store(DPos + (offs - pos_base * D), acc.to(DPos.dtype.element_ty), mask=mask & (t >= pos_base))
         if HAS_CLS:
             tl.store(DCls + n, acc.to(DCls.dtype.element_ty), mask=mask & (t == 0))
@@ -263,7 +267,7 @@ _CONFIGS = {
     (80, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
     (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
 }
-_REDUCE = dict(BLOCK=1024, num_warps=4, num_stages=1)
+_REDUCE = dict(BLOCK=1024, BATCH_TILE=8, num_warps=4, num_stages=1)  # batch sums: 8 x 128 tiles
 _NUM_SMS = {80: 108, 90: 132}  # the dW split aims at ~2 programs per SM
 
 
@@ -341,7 +345,7 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
         if "PATCH" in fn.arg_names:
             constexprs = dict(constexprs, **_gemm_launch(launch, dtype, P)[0])
         else:
-            constexprs = dict(constexprs, BLOCK=launch["BLOCK"])
+            constexprs = dict(constexprs, BLOCK=launch["BLOCK"], BATCH_TILE=launch["BATCH_TILE"])
         constexprs.update({a: 1 for a in fn.arg_names if values.get(a) == 1})
         signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers else "i32"
                      for a in fn.arg_names}
@@ -471,13 +475,13 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
         M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
 
     red = cfg["reduce"]
-    grid = (triton.cdiv(D * K + D, red["BLOCK"]) + triton.cdiv(T * D, red["BLOCK"]),)
+    grid = (triton.cdiv(D * K + D, red["BLOCK"]) + triton.cdiv(T * D, red["BLOCK"] // red["BATCH_TILE"]),)
     _patch_embed_reduce_kernel[grid](
         dW, dbias if bias is not None else dW, dpos, dcls if cls_token is not None else dW,
         dreg if reg_tokens is not None else dW, partials, dtokens, *dtokens.stride(),
         splits, B, D, K, T, prefix, 0 if pos_embed_covers_prefix else prefix,
         HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
-        BLOCK=red["BLOCK"], num_warps=red["num_warps"], num_stages=red["num_stages"])
+        BLOCK=red["BLOCK"], BATCH_TILE=red["BATCH_TILE"], num_warps=red["num_warps"], num_stages=red["num_stages"])
 
     if needs_dimages:
         consts, opts, steps = _gemm_launch(cfg["dimages"], dtokens.dtype, P)

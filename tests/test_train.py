@@ -1,0 +1,204 @@
+"""`vit-fast train` (vit_fast/train.py, vit_fast/checkpoint.py): resume bit for bit, DDP, signals, refusals.
+
+Tiny runs: digits at 16 px, patch 4 (17 tokens), 2 blocks of width 32, global batch 32 -> 44 steps per
+epoch, the reference backend, 1 CPU thread. Each in-process run takes a second or two.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.numerics import assert_close
+from vit_fast import checkpoint as ckpt
+from vit_fast import train as vt
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "2", "--embed-dim", "32",
+        "--num-heads", "2", "--batch-size", "32", "--epochs", "2", "--warmup-epochs", "0.5", "--lr", "3e-3",
+        "--backend", "torch", "--no-progress", "--no-plot", "--log-every", "5", "--threads", "1"]
+STEPS = 88   # 2 epochs of 1438 // 32 steps
+
+
+def run(out, *extra):
+    return vt.main([*TINY, "--output-dir", str(out), *extra])
+
+
+def final_weights(out):
+    return ckpt.read_weights(ckpt.resolve_checkpoint(out))
+
+
+def subprocess_env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs: with drop-path (exercises the RNG) and without (comparable across world sizes)."""
+    out = tmp_path_factory.mktemp("reference")
+    summary = run(out / "droppath", "--drop-path-rate", "0.2", "--ckpt-every", "1000")
+    plain = run(out / "plain", "--ckpt-every", "30", "--keep-checkpoints", "5")
+    assert summary["steps"] == plain["steps"] == STEPS and not summary["stopped_early"]
+    return out
+
+
+def test_interrupted_and_resumed_equals_uninterrupted_bitwise(reference, tmp_path):
+    stopped = run(tmp_path, "--drop-path-rate", "0.2", "--stop-at-step", "30", "--ckpt-every", "1000")
+    assert stopped["stopped_early"] and stopped["steps"] == 30
+    assert ckpt.resolve_checkpoint(tmp_path).name == "step_00000030"
+    resumed = run(tmp_path, "--drop-path-rate", "0.2", "--resume", "auto", "--ckpt-every", "1000")
+    assert resumed["steps"] == STEPS
+    ref, got = final_weights(reference / "droppath"), final_weights(tmp_path)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    ref_opt = ckpt.read_state(ckpt.resolve_checkpoint(reference / "droppath"))["optimizer"]["state"]
+    got_opt = ckpt.read_state(ckpt.resolve_checkpoint(tmp_path))["optimizer"]["state"]
+    assert all(torch.equal(ref_opt[k]["exp_avg_sq"], got_opt[k]["exp_avg_sq"]) for k in ref_opt)
+    # the metrics file reads as one run: no step logged twice, evaluations for both epochs
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert train_steps == sorted(set(train_steps)) and [r["epoch"] for r in records if r["kind"] == "eval"] == [1, 2]
+    assert resumed["test_acc"] == pytest.approx(final_summary(reference / "droppath")["test_acc"])
+
+
+def final_summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_checkpoint_contents_load_weights_only(reference):
+    ckpt_dir = ckpt.resolve_checkpoint(reference / "plain")
+    state = torch.load(ckpt_dir / ckpt.STATE, weights_only=True)   # no pickled code needed
+    assert state["step"] == STEPS and state["world_size"] == 1 and state["args"]["embed_dim"] == 32
+    assert state["model_config"]["embed_dim"] == 32 and state["rng"][0]["torch"].dtype == torch.uint8
+    assert set(state) >= {"optimizer", "scheduler", "scaler", "rng", "last_eval_epoch", "best_acc"}
+    names = [p.name for p in ckpt.list_checkpoints(reference / "plain" / "checkpoints")]
+    assert names == ["step_00000030", "step_00000044", "step_00000060", "step_00000088"]   # every 30 + epoch ends
+    # no-decay group: 1-D parameters and no_weight_decay() names
+    groups = state["optimizer"]["param_groups"]
+    no_decay = next(g["params"] for g in groups if g["weight_decay"] == 0.0)
+    assert {"pos_embed", "cls_token", "blocks.0.norm1.weight", "blocks.0.attn.qkv.bias"} <= set(no_decay)
+    assert "blocks.0.attn.qkv.weight" not in no_decay
+    assert (reference / "plain" / "summary.json").is_file() and (reference / "plain" / "args.json").is_file()
+
+
+def test_mismatched_checkpoint_is_refused(reference):
+    with pytest.raises(ValueError, match=r"embed_dim: checkpoint 32, this run 48"):
+        vt.main([*TINY, "--embed-dim", "48", "--output-dir", str(reference / "plain"), "--resume", "auto"])
+    with pytest.raises(ValueError, match="--batch-size 64 differs"):
+        vt.main([*TINY, "--batch-size", "64", "--resume", str(reference / "plain")])
+
+
+def test_incomplete_checkpoints_are_ignored(reference, tmp_path):
+    root = tmp_path / "checkpoints"
+    good = ckpt.resolve_checkpoint(reference / "plain")
+    ckpt.write_checkpoint(root, 5, ckpt.read_weights(good), {"x": torch.ones(2)})
+    (root / "step_00000009.tmp").mkdir()                    # killed while writing
+    (root / "step_00000010").mkdir()                        # incomplete: no state.pt
+    (root / "step_00000010" / ckpt.WEIGHTS).write_bytes(b"")
+    assert ckpt.latest_checkpoint(root).name == "step_00000005"
+    (root / ckpt.LATEST).write_text("step_00000010\n")      # a stale pointer is not trusted either
+    assert ckpt.latest_checkpoint(root).name == "step_00000005"
+    assert ckpt.read_state(root / "step_00000005")["step"] == 5
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.resolve_checkpoint(tmp_path / "nothing")
+
+
+def test_ddp_two_processes_match_single_and_resume_in_one_process(reference, tmp_path):
+    """torchrun, 2 gloo ranks, per-rank batch 16 == 1 process with batch 32; its checkpoint then resumes alone."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           "-m", "vit_fast.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30", "--ckpt-every", "1000"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout and proc.stdout.count("stopped at step 30") == 1   # rank 0 prints
+    ddp_state = ckpt.read_state(ckpt.resolve_checkpoint(tmp_path))
+    assert ddp_state["world_size"] == 2 and len(ddp_state["rng"]) == 2
+    single = ckpt.read_weights(ckpt.list_checkpoints(reference / "plain" / "checkpoints")[0])   # step 30
+    compare_weights(final_weights(tmp_path), single, rtol=1e-5, what="DDP vs single")
+    resumed = run(tmp_path, "--resume", "auto", "--ckpt-every", "1000")
+    assert resumed["steps"] == STEPS and resumed["world_size"] == 1
+    compare_weights(final_weights(tmp_path), final_weights(reference / "plain"), rtol=1e-4, what="DDP-resumed vs single")
+
+
+def compare_weights(got, ref, rtol, what):
+    """Same data and math; only the order of the gradient sums differs (DDP all-reduce), so fp32 rounding.
+
+    Except the attention key biases: their true gradient is exactly 0 (softmax ignores a shift shared
+    by all keys), so they receive only rounding noise, which Adam normalises into updates of noise
+    direction. Both runs must keep them near 0; they are compared apart from the rest.
+    """
+    assert got.keys() == ref.keys()
+    for name in ref:
+        a, b = got[name].clone(), ref[name].clone()
+        if name.endswith("attn.qkv.bias"):
+            dim = a.numel() // 3
+            assert a[dim:2 * dim].abs().max() < 1e-3 and b[dim:2 * dim].abs().max() < 1e-3, name
+            a[dim:2 * dim] = b[dim:2 * dim] = 0
+        assert_close(a, b, rtol=rtol, name=f"{what}: {name}")
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path):
+    cmd = [sys.executable, "-m", "vit_fast.train", *TINY, "--epochs", "100", "--output-dir", str(tmp_path),
+           "--ckpt-every", "100000"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 90
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and '"train"' in metrics.read_text():   # training is under way
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM" in err and "stopped at step" in out
+    state = ckpt.read_state(ckpt.resolve_checkpoint(tmp_path))
+    assert 5 <= state["step"] < 100 * 44
+    again = run(tmp_path, "--epochs", "100", "--resume", "auto", "--stop-at-step", str(state["step"] + 3))
+    assert again["steps"] == state["step"] + 3
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_and_gradient_accumulation(tmp_path, amp):
+    summary = run(tmp_path, "--amp", amp, "--accum-steps", "2", "--stop-at-step", "6")
+    assert summary["steps"] == 6 and summary["train_loss"] is None or summary["train_loss"] < 3
+    state = ckpt.read_state(ckpt.resolve_checkpoint(tmp_path))
+    weights = final_weights(tmp_path)
+    assert all(torch.isfinite(w).all() and w.dtype == torch.float32 for w in weights.values())
+    assert (state["scaler"].get("scale", 0) > 0) == (amp == "fp16")   # GradScaler only for fp16
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = vt.warmup_cosine(warmup_steps=10, total_steps=110, min_ratio=0.01)
+    assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11) and f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.01 + 0.99 * 0.5) and f(110) == pytest.approx(0.01)
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+
+
+def test_init_from_file_adapts_head_grid_and_channels(tmp_path):
+    import vit_fast
+
+    source = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2, embed_dim=32,
+                                   num_heads=2, num_classes=5)
+    vit_fast.save_checkpoint(source, tmp_path / "src.safetensors")
+    model = vit_fast.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, in_chans=1, depth=2,
+                                  embed_dim=32, num_heads=2, num_classes=10)
+    head_before = model.head.weight.clone()
+    notes = ckpt.load_pretrained(model, f"file:{tmp_path / 'src.safetensors'}")
+    assert len(notes) == 4 and torch.equal(model.head.weight, head_before)
+    assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
+    assert torch.equal(model.patch_embed.proj.weight, source.patch_embed.proj.weight.sum(1, keepdim=True))
+    assert model.pos_embed.shape == (1, 17, 32)
+    summary = run(tmp_path / "run", "--init-from", f"file:{tmp_path / 'src.safetensors'}", "--stop-at-step", "2")
+    assert summary["steps"] == 2
+
+
+def test_init_from_hub_name_fails_fast_offline():
+    start = time.time()
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+        ckpt.pretrained_state_dict("timm:vit_tiny_patch16_224.no_such_tag_in_cache")
+    assert time.time() - start < 60
+    with pytest.raises(ValueError, match="expected timm:NAME"):
+        ckpt.pretrained_state_dict("vit_tiny_patch16_224")

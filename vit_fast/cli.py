@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "traffic": "vit_fast.traffic:main",
     "bench": "vit_fast.bench:main",
     "check": "vit_fast.check:main",
+    "train": "vit_fast.train:cli_main",
 }
 
 

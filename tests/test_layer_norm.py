@@ -161,12 +161,12 @@ def test_add_layer_norm_gradient_through_one_output(use):
 
 
 def test_add_layer_norm_backward_is_deterministic():
-    """37 rows x 1408 -> several programs' partial rows; two backward passes are bitwise equal."""
+    """13 rows x 1408 -> 3 programs' partial rows; two backward passes are bitwise equal."""
     torch.manual_seed(8)
-    inputs = dict(ln_inputs((37, 1408), torch.bfloat16, torch.float32), residual=randn(37, 1408, dtype=torch.bfloat16),
+    inputs = dict(ln_inputs((13, 1408), torch.bfloat16, torch.float32), residual=randn(13, 1408, dtype=torch.bfloat16),
                   branch_bias=randn(1408), gamma=randn(1408), dropout_p=0.1, training=True)
     leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
-    dy, dh = torch.randn(37, 1408, dtype=torch.bfloat16), torch.randn(37, 1408, dtype=torch.bfloat16)
+    dy, dh = torch.randn(13, 1408, dtype=torch.bfloat16), torch.randn(13, 1408, dtype=torch.bfloat16)
     runs = []
     for _ in range(2):
         torch.manual_seed(9)

@@ -1,0 +1,198 @@
+"""The fused model (backend='triton', kernels in the Triton interpreter on CPU) against the reference.
+
+Tiny ViTs (depth 2, width 64, 4 heads, 32x32 images, patch 8): logits and every parameter gradient,
+the dropout / drop-path paths, AMP, AdamW trajectories, activation checkpointing and torch.compile.
+"""
+import copy
+
+import pytest
+import torch
+
+import vit_fast
+from vit_fast.layers import DropPath
+
+from .numerics import assert_close, bound, errors
+from .test_backend import OpLog
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+VARIANT = dict(TINY, global_pool="avg", reg_tokens=2, no_embed_class=True, init_values=0.1, drop_path_rate=0.5)
+FP32 = bound(torch.float32, "dot")
+
+
+def make_pair(seed: int = 0, **config):
+    """(fused, reference) models with the same random weights (biases and LayerNorm affine made non-trivial)."""
+    torch.manual_seed(seed)
+    ref = vit_fast.VisionTransformer(**config, backend="torch")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias") or "norm" in name or name in ("cls_token", "reg_token"):
+                p.add_(0.1 * torch.randn_like(p))
+    return copy.deepcopy(ref).set_backend("triton"), ref
+
+
+def loss_of(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().square().mean()
+
+
+def compare_grads(fused, ref, rtol, atol=None):
+    for (name, p), (_, q) in zip(fused.named_parameters(), ref.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        if q.grad.norm() < 1e-9:  # mathematically zero (k_norm.bias: softmax ignores a shift of all keys)
+            assert p.grad.abs().max() < 1e-7, name
+            continue
+        assert_close(p.grad, q.grad, rtol, name, atol)
+
+
+def test_fused_matches_reference_fp32_and_launches_what_the_readme_says():
+    fused, ref = make_pair(**TINY)
+    ref = ref.double()
+    x = torch.randn(2, 3, 32, 32)
+    with OpLog() as fwd:
+        out = fused(x)
+    out_ref = ref(x.double())
+    assert_close(out, out_ref, FP32, "logits")
+    with OpLog() as bwd:
+        loss_of(out).backward()
+    loss_of(out_ref).backward()
+    compare_grads(fused, ref, FP32)
+    depth = 2
+    assert sorted(fwd.kernels()) == sorted(["patch_embed_fwd"] + ["add_layer_norm_fwd"] * (1 + 2 * depth)
+                                           + ["attention_fwd", "bias_gelu_fwd"] * depth)
+    assert sorted(bwd.kernels()) == sorted(["patch_embed_bwd"] + ["add_layer_norm_bwd"] * (1 + 2 * depth)
+                                           + ["attention_bwd", "bias_gelu_bwd"] * depth)
+    # per block forward: the qkv GEMM (with bias), proj / fc1 / fc2 without; then the head's addmm
+    assert sorted(fwd.compute_aten()) == sorted(["addmm"] * (depth + 1) + ["mm"] * (3 * depth))
+
+
+def test_variant_avg_pool_reg_tokens_layerscale_drop_path_train():
+    fused, ref = make_pair(**VARIANT)
+    fused.train(), ref.train()
+    scales = []
+    original = DropPath.sample_scale
+
+    def recording(self, branch):
+        s = original(self, branch)
+        scales.append(s)
+        return s
+
+    x = torch.randn(4, 3, 32, 32)
+    torch.manual_seed(123)
+    out_ref = ref(x)
+    torch.manual_seed(123)
+    DropPath.sample_scale = recording
+    try:
+        out = fused(x)
+    finally:
+        DropPath.sample_scale = original
+    kept = torch.cat([s for s in scales if s is not None])
+    assert (kept == 0).any() and (kept == 2).any(), "the seed must drop some samples and keep others"
+    assert_close(out, out_ref, FP32, "logits")
+    loss_of(out).backward()
+    loss_of(out_ref).backward()
+    compare_grads(fused, ref, FP32)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(pos_embed="none", class_token=False, global_pool="avg", fc_norm=False),
+    dict(dynamic_img_size=True, qk_norm=True, act="gelu_tanh", reg_tokens=1),
+    dict(pos_embed="sincos", final_norm=False, init_values=1e-2),
+], ids=["no_pos_no_cls", "dynamic_qknorm_tanh", "sincos_no_final_norm"])
+def test_more_configs_forward_backward(overrides):
+    fused, ref = make_pair(**{**TINY, "depth": 1, **overrides})
+    ref = ref.double()
+    size = (40, 24) if overrides.get("dynamic_img_size") else (32, 32)
+    x = torch.randn(2, 3, *size)
+    out, out_ref = fused(x), ref(x.double())
+    assert_close(out, out_ref, FP32, "logits")
+    loss_of(out).backward()
+    loss_of(out_ref).backward()
+    compare_grads(fused, ref, FP32)
+
+
+def test_attention_maps_on_the_fused_model():
+    fused, ref = make_pair(**TINY)
+    x = torch.randn(2, 3, 32, 32)
+    maps, maps_ref = fused.get_attention_maps(x, [0, -1]), ref.get_attention_maps(x, [0, -1])
+    for i in (0, 1):
+        assert_close(maps[i], maps_ref[i], FP32, f"attention map {i}")
+
+
+def test_autocast_bf16_matches_reference_under_autocast():
+    fused, ref = make_pair(**TINY)
+    ref64 = copy.deepcopy(ref).double()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_ref = fused(x), ref(x)
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    out64 = ref64(x.double())
+    err, err_eager = errors(out, out64)[0], errors(out_ref, out64)[0]
+    assert err <= max(2 * err_eager, 1e-3) and err <= bound(torch.bfloat16, "dot"), (err, err_eager)
+    loss_of(out).backward()
+    loss_of(out_ref).backward()
+    loss_of(out64).backward()
+    for (name, p), (_, q), (_, r) in zip(fused.named_parameters(), ref.named_parameters(), ref64.named_parameters()):
+        assert p.grad.dtype == torch.float32, name  # fp32 parameter grads
+        err, err_eager = errors(p.grad, r.grad)[0], errors(q.grad, r.grad)[0]
+        assert err <= max(2 * err_eager, 2e-3) and err <= bound(torch.bfloat16, "dot"), (name, err, err_eager)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16_autocast"])
+def test_five_adamw_steps_fused_vs_reference(amp):
+    fused, ref = make_pair(**{**TINY, "depth": 1})  # depth 1: five interpreted steps stay cheap
+    torch.manual_seed(1)
+    batches = [(torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))) for _ in range(5)]
+    losses = {}
+    for name, model in (("fused", fused), ("ref", ref)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+        losses[name] = []
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    fused_l, ref_l = torch.tensor(losses["fused"]), torch.tensor(losses["ref"])
+    assert (ref_l[-1] < ref_l[0]), "training must make progress for the comparison to mean anything"
+    assert_close(fused_l, ref_l, bound(torch.bfloat16 if amp else torch.float32, "dot"), "loss trajectory")
+
+
+def test_grad_checkpointing_with_dropout_gives_identical_gradients():
+    config = dict(TINY, attn_drop_rate=0.1, proj_drop_rate=0.1, drop_path_rate=0.3, pos_drop_rate=0.1)
+    fused, _ = make_pair(**config)
+    fused.train()
+    x = torch.randn(2, 3, 32, 32)
+    results = []
+    for checkpointing in (False, True, False):
+        fused.zero_grad()
+        fused.set_grad_checkpointing(checkpointing)
+        torch.manual_seed(7 if len(results) < 2 else 8)
+        out = fused(x)
+        loss_of(out).backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in fused.named_parameters()}))
+    (out_plain, grads_plain), (out_ckpt, grads_ckpt), (out_other, _) = results
+    assert not torch.equal(out_plain, out_other), "dropout must be active (another seed, another output)"
+    assert torch.equal(out_ckpt, out_plain)
+    for name, g in grads_plain.items():
+        assert torch.equal(grads_ckpt[name], g), name
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    fused, _ = make_pair(**{**TINY, "depth": 1, "drop_path_rate": 0.5, "init_values": 0.1})
+    fused.train()
+    x = torch.randn(2, 3, 32, 32)
+    torch.manual_seed(5)
+    out = fused(x)
+    loss_of(out).backward()
+    grads = {n: p.grad.clone() for n, p in fused.named_parameters()}
+    fused.zero_grad()
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    torch.manual_seed(5)
+    out_c = compiled(x)
+    loss_of(out_c).backward()
+    assert torch.equal(out_c, out)
+    for name, p in fused.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name

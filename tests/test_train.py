@@ -202,3 +202,21 @@ def test_init_from_hub_name_fails_fast_offline():
     assert time.time() - start < 60
     with pytest.raises(ValueError, match="expected timm:NAME"):
         ckpt.pretrained_state_dict("vit_tiny_patch16_224")
+
+
+def test_imagefolder_run_skips_a_corrupt_image(tmp_path, caplog):
+    import logging
+
+    from tests.test_data import _write_image_tree
+
+    _write_image_tree(tmp_path / "data")
+    args = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--img-size", "16", "--patch-size", "8",
+            "--depth", "1", "--embed-dim", "32", "--num-heads", "2", "--batch-size", "6", "--epochs", "1",
+            "--workers", "0", "--backend", "torch", "--no-progress", "--output-dir", str(tmp_path / "run")]
+    with caplog.at_level(logging.WARNING, logger="vit_fast.data"):
+        summary = vt.main(args)
+    assert summary["steps"] == 1 and not summary["stopped_early"]
+    assert str(tmp_path / "data" / "val" / "cat" / "1_broken.png") in caplog.text
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["test_count"] for r in evals if r["kind"] == "eval"] == [6]   # 7 files, 6 readable
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000          # the plot is written

@@ -42,7 +42,8 @@ def rng_state() -> dict[str, Any]:
     py_version, py_state, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # the current device only: querying every visible GPU would create a context on each of them
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
         "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
                   "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
         "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
@@ -53,7 +54,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
+        torch.cuda.set_rng_state(state["cuda"][0])
     npy = state["numpy"]
     np.random.set_state(("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"]))
     py = state["python"]

@@ -335,7 +335,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path) -> None:
     ax_loss.plot([r["step"] for r in test], [r["test_loss"] for r in test], "o-", label="test")
     ax_acc.plot([r["step"] for r in train], [r["acc"] for r in train], label="train")
     ax_acc.plot([r["step"] for r in test], [r["test_acc"] for r in test], "o-", label="test")
-    for ax, name in ((ax_loss, "loss (label-smoothed CE)"), (ax_acc, "accuracy")):
+    for ax, name in ((ax_loss, "loss (train: label-smoothed CE, test: CE)"), (ax_acc, "accuracy")):
         ax.set_xlabel("step")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
@@ -415,6 +415,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     resume_dir = None
     if args.resume == "auto":
         resume_dir = ckpt.latest_checkpoint(run_dir / "checkpoints")
+        if resume_dir is None and world.main:
+            print(f"--resume auto: no checkpoint in {run_dir / 'checkpoints'}, starting from scratch", flush=True)
     elif args.resume:
         resume_dir = ckpt.resolve_checkpoint(args.resume)
 
@@ -431,7 +433,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     if state is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        if scaler.is_enabled() and state["scaler"]:   # empty when the checkpoint ran without fp16
+            scaler.load_state_dict(state["scaler"])
         step, last_eval_epoch, best_acc = state["step"], state["last_eval_epoch"], state["best_acc"]
         last_eval = state["last_eval"] or None
         if len(state["rng"]) == world.world:
@@ -525,8 +528,9 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                                     lr=f"{last_train['lr']:.2e}", img_s=f"{last_train['img_per_s']:.0f}")
                     window.zero_()
                     t_window = time.perf_counter()
-                flag = torch.tensor([stop.signum is not None or step == args.stop_at_step], device=world.device)
-                stopped = bool(world.all_reduce(flag.int()).item())   # every rank stops at the same step
+                stopped = stop.signum is not None or step == args.stop_at_step
+                if world.enabled:   # every rank must stop after the same step
+                    stopped = bool(world.all_reduce(torch.tensor([int(stopped)], device=world.device)).item())
                 if stopped or step % args.ckpt_every == 0:
                     save_checkpoint()
                 if stopped:

@@ -35,7 +35,7 @@ fp32 partial-sum buffers are O(N * programs) and ignored). Launches per call in 
                      bwd: plain (no dropout/gamma/scale): read dout = 1s (dx is dout) [2];
                           with dropout or scale: read dout, write dx = 2s [2];
                           with gamma: + read x = 3s [2]
-                     (bwd with bias=None and no gamma launches nothing.)
+                     (the plain join with bias=None launches nothing in backward.)
 The two backward launches are the row-tile kernel and ``sum_partials`` (deterministic column
 sums of the per-program fp32 partials; no atomics). Eager PyTorch for bias_gelu moves
 add (3s) + gelu (2s) = 5s forward and 6s+ backward.
@@ -294,6 +294,11 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or rows.shape[0] == 0 else rows.contiguous()
 
 
+def param_grad_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    """dtype the partial-sum reduction writes: the parameters' own when they agree, else fp32."""
+    return params[0].dtype if params and all(t.dtype == params[0].dtype for t in params) else torch.float32
+
+
 def stores_dx(p: float, gamma, sample_scale, grad_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
     """Whether a residual join's backward must write dx: not when dx is the incoming gradient."""
     return p > 0 or gamma is not None or sample_scale is not None or grad_dtype != x_dtype
@@ -377,7 +382,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
     store_dx = stores_dx(p, gamma, sample_scale, dout.dtype, x.dtype)
     dx = torch.empty((m, n) if store_dx else (0,), device=x.device, dtype=x.dtype)
     params = [t for t in (bias, gamma) if t is not None]
-    param_dtype = params[0].dtype if params and all(t.dtype == params[0].dtype for t in params) else torch.float32
+    param_dtype = param_grad_dtype(params)
     if m == 0 or (not params and not store_dx):
         return dx, torch.zeros((len(params), n), device=x.device, dtype=param_dtype)
     block_m, block_n, warps = tile_config(n)
@@ -397,7 +402,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
 def _(dout, x, bias, gamma, sample_scale, p, seed):
     store_dx = stores_dx(p, gamma, sample_scale, dout.dtype, x.dtype)
     params = [t for t in (bias, gamma) if t is not None]
-    param_dtype = params[0].dtype if params and all(t.dtype == params[0].dtype for t in params) else torch.float32
+    param_dtype = param_grad_dtype(params)
     return (x.new_empty(x.shape if store_dx else (0,)), x.new_empty((len(params), x.shape[1]), dtype=param_dtype))
 
 

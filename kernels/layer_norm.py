@@ -31,7 +31,8 @@ row) and per-column parameters ignored). Launches per call in brackets:
   add_layer_norm   fwd: read x, residual, write normed, h = 4s [1]
                    bwd: read dy, d(h), h, write dh = 4s; + write dx when dropout / gamma /
                         drop-path scale (or dtypes) make dx differ from dh (5s), + read x with
-                        gamma (6s) [2]. Without a gradient flowing into h: one read less.
+                        gamma (6s) [2]. Without a gradient flowing into h: one read less;
+                        with normed unused: only the join's backward (bias_dropout_add_bwd).
 The unfused eager path moves add 3s + LN 2s = 5s forward (7s with a separate bias add, 9s with
 dropout), and backward 4s+ plus separate parameter-grad reductions.
 
@@ -60,6 +61,7 @@ from .bias_gelu import (
     bias_dropout_add_ref,
     kernel_signature,
     num_partials,
+    param_grad_dtype,
     prepare_join,
     residual_join_bwd,
     residual_join_fwd,
@@ -183,11 +185,6 @@ def ln_config(n: int, arch: int = 80) -> tuple[int, int, int]:
     return 1, block_n, min(32, block_n // 128)
 
 
-def _param_grad_dtype(params: list[torch.Tensor]) -> torch.dtype:
-    first = params[0].dtype
-    return first if all(t.dtype == first for t in params) else torch.float32
-
-
 @torch.library.custom_op("vit_fast::add_layer_norm_fwd", mutates_args=())
 def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
                        branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
@@ -239,7 +236,7 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
     dx = torch.empty((m, n) if store_dx else (0,), device=dev, dtype=x.dtype)
     params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
     if m == 0:
-        return dh, dx, torch.zeros((len(params), n), device=dev, dtype=_param_grad_dtype(params))
+        return dh, dx, torch.zeros((len(params), n), device=dev, dtype=param_grad_dtype(params))
     block_m, block_n, warps = ln_config(n)
     g = num_partials(triton.cdiv(m, block_m), 1, dev)
     partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
@@ -250,14 +247,14 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
         dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
         HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, num_warps=warps)
-    return dh, dx, sum_partials(partial, _param_grad_dtype(params))
+    return dh, dx, sum_partials(partial, param_grad_dtype(params))
 
 
 @add_layer_norm_bwd.register_fake
 def _(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, p, seed, store_dx):
     params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
     return (torch.empty_like(h, memory_format=torch.contiguous_format), x.new_empty(x.shape if store_dx else (0,)),
-            h.new_empty((len(params), h.shape[1]), dtype=_param_grad_dtype(params)))
+            h.new_empty((len(params), h.shape[1]), dtype=param_grad_dtype(params)))
 
 
 class AddLayerNormFunction(torch.autograd.Function):

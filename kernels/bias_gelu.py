@@ -47,7 +47,6 @@ row strides are passed to the kernels.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Optional
 
 import torch

@@ -184,7 +184,8 @@ def model_rows(model: torch.nn.Module, batch: int, dtype: torch.dtype, device: t
     return rows + list(groups.values())
 
 
-def print_table(rows: list[Row], out=sys.stdout) -> None:
+def print_table(rows: list[Row], out=None) -> None:
+    out = out or sys.stdout
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     width = max(len(r.op) for r in rows) + 2
     print(f"{'op':<{width}}{'shape':<20}{'dtype':<7}{'max abs err':>12}{'rel err':>11}{'bound':>10}  result", file=out)

@@ -1,0 +1,63 @@
+"""`vit-fast check`: runs in a fresh process (re-executing itself under the Triton interpreter when there is
+no CUDA), prints the table and passes; a broken kernel makes it report FAIL and return 1."""
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+import vit_fast.kernels.attention as A
+import vit_fast.kernels.bias_gelu as G
+from vit_fast import check
+
+TINY = ["--model", "vit_tiny_patch16_224", "--batch", "1", "--depth", "1"]
+ROW = re.compile(r"^(\S+(?: \S+)?)\s+([\dx]+)\s+(fp32|fp16|bf16)\s+(\S+)\s+(\S+)\s+(\S+)\s+(PASS|FAIL)$", re.M)
+
+
+def test_cli_passes_in_a_fresh_process():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user's shell: check sets it
+    result = subprocess.run([sys.executable, "-m", "vit_fast.cli", "check", *TINY], capture_output=True, text=True,
+                            timeout=240, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    if not torch.cuda.is_available():
+        assert "Triton interpreter on CPU, reduced size" in out
+    rows = ROW.findall(out)
+    ops = {name.split(" ")[0] for name, *_ in rows}
+    assert ops == {"layer_norm", "add_layer_norm", "bias_gelu", "bias_dropout_add", "attention", "patch_embed",
+                   "model"}, out
+    assert all(r[-1] == "PASS" for r in rows) and "FAIL" not in out
+    assert any(name == "model logits" for name, *_ in rows) and any(name.startswith("model dblocks.*.") for name, *_ in rows)
+    assert f"{len(rows)}/{len(rows)} passed" in out
+
+
+def test_broken_kernel_is_reported(monkeypatch, capsys):
+    """A 1% error in the attention kernel fails its rows and the model's (the model runs the kernel too);
+    the untouched bias_gelu rows still pass."""
+    attention = A.attention
+    monkeypatch.setattr(A, "attention", lambda *args, **kw: attention(*args, **kw) * 1.01)
+    assert check.main([*TINY, "--ops", "attention,bias_gelu,model"]) == 1
+    out = capsys.readouterr().out
+    status = {name: result for name, *_, result in ROW.findall(out)}
+    assert status["attention out"] == "FAIL" and status["model logits"] == "FAIL"
+    assert status["bias_gelu out"] == status["bias_gelu dx"] == status["bias_gelu dbias"] == "PASS"
+    assert "FAILED: attention out" in out
+
+
+def test_nan_never_passes(monkeypatch, capsys):
+    bias_gelu = G.bias_gelu
+
+    def one_nan(x, bias, approximate="none"):
+        out = bias_gelu(x, bias, approximate)
+        return out.index_put((torch.tensor([0]),), torch.tensor(float("nan")))
+
+    monkeypatch.setattr(G, "bias_gelu", one_nan)
+    assert check.main([*TINY, "--ops", "bias_gelu"]) == 1
+    status = {name: result for name, *_, result in ROW.findall(capsys.readouterr().out)}
+    assert status["bias_gelu out"] == "FAIL"
+
+
+def test_bad_arguments(capsys):
+    assert check.main(["--model", "vit_nope", "--ops", "layer_norm"]) == 2
+    assert "vit_nope" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 Tiny ViTs (depth 2, width 64, 4 heads, 32x32 images, patch 8): logits and every parameter gradient,
 the dropout / drop-path paths, AMP, AdamW trajectories, activation checkpointing and torch.compile.
 """
+import collections
 import copy
 
 import pytest
@@ -63,6 +64,10 @@ def test_fused_matches_reference_fp32_and_launches_what_the_readme_says():
                                            + ["attention_fwd", "bias_gelu_fwd"] * depth)
     assert sorted(bwd.kernels()) == sorted(["patch_embed_bwd"] + ["add_layer_norm_bwd"] * (1 + 2 * depth)
                                            + ["attention_bwd", "bias_gelu_bwd"] * depth)
+    # backward GEMMs: dX and dW of 4 GEMMs per block + the head's 2; reductions: the qkv bias (autograd's
+    # addmm backward) per block + the head bias. Every other bias / LayerNorm grad comes from the kernels.
+    counts = collections.Counter(bwd.compute_aten())
+    assert counts["mm"] == 8 * depth + 2 and counts["sum"] == depth + 1, counts
     # per block forward: the qkv GEMM (with bias), proj / fc1 / fc2 without; then the head's addmm
     assert sorted(fwd.compute_aten()) == sorted(["addmm"] * (depth + 1) + ["mm"] * (3 * depth))
 
@@ -196,3 +201,19 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(out_c, out)
     for name, p in fused.named_parameters():
         assert torch.equal(p.grad, grads[name]), name
+
+
+def test_torch_compile_with_dropout_needs_captured_scalars(monkeypatch):
+    """The kernels draw their dropout seed with .item() (kernels/_utils.next_seed): dynamo captures it
+    only with capture_scalar_outputs, then the block compiles fullgraph and matches eager."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    torch.manual_seed(0)
+    blk = vit_fast.Block(64, 4, proj_drop=0.2, attn_drop=0.1, backend="triton").train()
+    x = torch.randn(2, 17, 64)
+    compiled = torch.compile(blk, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(1)
+    out_c = compiled(x)
+    torch.manual_seed(1)
+    out = blk(x)
+    torch.manual_seed(2)
+    assert torch.equal(out_c, out) and not torch.equal(blk(x), out)

@@ -14,7 +14,12 @@ The fused path (GEMMs stay in torch / cuBLAS, every elementwise and normalisatio
     computes the following LayerNorm (norm2, then the next block's norm1 or the final norm).
 Routed through reference ops, also on the fused path (documented, never silently different):
 qk_norm attention (split heads + q/k LayerNorm + SDPA), Mlp drop1 > 0 (F.dropout after bias_gelu),
-a non-Identity Mlp norm, attention maps (``Attention.attention_probs``).
+a non-Identity Mlp norm, attention maps (``Attention.attention_probs``); at model level pos_drop > 0
+(F.dropout on the tokens), pooling, fc_norm (the layer_norm kernel) and the head.
+Drop-path: the per-sample keep decision is drawn in torch (``DropPath.sample_scale``, B values) and
+applied inside the join kernel. torch.compile(fullgraph=True) traces all of it (the kernels are torch
+custom ops); with dropout > 0 set torch._dynamo.config.capture_scalar_outputs = True, since the kernels
+draw their dropout seed with .item().
 """
 from __future__ import annotations
 

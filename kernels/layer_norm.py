@@ -38,10 +38,9 @@ dropout), and backward 4s+ plus separate parameter-grad reductions.
 
 Limits: N from 1 to 8192 in one tile per row (tested 64..8192, incl. 192..1664 ViT widths).
 Compiled for sm_80 / sm_90 (aot_specs, widths 384..1664, every flag combination): forward 30-85
-registers, backward 40-112, no spills; at 8192 the
-join backward with LayerScale spills up to 176 bytes per thread (32 warps cap registers at 64)
-- correct but slower; plain LayerNorm and every forward are spill-free up to 8192;
-any leading shape, 0 rows included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
+registers, backward 40-112, no spills. At 8192 the join backward with LayerScale spills up to
+176 bytes per thread (32 warps cap registers at 64): correct but slower; plain LayerNorm and
+every forward are spill-free up to 8192. Any leading shape, 0 rows included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
 Inputs whose last dimension is not contiguous are copied once; row strides are passed through.
 """
 from __future__ import annotations

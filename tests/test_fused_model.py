@@ -144,11 +144,28 @@ def test_autocast_bf16_matches_reference_under_autocast():
         assert err <= max(2 * err_eager, 2e-3) and err <= bound(torch.bfloat16, "dot"), (name, err, err_eager)
 
 
+def test_pure_bf16_model():
+    fused, ref = make_pair(**{**TINY, "depth": 1})
+    ref64 = copy.deepcopy(ref).double()
+    fused, ref = fused.bfloat16(), ref.bfloat16()
+    x = torch.randn(2, 3, 32, 32)
+    out, out_ref, out64 = fused(x.bfloat16()), ref(x.bfloat16()), ref64(x.double())
+    assert out.dtype == torch.bfloat16
+    err, err_eager = errors(out, out64)[0], errors(out_ref, out64)[0]
+    assert err <= max(2 * err_eager, 1e-3) and err <= bound(torch.bfloat16, "dot"), (err, err_eager)
+    for model, y in ((fused, out), (ref, out_ref), (ref64, out64)):
+        loss_of(y).backward()
+    for (name, p), (_, q), (_, r) in zip(fused.named_parameters(), ref.named_parameters(), ref64.named_parameters()):
+        assert p.grad.dtype == torch.bfloat16, name
+        err, err_eager = errors(p.grad, r.grad)[0], errors(q.grad, r.grad)[0]
+        assert err <= max(2 * err_eager, 2e-3) and err <= bound(torch.bfloat16, "dot"), (name, err, err_eager)
+
+
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16_autocast"])
 def test_five_adamw_steps_fused_vs_reference(amp):
     fused, ref = make_pair(**{**TINY, "depth": 1})  # depth 1: five interpreted steps stay cheap
     torch.manual_seed(1)
-    batches = [(torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))) for _ in range(5)]
+    batches = [(torch.randn(1, 3, 32, 32), torch.randint(0, 10, (1,)))] * 5  # one batch: the loss must fall
     losses = {}
     for name, model in (("fused", fused), ("ref", ref)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
@@ -169,24 +186,28 @@ def test_grad_checkpointing_with_dropout_gives_identical_gradients():
     config = dict(TINY, attn_drop_rate=0.1, proj_drop_rate=0.1, drop_path_rate=0.3, pos_drop_rate=0.1)
     fused, _ = make_pair(**config)
     fused.train()
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(1, 3, 32, 32)
     results = []
-    for checkpointing in (False, True, False):
+    for checkpointing in (False, True):
         fused.zero_grad()
         fused.set_grad_checkpointing(checkpointing)
-        torch.manual_seed(7 if len(results) < 2 else 8)
+        torch.manual_seed(7)
         out = fused(x)
         loss_of(out).backward()
         results.append((out.detach(), {n: p.grad.clone() for n, p in fused.named_parameters()}))
-    (out_plain, grads_plain), (out_ckpt, grads_ckpt), (out_other, _) = results
-    assert not torch.equal(out_plain, out_other), "dropout must be active (another seed, another output)"
+    (out_plain, grads_plain), (out_ckpt, grads_ckpt) = results
+    with torch.no_grad():
+        torch.manual_seed(8)
+        assert not torch.equal(fused(x), out_plain), "dropout must be active (another seed, another output)"
     assert torch.equal(out_ckpt, out_plain)
     for name, g in grads_plain.items():
         assert torch.equal(grads_ckpt[name], g), name
 
 
 def test_torch_compile_fullgraph_matches_eager():
-    fused, _ = make_pair(**{**TINY, "depth": 1, "drop_path_rate": 0.5, "init_values": 0.1})
+    fused, _ = make_pair(**{**TINY, "depth": 1, "init_values": 0.1})
+    # depth 1 gets drop-path rate 0 from the linear rule: put it in by hand (the draw is traced too)
+    fused.blocks[0].drop_path1, fused.blocks[0].drop_path2 = DropPath(0.5), DropPath(0.5)
     fused.train()
     x = torch.randn(2, 3, 32, 32)
     torch.manual_seed(5)

@@ -12,9 +12,9 @@ The choice is made per call from the tensor the module receives, so one model fo
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from vit_fast.kernels._utils import interpreter_active
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -24,11 +24,6 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
-
-
-def interpreter_active() -> bool:
-    """True when Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def kernels_can_run_on(device: torch.device) -> bool:

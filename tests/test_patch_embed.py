@@ -148,7 +148,8 @@ def test_sum_backward_and_strided_images():
 
 
 def test_timm_stack_matches():
-    """timm PatchEmbed + _pos_embed with random weights (cls, registers, both pos conventions)."""
+    """timm PatchEmbed + _pos_embed with random weights (cls, registers, both pos conventions): same
+    tokens and same parameter gradients as timm's autograd."""
     timm = pytest.importorskip("timm")
     for regs, no_embed_class in ((0, False), (2, True)):
         torch.manual_seed(7)
@@ -157,11 +158,17 @@ def test_timm_stack_matches():
         torch.nn.init.normal_(model.pos_embed)  # timm initialises it with small trunc_normal values
         images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
         expected = model._pos_embed(model.patch_embed(images))
+        dtokens = torch.randn_like(expected)
+        expected.backward(dtokens)
         proj = model.patch_embed.proj
-        params = [proj.weight, proj.bias, model.pos_embed, model.cls_token, model.reg_token]
-        params = [p.detach().float() if p is not None else None for p in params]
-        out = patch_embed(images.float(), *params, pos_embed_covers_prefix=not no_embed_class)
+        theirs = [proj.weight, proj.bias, model.pos_embed, model.cls_token, model.reg_token]
+        mine = [p.detach().float().requires_grad_() if p is not None else None for p in theirs]
+        out = patch_embed(images.float(), *mine, pos_embed_covers_prefix=not no_embed_class)
         assert_close(out, expected, bound(torch.float32, "dot"), f"tokens (regs={regs})")
+        out.backward(dtokens.float())
+        for name, a, b in zip(("weight", "bias", "pos_embed", "cls_token", "reg_token"), mine, theirs):
+            if b is not None:
+                assert_close(a.grad, b.grad, bound(torch.float32, "dot"), f"d{name} (regs={regs})")
 
 
 def test_backward_is_bitwise_repeatable(monkeypatch):

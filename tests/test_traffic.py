@@ -58,6 +58,20 @@ def test_triton_launch_counts_unmasked_lanes_and_distinct_addresses():
     assert not any(o.name == "copy_" for o in c.ops)
 
 
+def test_identical_launch_is_replayed_with_the_same_counts():
+    x, w = torch.randn(10, 7), torch.randn(7)
+    memo = {}
+    with traffic.StepCounter(memo=memo) as c:
+        rows_times_vector(x, w)
+        rows_times_vector(x, w)                # same layouts: replayed
+        rows_times_vector(x[:9], w)            # another shape: interpreted
+    kernels = [o for o in c.ops if o.triton]
+    assert c.replayed == 1 and len(kernels) == 3 and len(memo) == 2
+    first, again, other = kernels
+    assert (again.bytes_read, again.bytes_written, again.requested) == (first.bytes_read, first.bytes_written, first.requested)
+    assert other.bytes_read == (63 + 7) * 4
+
+
 def test_batch_and_depth_extrapolation_match_direct_counts():
     """Counting at batch 2, 3 and depth 1, 2 then extrapolating equals counting batch 4 at depth 3 directly."""
     kw = dict(dtype=torch.bfloat16, depth=3, img_size=64)  # exactness does not depend on the size

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -64,6 +65,7 @@ class Op:
     flops: float = 0.0
     requested: float = 0.0  # Triton only: bytes over unmasked lanes, re-reads included (aten: = read + written)
     triton: bool = False
+    seconds: float = 0.0  # Triton only: time the interpreter took (diagnostics)
 
     @property
     def bytes(self) -> float:
@@ -129,10 +131,15 @@ def _attention_flops(name: str, args) -> float:
 class StepCounter(TorchDispatchMode):
     """Records every aten op and (with instrument_triton) every interpreted Triton launch as an Op."""
 
-    def __init__(self, instrument_triton: bool = True):
+    def __init__(self, instrument_triton: bool = True, memo: dict | None = None):
         super().__init__()
         self.ops: list[Op] = []
         self.instrument_triton = instrument_triton
+        # Launch key -> counted Op. A launch identical to one already counted (same kernel, grid,
+        # scalars and tensor layouts) is replayed, not interpreted: its loads, stores and dots are
+        # fixed by those alone. Its outputs stay unwritten, which no later count depends on.
+        self.memo = memo
+        self.replayed = 0
         self._in_triton = 0
         self._launch: Op | None = None
         self._addresses: dict[str, list] = {}
@@ -205,17 +212,26 @@ class StepCounter(TorchDispatchMode):
             if warmup or counter._launch is not None:
                 return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
             fn = fn_self.fn
+            key = _launch_key(fn_self, args, kwargs, grid) if counter.memo is not None else None
+            if key is not None and key in counter.memo:
+                counter.ops.append(dataclasses.replace(counter.memo[key], seconds=0.0))
+                counter.replayed += 1
+                return None
             counter._launch = Op(fn.__name__, triton_family(fn.__module__, fn.__name__), triton=True)
             counter._addresses = {"r": [], "w": []}
             counter._in_triton += 1
+            start = time.perf_counter()
             try:
                 return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
             finally:
                 counter._in_triton -= 1
                 op, counter._launch = counter._launch, None
+                op.seconds = time.perf_counter() - start
                 op.bytes_read = _distinct_bytes(counter._addresses["r"])
                 op.bytes_written = _distinct_bytes(counter._addresses["w"])
                 counter.ops.append(op)
+                if key is not None:
+                    counter.memo[key] = op
 
         def note(kind, ptrs, mask):
             op = counter._launch
@@ -244,6 +260,27 @@ class StepCounter(TorchDispatchMode):
         self._patch(interp.InterpreterBuilder, "create_masked_store", counted_store)
         # Patch the currently installed create_dot (tests may have wrapped it with the bf16 shim).
         self._patch(interp.InterpreterBuilder, "create_dot", counted_dot)
+
+
+def _launch_key(fn_self, args, kwargs, grid):
+    """Everything a launch's addresses depend on; None when an argument is not understood."""
+    storages: list[int] = []
+    parts = []
+    for name, value in list(zip(fn_self.arg_names, args)) + sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            ptr = value.untyped_storage().data_ptr()
+            if ptr not in storages:
+                storages.append(ptr)
+            parts.append((name, tuple(value.shape), value.stride(), str(value.dtype), value.storage_offset(), storages.index(ptr)))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            parts.append((name, value))
+        elif type(value).__module__.startswith("triton"):
+            parts.append((name, repr(value)))
+        else:
+            return None
+    if callable(grid):
+        grid = grid({**dict(zip(fn_self.arg_names, args)), **kwargs})
+    return (fn_self.fn, tuple(grid), tuple(parts))
 
 
 def _distinct_bytes(chunks) -> float:
@@ -281,14 +318,14 @@ def build_model(path: str, preset: str, **overrides) -> torch.nn.Module:
 
 
 def count_step(model: torch.nn.Module, batch: int, dtype: torch.dtype = torch.bfloat16, img_size: int = 224,
-               in_chans: int = 3, num_classes: int = 1000) -> list[Op]:
+               in_chans: int = 3, num_classes: int = 1000, memo: dict | None = None) -> list[Op]:
     """Ops of one forward + cross-entropy + backward at `batch`, under autocast to `dtype` (none for fp32)."""
     gen = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, in_chans, img_size, img_size, generator=gen)
     y = torch.randint(0, max(num_classes, 1), (batch,), generator=gen)
     model.zero_grad(set_to_none=True)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    with StepCounter() as counter:
+    with StepCounter(memo=memo) as counter:
         with autocast:
             out = model(x)
         loss = F.cross_entropy(out.float(), y) if num_classes else out.float().square().mean()
@@ -365,16 +402,18 @@ class PathResult:
 
 
 def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloat16, count_batches=(2, 3),
-            count_depths=(1, 2), **overrides) -> PathResult:
+            count_depths=(1, 2), replay: bool = True, **overrides) -> PathResult:
     """Count `path` for `preset` at the small batches and depths, scaled to `batch` and the full depth.
 
     With count_depths=None the model is counted at its full depth; with one count batch equal to
-    `batch` nothing is scaled in batch.
+    `batch` nothing is scaled in batch. With `replay`, identical Triton launches are interpreted once
+    (see StepCounter), which makes the depth-2 count of the fused model nearly free.
     """
     from vit_fast.presets import get_config
 
     cfg = get_config(preset, **overrides)
-    kw = dict(dtype=dtype, img_size=cfg.img_size[0], in_chans=cfg.in_chans, num_classes=cfg.num_classes)
+    kw = dict(dtype=dtype, img_size=cfg.img_size[0], in_chans=cfg.in_chans, num_classes=cfg.num_classes,
+              memo={} if replay else None)
     depths = tuple(count_depths) if count_depths and cfg.depth > max(count_depths) else (cfg.depth,)
     batches = (batch,) if batch in count_batches else tuple(count_batches)
     t0 = time.perf_counter()

@@ -365,8 +365,10 @@ def load_resume(ckpt_dir: Path, args: argparse.Namespace, model: nn.Module) -> d
     if saved["batch_size"] != args.batch_size:
         raise ValueError(f"refusing to resume from {ckpt_dir}: --batch-size {args.batch_size} differs from the "
                          f"checkpoint's {saved['batch_size']} (the global batch defines the data position and schedule)")
+    run_control = {"resume", "output_dir", "stop_at_step", "no_progress", "no_plot", "device", "workers", "threads",
+                   "log_every", "ckpt_every", "keep_checkpoints", "eval_every", "compile"}
     changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in vars(args).items()
-               if k not in ("resume", "output_dir", "stop_at_step", "no_progress", "device", "workers") and saved.get(k) != v]
+               if k not in run_control and saved.get(k) != v]
     if changed:
         log.warning("resuming with changed settings: %s", "; ".join(changed))
     load_state_dict(model, ckpt.read_weights(ckpt_dir))   # strict; names every key / shape that differs
@@ -441,6 +443,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             ckpt.set_rng_state(state["rng"][world.rank])
         else:   # another world size: per-rank streams cannot be mapped, derive fresh ones
             torch.manual_seed(args.seed + 1_000_003 * step + world.rank)
+            log.info("checkpoint written by %d process(es), resumed on %d: data order and batches are the same, "
+                     "dropout / drop-path streams are re-seeded", len(state["rng"]), world.world)
     else:
         torch.manual_seed(args.seed + world.rank)   # per-rank stream for dropout / drop-path
 

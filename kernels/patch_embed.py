@@ -189,11 +189,14 @@ def _patch_embed_reduce_kernel(
     Part, DY,  # fp32 partials (S, D*K + D); dtokens (B, T, D) any strides
     sdb, sdt, sdd,  # dtokens strides
     S, B, D, K, T, prefix, pos_base,  # pos_base = 0 when pos_embed covers the prefix, else prefix
-    HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_REG: tl.constexpr,
+    HAS_DW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_REG: tl.constexpr,
     BLOCK: tl.constexpr, BATCH_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_w = tl.cdiv(D * K + D, BLOCK)
+    if HAS_DW:
+        num_w = tl.cdiv(D * K + D, BLOCK)
+    else:  # frozen projection: only the batch sums
+        num_w = 0
     if pid < num_w:
         # dW and dbias: sum the S partial rows in split order
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -338,7 +341,8 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
         ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
          dict(HAS_BIAS=True), cfg["dweight"]),
         ("patch_embed_reduce", _patch_embed_reduce_kernel,
-         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), flags, cfg["reduce"]),
+         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), dict(flags, HAS_DW=True),
+         cfg["reduce"]),
         ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg["dimages"]),
     ]
     specs = []
@@ -440,19 +444,22 @@ def _(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_p
     return images.new_empty((images.shape[0], T, weight.shape[0]), dtype=compute_dtype)
 
 
-def _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages):
+def _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages, needs_proj_grads):
     """(shape, dtype) of [dW, dbias, dpos, dcls, dreg, dimages]; absent gradients are empty tensors."""
     def like(t, present=True):
         return (tuple(t.shape), t.dtype) if t is not None and present else ((0,), weight.dtype)
-    return [like(weight), like(bias), like(pos_embed), like(cls_token), like(reg_tokens), like(images, needs_dimages)]
+    return [like(weight, needs_proj_grads), like(bias, needs_proj_grads), like(pos_embed), like(cls_token),
+            like(reg_tokens), like(images, needs_dimages)]
 
 
 @torch.library.custom_op("vit_fast::patch_embed_bwd", mutates_args=())
 def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
-                    pos_embed_covers_prefix: bool, needs_dimages: bool) -> list[torch.Tensor]:
-    """[dweight, dbias, dpos_embed, dcls_token, dreg_tokens, dimages], each in its tensor's dtype
-    (an absent tensor, or dimages when not needed, gives an empty tensor). Two or three launches."""
+                    pos_embed_covers_prefix: bool, needs_dimages: bool,
+                    needs_proj_grads: bool = True) -> list[torch.Tensor]:
+    """[dweight, dbias, dpos_embed, dcls_token, dreg_tokens, dimages], each in its tensor's dtype (an
+    absent tensor, dimages when not needed, dweight/dbias for a frozen projection give empty tensors).
+    One to three launches: dW/dbias partials (unless frozen), reduction + batch sums, dimages."""
     T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
     B, C, H, W = images.shape
     D, _, P, _ = weight.shape
@@ -462,26 +469,31 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
     Np, Wp, K = (H // P) * (W // P), W // P, C * P * P
     prefix, M = T - Np, B * Np
     grads = [torch.empty(s, dtype=dt, device=device)
-             for s, dt in _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages)]
+             for s, dt in _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages,
+                                       needs_proj_grads)]
     dW, dbias, dpos, dcls, dreg, dimages = grads
     cfg = patch_embed_config(gpu_arch(device), dtokens.dtype)
 
-    consts, opts, steps = _gemm_launch(cfg["dweight"], dtokens.dtype, P)
-    splits, per_split = _dweight_split(M, D, C * steps, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
-    partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
-    grid = (triton.cdiv(D, consts["BLOCK_N"]) * C * steps, splits)
-    _patch_embed_dweight_kernel[grid](
-        partials, dtokens, images, *dtokens.stride(), *images.stride(),
-        M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
+    splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
+    if needs_proj_grads:
+        consts, opts, steps = _gemm_launch(cfg["dweight"], dtokens.dtype, P)
+        splits, per_split = _dweight_split(M, D, C * steps, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+        partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
+        grid = (triton.cdiv(D, consts["BLOCK_N"]) * C * steps, splits)
+        _patch_embed_dweight_kernel[grid](
+            partials, dtokens, images, *dtokens.stride(), *images.stride(),
+            M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
 
     red = cfg["reduce"]
-    grid = (triton.cdiv(D * K + D, red["BLOCK"]) + triton.cdiv(T * D, red["BLOCK"] // red["BATCH_TILE"]),)
+    reduce_programs = triton.cdiv(D * K + D, red["BLOCK"]) if needs_proj_grads else 0
+    grid = (reduce_programs + triton.cdiv(T * D, red["BLOCK"] // red["BATCH_TILE"]),)
     _patch_embed_reduce_kernel[grid](
-        dW, dbias if bias is not None else dW, dpos, dcls if cls_token is not None else dW,
-        dreg if reg_tokens is not None else dW, partials, dtokens, *dtokens.stride(),
-        splits, B, D, K, T, prefix, 0 if pos_embed_covers_prefix else prefix,
-        HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
-        BLOCK=red["BLOCK"], BATCH_TILE=red["BATCH_TILE"], num_warps=red["num_warps"], num_stages=red["num_stages"])
+        dW if needs_proj_grads else dpos, dbias if bias is not None and needs_proj_grads else dpos, dpos,
+        dcls if cls_token is not None else dpos, dreg if reg_tokens is not None else dpos, partials, dtokens,
+        *dtokens.stride(), splits, B, D, K, T, prefix, 0 if pos_embed_covers_prefix else prefix,
+        HAS_DW=needs_proj_grads, HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None),
+        HAS_REG=reg_tokens is not None, BLOCK=red["BLOCK"], BATCH_TILE=red["BATCH_TILE"],
+        num_warps=red["num_warps"], num_stages=red["num_stages"])
 
     if needs_dimages:
         consts, opts, steps = _gemm_launch(cfg["dimages"], dtokens.dtype, P)
@@ -493,9 +505,10 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
 
 
 @patch_embed_bwd.register_fake
-def _(dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, needs_dimages):
-    return [images.new_empty(s, dtype=dt)
-            for s, dt in _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages)]
+def _(dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, needs_dimages,
+      needs_proj_grads=True):
+    return [images.new_empty(s, dtype=dt) for s, dt in _grad_shapes(
+        images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages, needs_proj_grads)]
 
 
 # -------------------------------------------------------------------------------------- autograd
@@ -510,12 +523,13 @@ class PatchEmbedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dtokens):
         images, weight, bias, pos_embed, cls_token, reg_tokens = ctx.saved_tensors
+        needs = ctx.needs_input_grad
         dW, dbias, dpos, dcls, dreg, dimages = patch_embed_bwd(
             dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens,
-            ctx.pos_embed_covers_prefix, ctx.needs_input_grad[0])
-        present = lambda g, t: g if t is not None else None  # noqa: E731
-        return (dimages if ctx.needs_input_grad[0] else None, dW, present(dbias, bias), dpos,
-                present(dcls, cls_token), present(dreg, reg_tokens), None, None)
+            ctx.pos_embed_covers_prefix, needs[0], needs[1] or needs[2])
+        wanted = lambda i, g: g if needs[i] else None  # noqa: E731
+        return (wanted(0, dimages), wanted(1, dW), wanted(2, dbias), wanted(3, dpos), wanted(4, dcls),
+                wanted(5, dreg), None, None)
 
 
 # ------------------------------------------------------------------------------------ functional

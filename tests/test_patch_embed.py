@@ -199,7 +199,8 @@ class CountLaunches:
 
 
 def test_launch_counts_and_no_image_grad(monkeypatch):
-    """One forward launch; two backward launches, a third only when the images require grad."""
+    """One forward launch; two backward launches, a third only when the images require grad, one for a
+    frozen projection."""
     launches = []
     for name in ("_patch_embed_fwd_kernel", "_patch_embed_dweight_kernel", "_patch_embed_reduce_kernel",
                  "_patch_embed_dimages_kernel"):
@@ -216,6 +217,14 @@ def test_launch_counts_and_no_image_grad(monkeypatch):
     inputs["images"].requires_grad_(True)
     call(patch_embed, inputs, True).backward(dtokens)
     assert len(launches) == 7 and launches[-1] == "_patch_embed_dimages_kernel"
+    # a frozen projection (MoCo v3 style) skips the dW GEMM: one backward launch, still exact grads
+    for name in ("images", "weight", "bias"):
+        inputs[name] = inputs[name].detach()
+    inputs["pos_embed"].grad = inputs["cls_token"].grad = None
+    call(patch_embed, inputs, True).backward(dtokens)
+    assert launches[7:] == ["_patch_embed_fwd_kernel", "_patch_embed_reduce_kernel"]
+    for name in ("pos_embed", "cls_token"):
+        assert_close(inputs[name].grad, ref_grads[name], bound(torch.float32, "dot"), f"frozen d{name}")
 
 
 def test_poisoning_is_active():
@@ -235,7 +244,9 @@ def test_custom_ops_trace_under_compile():
     compiled = torch.compile(lambda *a: patch_embed(*a), backend="aot_eager", fullgraph=True)
     out = compiled(*(inputs[n] for n in NAMES))
     assert torch.equal(out, eager)
-    torch.library.opcheck(patch_embed_fwd, tuple(inputs[n].detach() for n in NAMES) + (True, torch.float32),
+    args = tuple(inputs[n].detach() for n in NAMES)
+    torch.library.opcheck(patch_embed_fwd, args + (True, torch.float32), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(patch_embed_bwd, (torch.randn_like(eager),) + args + (True, True, False),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
 import sys
 
 import torch
 
-PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}  # dense bf16/fp16 tensor cores (GUIDE.md 5)
+from vit_fast.bench import PEAK_TFLOPS, git_revision  # dense bf16/fp16 peaks, tagging of results
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int):
@@ -82,11 +81,7 @@ def time_provider(fn, batch, heads, tokens, head_dim, dtype, backward: bool) -> 
 def environment() -> dict:
     import triton
 
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        rev = "unknown"
-    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git=rev)
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git=git_revision())
 
 
 def main(argv=None) -> int:
@@ -114,14 +109,15 @@ def main(argv=None) -> int:
         for tokens in args.tokens:
             for backward in (False, True):
                 shape = (args.batch, args.heads, tokens, args.head_dim)
+                label = f"{name:15s} N={tokens:5d} {'fwd+bwd' if backward else 'fwd':8s}"
                 try:
                     ms = time_provider(fn, *shape, dtype, backward)
                 except Exception as e:  # e.g. a backend that does not support this shape or GPU
-                    print(f"{name:15s} N={tokens:5d} {'fwd+bwd' if backward else 'fwd':8s} unavailable: {type(e).__name__}: {e}"[:200])
+                    print(f"{label} unavailable: {type(e).__name__}: {e}"[:200])
                     continue
                 tflops = flops(*shape, backward) / ms / 1e9
                 ceiling = f" of {peak:.0f} peak ({100 * tflops / peak:.0f}%)" if peak else ""
-                print(f"{name:15s} N={tokens:5d} {'fwd+bwd' if backward else 'fwd':8s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s{ceiling}")
+                print(f"{label} {ms:8.3f} ms {tflops:7.1f} TFLOP/s{ceiling}")
                 rows.append(dict(env, provider=name, batch=args.batch, heads=args.heads, tokens=tokens,
                                  head_dim=args.head_dim, dtype=args.dtype, pass_="fwd+bwd" if backward else "fwd",
                                  ms=ms, tflops=tflops))

@@ -14,11 +14,12 @@ output is written directly as (B, N, H * D), ready for the proj GEMM, and the gr
 (B, H, N, D) tensors of any strides (the F.scaled_dot_product_attention layout).
 
 Kernels (grid: batch * heads folded onto axis 0 with the tile index, so B * H may exceed 65535):
-    _attention_fwd_kernel    one program per (b, h, 128-row q tile); loops over k/v tiles with an
-                             online softmax in fp32 and an fp32 accumulator
+    _attention_fwd_kernel    one program per (b, h, q tile of 128 rows in fp16/bf16); loops over k/v
+                             tiles with an online softmax in fp32 and an fp32 accumulator
     _attention_delta_kernel  backward pre-pass: delta = rowsum(dO * out)
     _attention_dkdv_kernel   owns a k/v tile, loops over q tiles: dK, dV
     _attention_dq_kernel     owns a q tile, loops over k/v tiles: dQ
+    _attention_probs_kernel  attention maps: exp(S - lse) for chosen query rows, outside training
 No atomics and no program reads what another writes in the same launch: gradients are bitwise
 reproducible. Launches: 1 forward, 3 backward.
 
@@ -32,14 +33,17 @@ Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probab
 1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory).
 
 Memory and bytes: the forward allocates only the output and the fp32 lse (B * H * N); nothing grows
-with N^2. Per token and head it reads q, k, v once for its own tile (k and v are re-read once per
-q tile, from L2 for ViT sizes) and writes D output elements plus 4 bytes of lse: forward HBM
-traffic per token ~ (3 + 1) * H * D * bytes + 4 * H. The backward reads q, k, v, out, dO and lse/delta
-and writes 3 * H * D gradient elements per token plus 4 * H bytes of delta.
+with N^2 (the backward adds only delta, B * H * N fp32). HBM traffic per token and layer, C = H * D,
+e = bytes per element, counting each kernel's first touch (k/v and q/dO re-reads across tiles of one
+head hit L2 at ViT sizes):
+    forward   read q, k, v (3C e), write out (C e) + lse (4H)              = 4C e + 4H   (1 launch)
+    backward  delta: read out, dO (2C e), write delta (4H)
+              dK/dV: read q, k, v, dO (4C e) + lse, delta (8H), write dk, dv (2C e)
+              dQ:    read q, k, v, dO (4C e) + lse, delta (8H), write dq (C e) = 13C e + 20H (3 launches)
+ViT-B/16 in bf16 (C = 768, H = 12): 6.2 KB per token forward, 20.2 KB backward.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +62,6 @@ from ._utils import (
     next_seed,
 )
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
 MAX_GRID = 2**31 - 1
 
@@ -67,9 +70,42 @@ MAX_GRID = 2**31 - 1
 # Triton kernels
 # --------------------------------------------------------------------------------------------- #
 @triton.jit
-def _head_base(bh, num_heads, stride_b, stride_h):
-    """int64 element offset of head (b, h) = divmod(bh, H) in a (B, H, N, D)-strided tensor."""
-    return (bh // num_heads).to(tl.int64) * stride_b + (bh % num_heads).to(tl.int64) * stride_h
+def _program_tile(seq_len, BLOCK: tl.constexpr):
+    """(batch * head index, the program's row indices) of a 1-D grid of B * H * cdiv(N, BLOCK)."""
+    num_tiles = tl.cdiv(seq_len, BLOCK)
+    pid = tl.program_id(0)
+    return pid // num_tiles, (pid % num_tiles) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def _head(X, bh, num_heads, stride_b, stride_h):
+    """Pointer to head (b, h) = divmod(bh, H) of a (B, H, N, D)-strided tensor (int64 offset)."""
+    return X + (bh // num_heads).to(tl.int64) * stride_b + (bh % num_heads).to(tl.int64) * stride_h
+
+
+@triton.jit
+def _tile(rows, offs_d, stride_n, stride_d, TRANS: tl.constexpr):
+    """Element offsets of a (rows x D) tile of one head, or of its transpose (D x rows)."""
+    if TRANS:
+        off = rows[None, :].to(tl.int64) * stride_n + offs_d[:, None] * stride_d
+    else:
+        off = rows[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d
+    return off
+
+
+@triton.jit
+def _tile_mask(row_ok, d_ok, TRANS: tl.constexpr):
+    if TRANS:
+        mask = row_ok[None, :] & d_ok[:, None]
+    else:
+        mask = row_ok[:, None] & d_ok[None, :]
+    return mask
+
+
+@triton.jit
+def _load(X, rows, row_ok, offs_d, d_ok, stride_n, stride_d, TRANS: tl.constexpr):
+    """A (rows x D) tile (or its transpose) of one head; zeros outside N and D (masked, no padding)."""
+    return tl.load(X + _tile(rows, offs_d, stride_n, stride_d, TRANS), mask=_tile_mask(row_ok, d_ok, TRANS), other=0.0)
 
 
 @triton.jit
@@ -89,19 +125,14 @@ def _attention_fwd_kernel(
     DROPOUT: tl.constexpr,  # False skips the Philox draw entirely
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(seq_len, BLOCK_M)
-    bh = pid // num_m
-    rows = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
-
-    q_ptrs = Q + _head_base(bh, num_heads, stride_qb, stride_qh) + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + _head_base(bh, num_heads, stride_kb, stride_kh)
-    v_base = V + _head_base(bh, num_heads, stride_vb, stride_vh)
+    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
+    v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
     qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -110,8 +141,7 @@ def _attention_fwd_kernel(
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < seq_len
-        kT = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
         s = tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))  # padded keys: exactly zero probability
         # The first tile always holds key 0, so m_new is finite from the first step on.
@@ -122,16 +152,15 @@ def _attention_fwd_kernel(
         if DROPOUT:
             offsets = (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
             p = tl.where(dropout_keep_mask(seed, offsets, dropout_p), p, 0.0)
-        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
     if DROPOUT:
         acc = acc * inv_keep
     acc = acc / l_i[:, None]
-    o_ptrs = Out + _head_base(bh, num_heads, stride_ob, stride_oh) + rows[:, None].to(tl.int64) * stride_on + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(_head(Out, bh, num_heads, stride_ob, stride_oh) + _tile(rows, offs_d, stride_on, stride_od, False),
+             acc.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural log
     tl.store(Lse + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
 
@@ -146,17 +175,14 @@ def _attention_delta_kernel(
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(seq_len, BLOCK_M)
-    bh = pid // num_m
-    rows = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows < seq_len)[:, None] & (offs_d < head_dim)[None, :]
-    o = tl.load(O + _head_base(bh, num_heads, stride_ob, stride_oh) + rows[:, None].to(tl.int64) * stride_on
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + _head_base(bh, num_heads, stride_gb, stride_gh) + rows[:, None].to(tl.int64) * stride_gn
-                 + offs_d[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + bh.to(tl.int64) * seq_len + rows, tl.sum(o * do, 1), mask=rows < seq_len)
+    row_ok = rows < seq_len
+    d_ok = offs_d < head_dim
+    o = _load(_head(O, bh, num_heads, stride_ob, stride_oh), rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
+    do = _load(_head(DO, bh, num_heads, stride_gb, stride_gh), rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh.to(tl.int64) * seq_len + rows, delta, mask=row_ok)
 
 
 @triton.jit
@@ -177,22 +203,15 @@ def _attention_dkdv_kernel(
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(seq_len, BLOCK_N)
-    bh = pid // num_n
-    cols = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh, cols = _program_tile(seq_len, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = cols < seq_len
     d_ok = offs_d < head_dim
-    kv_mask = col_ok[:, None] & d_ok[None, :]
-
-    k = tl.load(K + _head_base(bh, num_heads, stride_kb, stride_kh) + cols[:, None].to(tl.int64) * stride_kn
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(V + _head_base(bh, num_heads, stride_vb, stride_vh) + cols[:, None].to(tl.int64) * stride_vn
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    q_base = Q + _head_base(bh, num_heads, stride_qb, stride_qh)
-    do_base = DO + _head_base(bh, num_heads, stride_gb, stride_gh)
+    k = _load(_head(K, bh, num_heads, stride_kb, stride_kh), cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
+    v = _load(_head(V, bh, num_heads, stride_vb, stride_vh), cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
+    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
+    do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
     row_base = bh.to(tl.int64) * seq_len
 
     qk_scale = scale * 1.4426950408889634
@@ -201,18 +220,15 @@ def _attention_dkdv_kernel(
     for start_m in range(0, seq_len, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < seq_len
-        qT = tl.load(q_base + rows[None, :].to(tl.int64) * stride_qn + offs_d[:, None] * stride_qd,
-                     mask=row_ok[None, :] & d_ok[:, None], other=0.0)
-        do = tl.load(do_base + rows[:, None].to(tl.int64) * stride_gn + offs_d[None, :] * stride_gd,
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
+        do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
         # Padded q rows get lse = +inf, hence probability exactly 0.
         lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
         pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
         if DROPOUT:
-            offsets = (row_base + rows[None, :]) * seq_len + cols[:, None]
-            keep = dropout_keep_mask(seed, offsets, dropout_p)
+            keep = dropout_keep_mask(seed, (row_base + rows[None, :]) * seq_len + cols[:, None], dropout_p)
             dv += tl.dot(tl.where(keep, pT * inv_keep, 0.0).to(do.dtype), do, input_precision=INPUT_PRECISION)
             dpT = tl.where(keep, dpT * inv_keep, 0.0)
         else:
@@ -220,9 +236,10 @@ def _attention_dkdv_kernel(
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
 
-    g_off = _head_base(bh, num_heads, stride_db, stride_dh) + cols[:, None].to(tl.int64) * stride_dn + offs_d[None, :] * stride_dd
-    tl.store(DK + g_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
+    mask = _tile_mask(col_ok, d_ok, False)
+    tl.store(_head(DK, bh, num_heads, stride_db, stride_dh) + offsets, (dk * scale).to(DK.dtype.element_ty), mask=mask)
+    tl.store(_head(DV, bh, num_heads, stride_db, stride_dh) + offsets, dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -242,36 +259,28 @@ def _attention_dq_kernel(
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(seq_len, BLOCK_M)
-    bh = pid // num_m
-    rows = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
-    q_mask = row_ok[:, None] & d_ok[None, :]
     row_base = bh.to(tl.int64) * seq_len
-
-    q = tl.load(Q + _head_base(bh, num_heads, stride_qb, stride_qh) + rows[:, None].to(tl.int64) * stride_qn
-                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    do = tl.load(DO + _head_base(bh, num_heads, stride_gb, stride_gh) + rows[:, None].to(tl.int64) * stride_gn
-                 + offs_d[None, :] * stride_gd, mask=q_mask, other=0.0)
+    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    do = _load(_head(DO, bh, num_heads, stride_gb, stride_gh), rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
     lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
-    k_base = K + _head_base(bh, num_heads, stride_kb, stride_kh)
-    v_base = V + _head_base(bh, num_heads, stride_vb, stride_vh)
+    k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
+    v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
     qk_scale = scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < seq_len
-        t_mask = col_ok[None, :] & d_ok[:, None]
-        kT = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd, mask=t_mask, other=0.0)
-        vT = tl.load(v_base + cols[None, :].to(tl.int64) * stride_vn + offs_d[:, None] * stride_vd, mask=t_mask, other=0.0)
+        kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
+        vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
+        # Padded keys need no mask here: k = 0 there, so their column of ds meets zeros in ds @ k.
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
-        p = tl.where(col_ok[None, :], p, 0.0)  # padded keys
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         if DROPOUT:
             offsets = (row_base + rows[:, None]) * seq_len + cols[None, :]
@@ -279,8 +288,8 @@ def _attention_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
 
-    tl.store(DQ + _head_base(bh, num_heads, stride_db, stride_dh) + rows[:, None].to(tl.int64) * stride_dn
-             + offs_d[None, :] * stride_dd, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(_head(DQ, bh, num_heads, stride_db, stride_dh) + _tile(rows, offs_d, stride_dn, stride_dd, False),
+             (dq * scale).to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
 
 
 @triton.jit
@@ -294,27 +303,22 @@ def _attention_probs_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(num_rows, BLOCK_M)
-    bh = pid // num_m
-    r = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, r = _program_tile(num_rows, BLOCK_M)
     r_ok = r < num_rows
     rows = tl.load(Rows + r, mask=r_ok, other=0)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    q = tl.load(Q + _head_base(bh, num_heads, stride_qb, stride_qh) + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * 1.4426950408889634
-    k_base = K + _head_base(bh, num_heads, stride_kb, stride_kh)
-    p_base = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
+    k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
+    p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < seq_len
-        kT = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * (scale * 1.4426950408889634) - lse2[:, None])
-        tl.store(p_base + cols[None, :], p, mask=r_ok[:, None] & col_ok[None, :])
+        tl.store(p_rows + cols[None, :], p, mask=r_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -344,22 +348,26 @@ class AttentionConfig:
     delta: Tile  # block_m rows per program; block_n unused
 
 
-def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int) -> AttentionConfig:
+def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
+                     input_precision: str | None = None) -> AttentionConfig:
     """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
 
     Every entry compiles for sm_80 and sm_90 without register spills, with and without dropout
-    (triton.compile + cuobjdump, see aot_specs). Short sequences clamp the tiles to N rounded up
-    to a power of two (>= 16), which only lowers register use.
+    (triton.compile + cuobjdump, see aot_specs). fp32 depends on the dot precision (default: the
+    torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller tiles than tf32 ones.
+    Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
+    register use.
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     stages = 3 if arch >= 90 else 2
-    if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
-        warps = 8 if wide else 4
+    warps = 8 if wide else 4
+    if dtype == torch.float32 and (input_precision or _input_precision(dtype)) == "ieee":
+        fwd, dkdv = Tile(32, 32, warps, stages), Tile(16, 32, 8, stages) if wide else Tile(32, 16, 4, stages)
+        dq = Tile(16, 32, 8, stages) if wide else Tile(64, 32, 8, stages)
+    elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
         fwd, dkdv, dq = Tile(64, 32, warps, stages), Tile(32, 32, warps, stages), Tile(64, 32, 8, stages)
     else:
-        fwd = Tile(128, 64, 8, stages)
-        dkdv = Tile(32, 64, 8 if wide else 4, stages)
-        dq = Tile(64, 32, 4, stages)
+        fwd, dkdv, dq = Tile(128, 64, 8, stages), Tile(32, 64, warps, stages), Tile(64, 32, 4, stages)
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq), delta=Tile(min(64, cap), 16, 4, 1))
@@ -450,21 +458,22 @@ def _dropout_args(dropout_p: float):
 
 def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
     B, H, N, D = q.shape
-    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device)).fwd
+    precision = _input_precision(q.dtype)
+    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision).fwd
     dropout, inv_keep = _dropout_args(dropout_p)
     _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
         out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, scale, dropout_p, inv_keep, seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
-        INPUT_PRECISION=_input_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int) -> None:
     """Three launches: delta pre-pass, dK/dV, dQ. dq, dk, dv share one stride layout."""
     B, H, N, D = q.shape
-    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device))
-    dropout, inv_keep = _dropout_args(dropout_p)
     block_d, precision = _block_d(D), _input_precision(q.dtype)
+    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision)
+    dropout, inv_keep = _dropout_args(dropout_p)
     delta = _empty((B * H, N), torch.float32, q.device)
     _attention_delta_kernel[attention_grid(B * H, N, cfg.delta.block_m)](
         delta, out, do, *out.stride(), *do.stride(), H, N, D,
@@ -481,7 +490,8 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
 
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.
 @torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
-def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32)."""
     D = _check_packed("attention_fwd", qkv, num_heads)
     _check_dropout("attention_fwd", dropout_p)
@@ -538,7 +548,8 @@ def _(q, k, v, scale, dropout_p, seed):
 
 @torch.library.custom_op("vit_fast::attention_qkv_bwd", mutates_args=())
 def attention_qkv_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, scale: float, dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      lse: torch.Tensor, scale: float, dropout_p: float,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_kernel_device("attention_qkv_bwd", grad_out, q, k, v, out, lse)
     if grad_out.shape != q.shape:
         raise ValueError(f"attention_qkv_bwd: expected grad_out of shape {tuple(q.shape)}, got {tuple(grad_out.shape)}")
@@ -640,12 +651,13 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
     probs = _empty((B, num_heads, R, N), torch.float32, qkv.device)
     if R == 0:
         return probs
-    cfg = attention_config(N, head_dim, qkv.dtype, gpu_arch(qkv.device)).dq
+    precision = _input_precision(qkv.dtype)
+    cfg = attention_config(N, head_dim, qkv.dtype, gpu_arch(qkv.device), precision).dq
     block_m = min(cfg.block_m, max(16, next_power_of_2(R)))
     _attention_probs_kernel[attention_grid(B * num_heads, R, block_m)](
         probs, q, k, lse, rows, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(head_dim),
-        INPUT_PRECISION=_input_precision(qkv.dtype), num_warps=cfg.num_warps)
+        INPUT_PRECISION=precision, num_warps=cfg.num_warps)
     return probs
 
 
@@ -676,7 +688,7 @@ def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]
     return values
 
 
-def _aot_spec(name, fn, dtype, constexprs, tile, note, values):
+def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot):
     """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
     (lse/delta/probs fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1 and
     multiples of 16 are listed in divisible_by_16, both as Triton specialises a real launch."""
@@ -699,30 +711,34 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values):
             if values.get(arg, 1) % 16 == 0:
                 divisible.append(arg)
     return AotSpec(name=name, fn=fn, signature=signature, constexprs=constexprs, num_warps=tile.num_warps,
-                   num_stages=tile.num_stages, has_dot=fn is not _attention_delta_kernel, note=note,
+                   num_stages=tile.num_stages, has_dot=has_dot, note=note,
                    divisible_by_16=tuple(divisible))
 
 
 def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int, **_) -> list[AotSpec]:
-    """Every launch the config table makes for one ViT attention layer (training with and without
-    attention dropout, plus the attention-map kernel)."""
+    """Every launch the config table makes for one ViT attention layer: training with and without
+    attention dropout, the attention-map kernel, and for fp32 both dot precisions (IEEE, the default,
+    runs on FMA units, so only tf32 entries are expected to use tensor cores)."""
     D = width // num_heads
-    cfg = attention_config(tokens, D, dtype, arch)
-    block_d = _block_d(D)
-    precision = "tf32" if dtype == torch.float32 else "ieee"
-    values = _launch_values(tokens, num_heads, D)
-    specs = [_aot_spec("attention_delta", _attention_delta_kernel, dtype,
-                       dict(BLOCK_M=cfg.delta.block_m, BLOCK_D=block_d), cfg.delta, f"N={tokens} D={D}", values)]
-    for dropout in (False, True):
-        for name, fn, tile in (("attention_fwd", _attention_fwd_kernel, cfg.fwd),
-                               ("attention_dkdv", _attention_dkdv_kernel, cfg.dkdv),
-                               ("attention_dq", _attention_dq_kernel, cfg.dq)):
-            constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, DROPOUT=dropout,
-                              INPUT_PRECISION=precision)
-            specs.append(_aot_spec(name, fn, dtype, constexprs, tile, f"N={tokens} D={D} dropout={dropout}", values))
-    specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
-                           dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
-                                INPUT_PRECISION=precision), cfg.dq, f"N={tokens} D={D} attention maps", values))
+    block_d, values = _block_d(D), _launch_values(tokens, num_heads, D)
+    delta = attention_config(tokens, D, dtype, arch, "ieee").delta
+    specs = [_aot_spec("attention_delta", _attention_delta_kernel, dtype, dict(BLOCK_M=delta.block_m, BLOCK_D=block_d),
+                       delta, f"N={tokens} D={D}", values, has_dot=False)]
+    for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
+        cfg = attention_config(tokens, D, dtype, arch, precision)
+        tensor_cores = dtype != torch.float32 or precision == "tf32"
+        for dropout in (False, True):
+            for name, fn, tile in (("attention_fwd", _attention_fwd_kernel, cfg.fwd),
+                                   ("attention_dkdv", _attention_dkdv_kernel, cfg.dkdv),
+                                   ("attention_dq", _attention_dq_kernel, cfg.dq)):
+                constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, DROPOUT=dropout,
+                                  INPUT_PRECISION=precision)
+                specs.append(_aot_spec(name, fn, dtype, constexprs, tile, f"N={tokens} D={D} dropout={dropout}",
+                                       values, has_dot=tensor_cores))
+        specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
+                               dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+                                    INPUT_PRECISION=precision), cfg.dq, f"N={tokens} D={D} attention maps",
+                               values, has_dot=tensor_cores))
     return specs
 
 

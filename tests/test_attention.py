@@ -15,6 +15,7 @@ from vit_fast.kernels import attention as A
 from tests.numerics import assert_close, bound, errors
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+dtype_id = lambda v: str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None  # noqa: E731
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the "+ small atol" of the 2x rule
 
@@ -34,8 +35,8 @@ def make_qkv(B, N, H, D, dtype, seed=0):
 
 
 def run(fn, inputs, grad):
-    """fn(*inputs) forward + backward with grad; returns (out, [input grads])."""
-    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    """fn(*inputs) forward + backward with grad; returns (out, [input grads]). Inputs keep their strides."""
+    inputs = [x.detach().requires_grad_() for x in inputs]
     out = fn(*inputs)
     out.backward(grad)
     return out.detach(), [x.grad for x in inputs]
@@ -59,7 +60,7 @@ def check_2x_eager(fn, ref_fn, inputs, names, seed=1):
 # ---------------------------------------------------------------------------------------------- #
 # Correctness against the float64 reference
 # ---------------------------------------------------------------------------------------------- #
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("D", [32, 48, 64, 80, 88, 96, 128])
 def test_dtype_head_dim_matrix(dtype, D):
     """Full dtype x head_dim matrix on a small awkward shape (N=7 < one tile, B=2, H=3)."""
@@ -67,8 +68,10 @@ def test_dtype_head_dim_matrix(dtype, D):
     check_2x_eager(lambda x: A.attention(x, 3), lambda x: A.attention_ref(x, 3), [qkv], ["dqkv"])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,N,H,D", [(1, 197, 1, 64), (1, 257, 1, 80), (2, 50, 3, 88), (1, 1, 12, 64)])
+@pytest.mark.parametrize("dtype, B, N, H, D", [
+    *[(dtype, *shape) for dtype in DTYPES for shape in [(1, 197, 1, 64), (2, 50, 3, 88), (1, 1, 12, 64)]],
+    (torch.float16, 1, 257, 1, 80), (torch.bfloat16, 1, 257, 1, 80),  # fp32 tiles are 16-32 rows: N=50 is multi-tile
+], ids=dtype_id)
 def test_vit_shapes(dtype, B, N, H, D):
     """ViT token counts (multi-tile, masked last tile, N=1) on few heads, every dtype."""
     qkv = make_qkv(B, N, H, D, dtype)
@@ -87,7 +90,7 @@ def test_scale_argument():
     check_2x_eager(lambda x: A.attention(x, 2, scale=0.3), lambda x: A.attention_ref(x, 2, scale=0.3), [qkv], ["dqkv"])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_attention_qkv_non_contiguous_vs_sdpa(dtype):
     """Separate q, k, v with three different non-contiguous layouts; also matches F.sdpa."""
     B, H, N, D = 2, 3, 33, 40
@@ -96,7 +99,16 @@ def test_attention_qkv_non_contiguous_vs_sdpa(dtype):
     k = torch.randn(B, H, D, N, generator=g).to(DEVICE, dtype).transpose(2, 3)  # D-major
     v = torch.randn(B, H, N, 2 * D, generator=g).to(DEVICE, dtype)[..., ::2]  # stride 2 along D
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    out, grads = check_2x_eager(A.attention_qkv, A.attention_qkv_ref, [q, k, v], ["dq", "dk", "dv"])
+    seen, real_fwd = [], A._launch_fwd
+
+    def launch_fwd(q_, k_, v_, *args):  # the kernel reads the strided tensors themselves, no copies
+        seen.append((q_.stride(), k_.stride(), v_.stride()))
+        return real_fwd(q_, k_, v_, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A, "_launch_fwd", launch_fwd)
+        out, grads = check_2x_eager(A.attention_qkv, A.attention_qkv_ref, [q, k, v], ["dq", "dk", "dv"])
+    assert seen == [(q.stride(), k.stride(), v.stride())]
     sdpa = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
     assert_close(out, sdpa, rtol=bound(dtype, "dot"), name="attention_qkv vs F.sdpa")
 
@@ -163,7 +175,7 @@ def test_dropout_rate_within_3_sigma():
     assert not torch.equal(keep, A.attention_dropout_mask(1235, B, H, N, p, device=DEVICE)), "seed ignored"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
     """Forward, dK/dV and dQ regenerate one mask: the kernel equals the reference handed that mask."""
     B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
@@ -188,7 +200,7 @@ def test_dropout_off_paths_identical():
 # ---------------------------------------------------------------------------------------------- #
 # Attention maps from the saved lse
 # ---------------------------------------------------------------------------------------------- #
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_attention_probs_from_lse(dtype):
     B, N, H, D = 2, 70, 2, 80
     qkv = make_qkv(B, N, H, D, dtype)
@@ -222,7 +234,11 @@ def test_forward_allocates_only_out_and_lse(monkeypatch):
     B, N, H, D = 1, 257, 2, 32
     allocations, largest = [], [0]
     real_empty = A._empty
-    monkeypatch.setattr(A, "_empty", lambda s, dtype, device: allocations.append((tuple(s), dtype)) or real_empty(s, dtype, device))
+    def tracked_empty(shape, dtype, device):
+        allocations.append((tuple(shape), dtype))
+        return real_empty(shape, dtype, device)
+
+    monkeypatch.setattr(A, "_empty", tracked_empty)
 
     class Largest(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -262,6 +278,16 @@ def test_tf32_only_when_allowed(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     assert A._input_precision(torch.float32) == "tf32"
     assert A._input_precision(torch.bfloat16) == "ieee"  # unused for 16-bit dots
+    assert A.attention_config(197, 64, torch.float32, 80) == A.attention_config(197, 64, torch.float32, 80, "tf32")
+    # the tf32 tile table (larger tiles than IEEE fp32) computes the same attention; tf32 rounding on a GPU
+    qkv = make_qkv(1, 70, 2, 80, torch.float32)
+    x64 = qkv.double().requires_grad_()
+    A.attention_ref(x64, 2).sum().backward()
+    x = qkv.clone().requires_grad_()
+    out = A.attention(x, 2)
+    out.sum().backward()
+    assert_close(out, A.attention_ref(qkv.double(), 2), rtol=1e-3, name="tf32 out")
+    assert_close(x.grad, x64.grad, rtol=1e-3, name="tf32 dqkv")
 
 
 def test_torch_compile_fullgraph():
@@ -274,6 +300,9 @@ def test_torch_compile_fullgraph():
     ref.sum().backward()
     assert_close(out, ref, rtol=bound(torch.float32, "dot"), name="compiled out")
     assert_close(qkv.grad, x.grad, rtol=bound(torch.float32, "dot"), name="compiled dqkv")
+    dropped = torch.compile(lambda x: A.attention(x, 2, dropout_p=0.2, training=True), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():  # a fresh seed per call, not one baked into the graph
+        assert not torch.equal(dropped(qkv), dropped(qkv))
 
 
 @pytest.mark.parametrize("make, match", [

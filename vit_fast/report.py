@@ -153,6 +153,8 @@ def spec_key(spec, arch: int) -> str:
             utils=_file_hash(kutils.__file__), triton=triton.__version__, arch=arch,
             signature=sorted(spec.signature.items()), constexprs=sorted((k, repr(v)) for k, v in spec.constexprs.items()),
             num_warps=spec.num_warps, num_stages=spec.num_stages,
+            # only when set, so the cache keys of specs without it stay as they were
+            **({"divisible_by_16": sorted(spec.divisible_by_16)} if getattr(spec, "divisible_by_16", ()) else {}),
         ),
         sort_keys=True,
     )
@@ -193,15 +195,21 @@ def tensor_core_use(ptx: str, arch: int) -> str:
     return "NO"
 
 
-def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int) -> dict:
-    """Compile one kernel for one arch; returns the measured resources (runs in a worker)."""
+def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int,
+                divisible_by_16: tuple = ()) -> dict:
+    """Compile one kernel for one arch; returns the measured resources (runs in a worker).
+
+    ``divisible_by_16`` (AotSpec field) names the arguments a real launch specialises as multiples
+    of 16; without that attribute Triton cannot vectorise the loads and the build is not the one a GPU runs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     try:
         fn = getattr(importlib.import_module(module), fn_name)
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        names = list(fn.arg_names)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible_by_16}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "kernel.cubin")
@@ -259,7 +267,8 @@ def run_report(presets, dtypes=tuple(DTYPES), archs=ARCHS, workers: int = 2, use
                 _fill(row, json.load(f), spec, cached=True)
         else:
             fn = _python_fn(spec.fn)
-            todo.append((key, (fn.__module__, fn.__name__, dict(spec.signature), dict(spec.constexprs), spec.num_warps, spec.num_stages, arch)))
+            todo.append((key, (fn.__module__, fn.__name__, dict(spec.signature), dict(spec.constexprs), spec.num_warps,
+                               spec.num_stages, arch, tuple(getattr(spec, "divisible_by_16", ())))))
     if todo:
         for key, result in _compile_all(todo, workers, progress):
             spec = entries[key][0]

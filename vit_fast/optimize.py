@@ -16,6 +16,7 @@ the result is never a silently different model.
 """
 from __future__ import annotations
 
+import ast
 import copy
 from collections import Counter
 from typing import Optional
@@ -150,7 +151,9 @@ def timm_unsupported(model: nn.Module) -> list[str]:
     try:
         _timm_config_from_model(model)
     except ValueError as e:  # the converter's own list (pre_norm, attention pooling, ...)
-        problems.append(str(e).removeprefix("from_timm: "))
+        message = str(e).removeprefix("from_timm: ")
+        listed = message.removeprefix("timm model uses features vit_fast does not implement: ")
+        problems += ast.literal_eval(listed) if listed.startswith("[") else [message]
     return problems
 
 

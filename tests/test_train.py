@@ -246,3 +246,10 @@ def test_imagefolder_run_skips_a_corrupt_image(tmp_path, caplog):
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["test_count"] for r in evals if r["kind"] == "eval"] == [6]   # 7 files, 6 readable
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000          # the plot is written
+
+
+def test_triton_backend_without_gpu_or_interpreter_is_refused_early(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--backend triton needs a CUDA device"):
+        vt.main([*TINY, "--backend", "triton", "--output-dir", str(tmp_path)])
+    assert vt.cli_main([*TINY, "--batch-size", "33", "--accum-steps", "2", "--output-dir", str(tmp_path)]) == 2

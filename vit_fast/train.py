@@ -231,6 +231,11 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
 
 def wrap_model(model: nn.Module, args: argparse.Namespace, world: Dist) -> nn.Module:
     """Move to the device; DDP or FSDP2 under torchrun; torch.compile last. Returns the module to call."""
+    from .backend import kernels_can_run_on
+
+    if args.backend == "triton" and not kernels_can_run_on(world.device):
+        raise ValueError(f"--backend triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU, very slow); this run is "
+                         f"on {world.device}: use --backend auto or torch")
     model.to(world.device)
     if args.fsdp:
         if not world.enabled:

@@ -148,7 +148,7 @@ def _image_folder_class():
 
         Training (``replace=True``) substitutes the next readable image so every batch keeps its size
         (ranks stay in step and compiled graphs keep their shapes); evaluation returns None, which
-        :func:`collate_skip_none` drops, so accuracy is computed over the readable images only.
+        :class:`EvalShard` masks out, so accuracy is computed over the readable images only.
         """
 
         def __init__(self, root: str, transform=None, replace: bool = True):
@@ -258,9 +258,36 @@ class EpochSeeded(Dataset):
             return self.dataset[index]
 
 
-def collate_skip_none(batch):
-    """default_collate without the samples a dataset returned as None (unreadable images)."""
-    from torch.utils.data import default_collate
+class EvalShard(Dataset):
+    """Rank r's share (r, r + W, ...) of the test set, padded to the same length on every rank with
+    masked placeholders, so every rank runs the same number of forward passes (FSDP needs that)."""
 
-    batch = [sample for sample in batch if sample is not None]
-    return default_collate(batch) if batch else None
+    def __init__(self, dataset: Dataset, rank: int, world: int, placeholder: torch.Tensor):
+        self.dataset, self.placeholder = dataset, placeholder
+        self.indices = list(range(rank, len(dataset), world))
+        self.length = math.ceil(len(dataset) / world)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        sample = self.dataset[self.indices[i]] if i < len(self.indices) else None
+        if sample is None:   # padding, or an unreadable image (already logged by the dataset)
+            return self.placeholder, 0, False
+        return sample[0], sample[1], True
+
+
+def build_loaders(data: DataInfo, micro_batch: int, rank: int = 0, world: int = 1, seed: int = 0, workers: int = 0,
+                  pin_memory: bool = False):
+    """(sampler, train loader, test loader) of one rank; the train loader yields micro-batches."""
+    from torch.utils.data import DataLoader
+
+    sampler = ResumableDistributedSampler(data.train, num_replicas=world, rank=rank, seed=seed)
+    common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
+    # A private generator: creating a loader iterator must not draw from the global RNG (bitwise resume).
+    train = DataLoader(EpochSeeded(data.train, seed), batch_size=micro_batch, sampler=sampler, drop_last=True,
+                       generator=torch.Generator().manual_seed(seed), **common)
+    placeholder = torch.zeros(data.in_chans, data.img_size, data.img_size)
+    test = DataLoader(EvalShard(data.test, rank, world, placeholder), batch_size=max(micro_batch, 64),
+                      shuffle=False, **common)
+    return sampler, train, test

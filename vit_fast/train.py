@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from . import checkpoint as ckpt
 from .convert import load_state_dict
-from .data import DATASETS, DataInfo, EpochSeeded, ResumableDistributedSampler, build_datasets
+from .data import DATASETS, DataInfo, build_datasets, build_loaders
+from .metrics import MetricsLog, plot_curves
 
 log = logging.getLogger("vit_fast.train")
 
@@ -256,38 +257,6 @@ def wrap_model(model: nn.Module, args: argparse.Namespace, world: Dist) -> nn.Mo
 
 
 # ------------------------------------------------------------------------------------------ data
-class EvalShard(Dataset):
-    """Rank r's share (r, r + W, ...) of the test set, padded to the same length on every rank with
-    masked placeholders, so every rank runs the same number of forward passes (FSDP needs that)."""
-
-    def __init__(self, dataset: Dataset, rank: int, world: int, placeholder: torch.Tensor):
-        self.dataset, self.placeholder = dataset, placeholder
-        self.indices = list(range(rank, len(dataset), world))
-        self.length = math.ceil(len(dataset) / world)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int):
-        sample = self.dataset[self.indices[i]] if i < len(self.indices) else None
-        if sample is None:   # padding, or an unreadable image (already logged by the dataset)
-            return self.placeholder, 0, False
-        return sample[0], sample[1], True
-
-
-def build_loaders(args, data: DataInfo, world: Dist, micro_batch: int):
-    sampler = ResumableDistributedSampler(data.train, num_replicas=world.world, rank=world.rank, seed=args.seed)
-    common = dict(num_workers=args.workers, pin_memory=world.device.type == "cuda",
-                  persistent_workers=args.workers > 0)
-    # A private generator: creating a loader iterator must not draw from the global RNG (bitwise resume).
-    train = DataLoader(EpochSeeded(data.train, args.seed), batch_size=micro_batch, sampler=sampler, drop_last=True,
-                       generator=torch.Generator().manual_seed(args.seed), **common)
-    placeholder = torch.zeros(data.in_chans, data.img_size, data.img_size)
-    test = DataLoader(EvalShard(data.test, world.rank, world.world, placeholder),
-                      batch_size=max(micro_batch, 64), shuffle=False, **common)
-    return sampler, train, test
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, world: Dist, autocast) -> dict[str, float]:
     model.eval()
@@ -304,52 +273,7 @@ def evaluate(model: nn.Module, loader: DataLoader, world: Dist, autocast) -> dic
     return {"test_loss": loss_sum / max(count, 1), "test_acc": correct / max(count, 1), "test_count": int(count)}
 
 
-# ------------------------------------------------------------------------------------------ outputs
-class MetricsLog:
-    """metrics.jsonl of the run (rank 0 only). On resume, records past the checkpoint's step are dropped."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: Optional[int]):
-        self.path, self.enabled = path, enabled
-        if enabled and resume_step is not None and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        elif enabled:
-            path.write_text("")
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def records(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
-
-def plot_curves(records: list[dict[str, Any]], path: Path) -> None:
-    """Loss and accuracy against the step: train (per --log-every window) and test (per evaluation)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in records if r["kind"] == "train"]
-    test = [r for r in records if r["kind"] == "eval"]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
-    ax_loss.plot([r["step"] for r in test], [r["test_loss"] for r in test], "o-", label="test")
-    ax_acc.plot([r["step"] for r in train], [r["acc"] for r in train], label="train")
-    ax_acc.plot([r["step"] for r in test], [r["test_acc"] for r in test], "o-", label="test")
-    for ax, name in ((ax_loss, "loss (train: label-smoothed CE, test: CE)"), (ax_acc, "accuracy")):
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
+# ------------------------------------------------------------------------------------------ run directory
 def default_run_dir(args: argparse.Namespace) -> Path:
     runs = Path("runs")
     if args.resume == "auto":   # newest run directory that has a checkpoint
@@ -412,7 +336,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                          f"({world.world} x {accum})")
     rank_batch = global_batch // world.world
     data = build_datasets(args.dataset, args.img_size, args.in_chans, args.num_classes, args.data_dir)
-    sampler, train_loader, test_loader = build_loaders(args, data, world, rank_batch // accum)
+    sampler, train_loader, test_loader = build_loaders(data, rank_batch // accum, world.rank, world.world, args.seed,
+                                                       args.workers, pin_memory=world.device.type == "cuda")
     steps_per_epoch = sampler.num_samples // rank_batch
     if steps_per_epoch == 0:
         raise ValueError(f"--batch-size {global_batch} is larger than the training set ({len(data.train)} images)")

@@ -108,9 +108,11 @@ def test_incomplete_checkpoints_are_ignored(reference, tmp_path):
 
 
 def test_ddp_two_processes_match_single_and_resume_in_one_process(reference, tmp_path):
-    """torchrun, 2 gloo ranks, per-rank batch 16 == 1 process with batch 32; its checkpoint then resumes alone."""
+    """torchrun, 2 gloo ranks x 2 accumulated micro-batches of 8 (no_sync on the first) == 1 process with
+    batch 32; the DDP checkpoint then resumes in one process without accumulation."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           "-m", "vit_fast.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30", "--ckpt-every", "1000"]
+           "-m", "vit_fast.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30", "--ckpt-every", "1000",
+           "--accum-steps", "2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout and proc.stdout.count("stopped at step 30") == 1   # rank 0 prints

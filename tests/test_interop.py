@@ -1,5 +1,6 @@
 """Weight interop: timm, Hugging Face and torchvision ViTs with random weights give the same outputs and
-parameter gradients (fp32, relative error < 1e-5) after conversion; checkpoint files load strictly."""
+parameter gradients (fp32, relative error < 1e-5) after conversion; checkpoint files load strictly.
+These test the weights on the reference backend; the fused path against the same sources is tests/test_optimize.py."""
 import re
 
 import pytest
@@ -65,7 +66,7 @@ def test_from_timm_model_matches_outputs_and_gradients(case):
     name, kw, size = TIMM_CASES[case]
     torch.manual_seed(0)
     ref = perturb_(timm.create_model(name, **kw))
-    ours = from_timm(ref)
+    ours = from_timm(ref, backend="torch")
     assert ours.state_dict().keys() == ref.state_dict().keys()
     batch = 1 if ref.embed_dim >= 768 else 2  # keep the CPU suite fast
     check_same(ref, ours, torch.randn(batch, ref.patch_embed.proj.in_channels, *size))
@@ -79,7 +80,7 @@ def test_from_timm_model_matches_outputs_and_gradients(case):
 def test_from_timm_state_dict_infers_config(kw, overrides):
     torch.manual_seed(0)
     ref = perturb_(timm.create_model("vit_tiny_patch16_224", **kw))
-    ours = from_timm(ref.state_dict(), **overrides).eval()
+    ours = from_timm(ref.state_dict(), backend="torch", **overrides).eval()
     x = torch.randn(2, 3, *ref.patch_embed.img_size)
     with torch.no_grad():
         assert_close(ours(x), ref(x), RTOL)
@@ -100,7 +101,7 @@ def hf_logits(model):
 @pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=False, num_channels=1), dict(image_size=(48, 80))])
 def test_from_hf_model_matches_outputs_and_gradients(kw):
     ref = hf_model(**kw)
-    ours = from_hf(ref)
+    ours = from_hf(ref, backend="torch")
     assert ours.config.norm_eps == 1e-12 and ours.config.qkv_bias == ref.config.qkv_bias
     size = ref.config.image_size
     size = size if isinstance(size, (tuple, list)) else (size, size)
@@ -125,7 +126,7 @@ def test_from_hf_old_key_names_state_dict():
     ref = hf_model()
     old = to_old_hf_names(ref.state_dict())
     assert "vit.encoder.layer.1.attention.attention.query.weight" in old
-    ours = from_hf(old).eval()  # width 192 -> 3 heads, eps 1e-12, from shapes alone
+    ours = from_hf(old, backend="torch").eval()  # width 192 -> 3 heads, eps 1e-12, from shapes alone
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert_close(ours(x), ref(pixel_values=x).logits, RTOL)
@@ -143,9 +144,9 @@ def tv_model(patch_size):
 @pytest.mark.parametrize("patch_size", [16, 32])  # vit_b_16 / vit_b_32 at depth 1
 def test_from_torchvision_matches_outputs_and_gradients(patch_size):
     ref = tv_model(patch_size)
-    ours = from_torchvision(ref)
+    ours = from_torchvision(ref, backend="torch")
     check_same(ref, ours, torch.randn(1, 3, 224, 224), grad_map=torchvision_to_timm_state_dict)
-    from_sd = from_torchvision(ref.state_dict()).eval()
+    from_sd = from_torchvision(ref.state_dict(), backend="torch").eval()
     assert from_sd.config == ours.config
 
 
@@ -173,7 +174,7 @@ def test_checkpoint_in_hf_format_loads(tmp_path):
 
     ref = hf_model()
     save_file(ref.state_dict(), tmp_path / "hf.safetensors")
-    ours = load_checkpoint(from_hf(ref), tmp_path / "hf.safetensors").eval()
+    ours = load_checkpoint(from_hf(ref, backend="torch"), tmp_path / "hf.safetensors").eval()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         assert_close(ours(x), ref(pixel_values=x).logits, RTOL)

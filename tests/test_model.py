@@ -17,7 +17,7 @@ REQUIRED = ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_2
 
 
 def tiny(**kw) -> VisionTransformer:
-    base = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+    base = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5, backend="torch")
     return VisionTransformer(**{**base, **kw})
 
 
@@ -59,7 +59,7 @@ def test_list_models_and_unknown_names():
 
 def test_init_is_timm_style():
     torch.manual_seed(0)
-    m = create_model("vit_small_patch16_224", depth=2, init_values=1e-5)
+    m = create_model("vit_small_patch16_224", depth=2, init_values=1e-5, backend="torch")
     w = m.blocks[0].mlp.fc1.weight
     assert abs(w.std().item() - 0.02) < 0.002 and torch.all(m.blocks[0].mlp.fc1.bias == 0)
     assert abs(m.pos_embed.std().item() - 0.02) < 0.002 and m.cls_token.abs().max() < 1e-4

@@ -45,7 +45,7 @@ class ViTConfig:
     norm_eps: float = 1e-6            # timm/torchvision 1e-6; Hugging Face 1e-12
     act: str = "gelu"                 # 'gelu' (exact erf) | 'gelu_tanh'
     weight_init: str = ""             # '' timm init | 'skip' (weights loaded right after)
-    backend: str = "torch"            # 'torch' reference | 'triton' | 'auto'
+    backend: str = "auto"             # Triton kernels on CUDA (or under TRITON_INTERPRET=1), else the reference
 
     def __post_init__(self) -> None:
         self.img_size = to_2tuple(self.img_size)

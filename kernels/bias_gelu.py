@@ -536,6 +536,16 @@ def kernel_signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, s
     return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
 
 
+def divisible_args(signature: dict[str, str], values: dict[str, int]) -> tuple[str, ...]:
+    """Arguments a real launch specialises as multiples of 16 (AotSpec.divisible_by_16): every
+    pointer (torch allocations, and the model's row views of them, are 16-byte aligned) and the
+    integers whose launch value in ``values`` is a multiple of 16 (row strides and widths of
+    multiple-of-16 widths, and 0 for an absent tensor's stride). Integers without a value (rows M,
+    programs G: they depend on the batch) are not claimed."""
+    return tuple(a for a, t in signature.items()
+                 if t.startswith("*") or (t == "i32" and a in values and values[a] % 16 == 0))
+
+
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch this module makes for a ViT block: bias_gelu at mlp_hidden (both GELU forms),
@@ -547,7 +557,12 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     specs = []
 
     def add(name, fn, n, constexprs, warps, note):
-        specs.append(AotSpec(name, fn, kernel_signature(fn, types, constexprs), constexprs, warps, 1, False, note))
+        signature = kernel_signature(fn, types, constexprs)
+        values = dict(N=n, stride_xm=n, stride_ym=n, stride_dym=n, stride_dom=n, stride_rm=n, stride_om=n,
+                      stride_dxm=n if constexprs.get("STORE_DX", True) else 0,
+                      tokens_per_sample=tokens if constexprs.get("HAS_SCALE") else 1)
+        specs.append(AotSpec(name, fn, signature, constexprs, warps, 1, False, note,
+                             divisible_by_16=divisible_args(signature, values)))
 
     bm, bn, warps = tile_config(mlp_hidden, arch)
     for approx in (False, True):

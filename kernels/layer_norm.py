@@ -59,6 +59,7 @@ from .bias_gelu import (
     as_rows,
     bias_dropout_add_bwd,
     bias_dropout_add_ref,
+    divisible_args,
     kernel_signature,
     num_partials,
     param_grad_dtype,
@@ -380,13 +381,23 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     for res, bb, gamma, scale, drop in variants:
         flags = dict(HAS_BRANCH_BIAS=bb, HAS_GAMMA=gamma, HAS_SCALE=scale, HAS_DROPOUT=drop)
         note = f"N={width} residual={res} branch_bias={bb} gamma={gamma} drop_path={scale} dropout={drop}"
+        # the integer arguments the launchers pass (rows M and programs G depend on the batch)
+        values = dict(N=width, stride_xm=width, stride_ym=width, stride_dym=width, stride_dhm=width,
+                      stride_hm=width if res else 0, stride_rm=width if res else 0,
+                      tokens_per_sample=tokens if scale else 1)
         c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=res, **flags)
-        specs.append(AotSpec("layer_norm_fwd", _layer_norm_fwd_kernel,
-                             kernel_signature(_layer_norm_fwd_kernel, types, c), c, warps, 1, False, note))
+        specs.append(_spec("layer_norm_fwd", _layer_norm_fwd_kernel, types, c, warps, note, values))
         for dh_out in ((False, True) if res else (False,)):
-            c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out,
-                     STORE_DX=res and (gamma or scale or drop), **flags)
-            specs.append(AotSpec("layer_norm_bwd", _layer_norm_bwd_kernel,
-                                 kernel_signature(_layer_norm_bwd_kernel, types, c), c, warps, 1, False,
-                                 note + f" grad_into_h={dh_out}"))
+            store_dx = res and (gamma or scale or drop)
+            c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out, STORE_DX=store_dx, **flags)
+            bwd_values = dict(values, stride_hm=width, stride_dhom=width if dh_out else 0,
+                              stride_dxm=width if store_dx else 0)
+            specs.append(_spec("layer_norm_bwd", _layer_norm_bwd_kernel, types, c, warps,
+                               note + f" grad_into_h={dh_out}", bwd_values))
     return specs
+
+
+def _spec(name, fn, types, constexprs, warps, note, values) -> AotSpec:
+    signature = kernel_signature(fn, types, constexprs)
+    return AotSpec(name, fn, signature, constexprs, warps, 1, False, note,
+                   divisible_by_16=divisible_args(signature, values))

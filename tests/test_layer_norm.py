@@ -235,7 +235,28 @@ def test_aot_specs_match_kernels_and_config_tables(width, hidden):
             assert {k for k, v in s.signature.items() if v == "constexpr"} == constexprs, s.name
             pointers = [k for k in params if k[0].isupper() and k not in constexprs and k not in ("M", "N", "G")]
             assert pointers and all(s.signature[k].startswith("*") for k in pointers), s.name
+            # what a real launch specialises: aligned pointers, widths and row strides of a width that is a
+            # multiple of 16 (384, 1408); never the batch-dependent row / program counts
+            assert set(pointers) <= set(s.divisible_by_16), s.name
+            assert "N" in s.divisible_by_16 and not {"M", "G", "seed"} & set(s.divisible_by_16), s.name
+            strides = {a for a in s.signature if a.startswith("stride_")}
+            assert not strides or strides & set(s.divisible_by_16), s.name
             if s.name.startswith("layer_norm"):
                 assert (s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == ln.ln_config(width, arch)
             elif s.name.startswith("bias_gelu"):
                 assert (s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == bg.tile_config(hidden, arch)
+
+
+def test_aot_specs_claim_no_alignment_a_launch_does_not_have():
+    """Width 200 (8 * 25): a launch passes N = 200 and row strides of 200, no multiple of 16, so only
+    pointers (and the 0 strides of absent tensors) are compiled as 16-divisible."""
+    from vit_fast.kernels import bias_gelu as bg
+
+    specs = ln.aot_specs(tokens=197, width=200, mlp_hidden=808, dtype=torch.float16, arch=90) + \
+        bg.aot_specs(tokens=197, width=200, mlp_hidden=808, dtype=torch.float16, arch=90)
+    for s in specs:
+        ints = {a for a in s.divisible_by_16 if not s.signature[a].startswith("*")}
+        assert "N" not in ints and "tokens_per_sample" not in ints, s.name
+        assert all(a.startswith("stride_") for a in ints), (s.name, ints)
+    plain = next(s for s in specs if s.name == "layer_norm_fwd" and not s.constexprs["HAS_RESIDUAL"])
+    assert {"stride_rm", "stride_hm"} <= set(plain.divisible_by_16)  # 0: no residual, no h output

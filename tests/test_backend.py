@@ -4,6 +4,7 @@ The kernels run in the Triton interpreter on CPU (conftest sets TRITON_INTERPRET
 Launches are counted with a TorchDispatchMode: every kernel launcher is a ``vit_fast::`` custom op.
 """
 import copy
+import inspect
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def test_triton_on_cpu_without_interpreter_is_an_error_not_a_fallback(monkeypatc
 
 
 def test_backend_is_set_everywhere():
-    assert vit_fast.ViTConfig().backend == "torch"  # the reference unless asked (see the model docstring)
+    assert vit_fast.ViTConfig().backend == "auto"  # kernels wherever they can run (CUDA, or the interpreter)
+    assert all(inspect.signature(cls).parameters["backend"].default == "auto" for cls in (Block, LayerNorm))
     model = vit_fast.create_model("vit_tiny_patch16_224", depth=1, backend="torch")
     backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
     assert backends == {"torch"}

@@ -18,8 +18,8 @@ a non-Identity Mlp norm, attention maps (``Attention.attention_probs``); at mode
 (F.dropout on the tokens), pooling, fc_norm (the layer_norm kernel) and the head.
 Drop-path: the per-sample keep decision is drawn in torch (``DropPath.sample_scale``, B values) and
 applied inside the join kernel. torch.compile(fullgraph=True) traces all of it (the kernels are torch
-custom ops); with dropout > 0 set torch._dynamo.config.capture_scalar_outputs = True, since the kernels
-draw their dropout seed with .item().
+custom ops), dropout included: the kernels' seed is a CPU tensor drawn in the graph from torch's
+generator (a fresh mask per call, reproducible under torch.manual_seed), read only inside the ops.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters and state dict) that runs the ``layer_norm`` kernel on the fused path."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, backend: str = "torch"):
+    def __init__(self, dim: int, eps: float = 1e-6, backend: str = "auto"):
         super().__init__(dim, eps=eps)
         self.backend = check_backend(backend)
 
@@ -60,7 +60,7 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
-def layer_norm(dim: int, eps: float, backend: str = "torch") -> LayerNorm:
+def layer_norm(dim: int, eps: float, backend: str = "auto") -> LayerNorm:
     return LayerNorm(dim, eps=eps, backend=backend)
 
 
@@ -84,7 +84,7 @@ class PatchEmbed(nn.Module):
     """
 
     def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,
-                 bias: bool = True, strict_img_size: bool = True, backend: str = "torch"):
+                 bias: bool = True, strict_img_size: bool = True, backend: str = "auto"):
         super().__init__()
         self.img_size = to_2tuple(img_size)
         self.patch_size = to_2tuple(patch_size)
@@ -136,7 +136,7 @@ class Attention(nn.Module):
     """Multi-head self-attention with a packed qkv projection (timm's layout: [q | k | v] x heads x head_dim)."""
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "torch"):
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "auto"):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed dim {dim} must be divisible by num_heads {num_heads}")
@@ -189,7 +189,7 @@ class Mlp(nn.Module):
     """fc1 -> GELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp."""
 
     def __init__(self, in_features: int, hidden_features: int, act: str = "gelu", drop: float = 0.0,
-                 backend: str = "torch"):
+                 backend: str = "auto"):
         super().__init__()
         if act not in ("gelu", "gelu_tanh"):
             raise ValueError(f"act must be 'gelu' (exact erf) or 'gelu_tanh', got {act!r}")
@@ -222,7 +222,7 @@ class Mlp(nn.Module):
 class LayerScale(nn.Module):
     """Per-channel learnable scale (CaiT / DeiT-III): x * gamma, gamma initialised to init_values."""
 
-    def __init__(self, dim: int, init_values: float = 1e-5, backend: str = "torch"):
+    def __init__(self, dim: int, init_values: float = 1e-5, backend: str = "auto"):
         super().__init__()
         self.init_values = init_values
         self.backend = check_backend(backend)
@@ -245,7 +245,7 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -
 
 
 class DropPath(nn.Module):
-    def __init__(self, drop_prob: float = 0.0, backend: str = "torch"):
+    def __init__(self, drop_prob: float = 0.0, backend: str = "auto"):
         super().__init__()
         self.drop_prob = drop_prob
         self.backend = check_backend(backend)
@@ -272,7 +272,7 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  qk_norm: bool = False, init_values: Optional[float] = None, proj_drop: float = 0.0,
                  attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6, act: str = "gelu",
-                 backend: str = "torch"):
+                 backend: str = "auto"):
         super().__init__()
         self.backend = check_backend(backend)
         self.norm1 = layer_norm(dim, norm_eps, backend)

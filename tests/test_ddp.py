@@ -64,7 +64,7 @@ def run_workers(tmp_path) -> list[dict]:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
 def test_ddp_gradients_equal_single_process_on_the_whole_batch(tmp_path):

@@ -39,7 +39,7 @@ conv, cat, add: 6 launches) moves ~3.6 MB and hands on fp32 tokens (605 KB). Bac
 dY twice (dW GEMM, batch sums) + the image once + the fp32 dW partials (S=4 on sm_90: 74 KB), ~1.3 MB;
 eager ~3.1-3.5 MB in 5-6 launches. The saved activation is the caller's image (eager also keeps a bf16 copy).
 
-Limits: square patches (P x P, stride P, no padding), H and W divisible by P, float images.
+Limits: square patches (P x P, stride P, no padding), H and W positive multiples of P, float images.
 """
 from __future__ import annotations
 
@@ -389,6 +389,9 @@ def _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_em
     B, C_img, H, W = images.shape
     if C_img != C:
         raise ValueError(f"{OP}: images have {C_img} channels but the weight expects in_chans={C}")
+    if H < P or W < P:
+        raise ValueError(f"{OP}: expected images of at least one patch (H >= P and W >= P), got {H}x{W} "
+                         f"for patch size {P}")
     if H % P or W % P:
         raise ValueError(f"{OP}: image size {H}x{W} is not divisible by the patch size {P}")
     if bias is not None:

@@ -253,6 +253,8 @@ def test_custom_ops_trace_under_compile():
 @pytest.mark.parametrize("problem, match", [
     ("h_not_divisible", "not divisible by the patch size"),
     ("w_not_divisible", "not divisible by the patch size"),
+    ("zero_height", r"H >= P and W >= P\), got 0x32"),
+    ("zero_width", r"H >= P and W >= P\), got 32x0"),
     ("channels", "in_chans=3"),
     ("integer_images", "dtype"),
     ("pos_embed_length", r"pos_embed of shape \(1, 17, 32\)"),
@@ -266,6 +268,8 @@ def test_bad_input_raises_value_error(problem, match):
     bad = {
         "h_not_divisible": dict(images=x[:, :, :30]),
         "w_not_divisible": dict(images=x[:, :, :, :20]),
+        "zero_height": dict(images=x[:, :, :0]),  # 0 % P == 0, but no patch to embed (M // Np in the kernel)
+        "zero_width": dict(images=x[:, :, :, :0]),
         "channels": dict(images=x[:, :2]),
         "integer_images": dict(images=x.to(torch.int32)),
         "pos_embed_length": dict(pos_embed=inputs["pos_embed"][:, 1:]),

@@ -4,10 +4,10 @@ Eager ViT embeds patches with a strided Conv2d, flattens and transposes the feat
 the class/register tokens and adds the position embedding (timm ``PatchEmbed`` + ``_pos_embed``).
 Here the forward is one launch and the backward two (three when the images need a gradient).
 
-Shapes: images (B, C, H, W), any strides; weight (D, C, P, P) in Conv2d layout; bias (D,) or None;
-cls_token (1, 1, D) or None; reg_tokens (1, R, D) or None; pos_embed (1, L, D). Hp, Wp = H/P, W/P,
-Np = Hp*Wp patches, prefix = [cls] + R, tokens (B, prefix + Np, D) ordered [cls, regs..., patches]
-exactly as timm's ``_pos_embed``. ``pos_embed_covers_prefix`` (timm: not ``no_embed_class``):
+Shapes: images (B, C, H, W), weight (D, C, P, P) in Conv2d layout and pos_embed (1, L, D), any strides;
+bias (D,), cls_token (1, 1, D), reg_tokens (1, R, D) or None (copied when not contiguous: a few KB).
+Hp, Wp = H/P, W/P, Np = Hp*Wp patches, prefix = [cls] + R, tokens (B, prefix + Np, D) ordered
+[cls, regs..., patches] exactly as timm's ``_pos_embed``. ``pos_embed_covers_prefix`` (timm: not ``no_embed_class``):
 L = prefix + Np and every token gets its row; otherwise L = Np and the prefix tokens carry none.
 
 Forward (one launch). The patch rows are a GEMM  X[m, k] @ W[k, n]  with m = b*Np + hp*Wp + wp and
@@ -426,6 +426,9 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     D, _, P, _ = weight.shape
     Np, Wp = (H // P) * (W // P), W // P
     prefix, M = T - Np, B * Np
+    # the kernel reads bias, cls_token and reg_tokens rows with unit channel stride (images, weight and
+    # pos_embed go through their strides): copy strided or expanded (stride-0) views, a no-op otherwise
+    bias, cls_token, reg_tokens = (t.contiguous() if t is not None else None for t in (bias, cls_token, reg_tokens))
     out = torch.empty((B, T, D), dtype=compute_dtype, device=device)
     consts, opts, _ = _gemm_launch(patch_embed_config(gpu_arch(device), compute_dtype)["fwd"], compute_dtype, P)
     rows = triton.cdiv(M, consts["BLOCK_M"]) + triton.cdiv(B * prefix, consts["BLOCK_M"])

@@ -147,6 +147,45 @@ def test_sum_backward_and_strided_images():
     check_against_reference(inputs, False, torch.float32, backward="sum")
 
 
+# parameters passed as views of contiguous leaves: (leaf shape, view) per name, B=2 C=3 16x24 P=8 D=32 R=2
+_B, _C, _H, _W, _P, _D, _R = 2, 3, 16, 24, 8, 32, 2
+_L = 1 + _R + (_H // _P) * (_W // _P)
+PARAM_VIEWS = {
+    "strided": dict(  # every other channel (and pixel) of a wider leaf
+        weight=((_D, _C, 2 * _P, 2 * _P), lambda t: t[..., ::2, ::2]), bias=((2 * _D,), lambda t: t[::2]),
+        pos_embed=((1, _L, 2 * _D), lambda t: t[..., ::2]), cls_token=((1, 1, 2 * _D), lambda t: t[..., ::2]),
+        reg_tokens=((1, _R, 2 * _D), lambda t: t[..., 1::2])),
+    "expanded": dict(  # stride-0 broadcasts of one value / one row
+        weight=((1, _C, _P, _P), lambda t: t.expand(_D, -1, -1, -1)), bias=((1,), lambda t: t.expand(_D)),
+        pos_embed=((1, 1, _D), lambda t: t.expand(1, _L, _D)), cls_token=((1, 1, 1), lambda t: t.expand(1, 1, _D)),
+        reg_tokens=((1, 1, _D), lambda t: t.expand(1, _R, _D))),
+}
+
+
+@pytest.mark.parametrize("kind", list(PARAM_VIEWS))
+def test_non_contiguous_parameters(kind):
+    """Strided and expanded (stride-0) weight, bias, pos_embed, cls_token and reg_tokens: same tokens and
+    same leaf gradients (autograd routes them back through the views) as the float64 reference."""
+    g = torch.Generator().manual_seed(13)
+    leaves = {n: torch.randn(shape, generator=g).requires_grad_() for n, (shape, _) in PARAM_VIEWS[kind].items()}
+    images = torch.randn(_B, _C, _H, _W, generator=g)
+
+    def run(fn, params, x):
+        views = {n: view(params[n]) for n, (_, view) in PARAM_VIEWS[kind].items()}
+        return fn(x, views["weight"], views["bias"], views["pos_embed"], views["cls_token"], views["reg_tokens"])
+
+    out = run(patch_embed, leaves, images)
+    dtokens = torch.randn(out.shape, generator=g)
+    out.backward(dtokens)
+    exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    ref = run(patch_embed_ref, exact, images.double())
+    ref.backward(dtokens.double())
+    tol = bound(torch.float32, "dot")
+    assert_close(out, ref, tol, f"tokens ({kind})")
+    for name, leaf in leaves.items():
+        assert_close(leaf.grad, exact[name].grad, tol, f"d{name} ({kind})")
+
+
 def test_timm_stack_matches():
     """timm PatchEmbed + _pos_embed with random weights (cls, registers, both pos conventions): same
     tokens and same parameter gradients as timm's autograd."""

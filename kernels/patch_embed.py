@@ -39,7 +39,8 @@ conv, cat, add: 6 launches) moves ~3.6 MB and hands on fp32 tokens (605 KB). Bac
 dY twice (dW GEMM, batch sums) + the image once + the fp32 dW partials (S=4 on sm_90: 74 KB), ~1.3 MB;
 eager ~3.1-3.5 MB in 5-6 launches. The saved activation is the caller's image (eager also keeps a bf16 copy).
 
-Limits: square patches (P x P, stride P, no padding), H and W positive multiples of P, float images.
+Limits: square patches (P x P, stride P, no padding; any P >= 1: for P <= 2 a K tile spans several
+channels, as tl.dot needs K >= 16), H and W positive multiples of P, float images.
 """
 from __future__ import annotations
 
@@ -56,21 +57,36 @@ OP = "patch_embed"
 
 
 # --------------------------------------------------------------------------------------- kernels
-# K is walked in tiles of ROWS patch rows x PATCH_PAD columns of one channel (PATCH_PAD = next power of
-# two >= P): tile t covers channel c = t // STEPS and rows py0 = (t % STEPS) * ROWS ..., so inside a tile
+# K is walked in tiles of CHANS channels x ROWS patch rows x PATCH_PAD columns (PATCH_PAD = next power of
+# two >= P): tile t covers channels c0 = (t // STEPS) * CHANS ... and rows py0 = (t % STEPS) * ROWS ...
+# CHANS > 1 only for P <= 2, where one channel's patch is under the 16 K-columns tl.dot needs. Inside a tile
 # the pixel offsets are row-contiguous runs the compiler can vectorize (no div/mod by runtime values).
 @triton.jit
-def _tile_pixels(t, stride_c, stride_y, stride_x,
-                 PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """(pixel offsets, valid mask, conv-weight index k = c*P*P + py*P + px) of the ROWS*PATCH_PAD tile t."""
+def _num_tiles(C, PATCH: tl.constexpr, ROWS: tl.constexpr, CHANS: tl.constexpr):
+    """K tiles per patch: channel groups x row steps."""
+    return tl.cdiv(C, CHANS) * ((PATCH + ROWS - 1) // ROWS)
+
+
+@triton.jit
+def _tile_pixels(t, C, stride_c, stride_y, stride_x,
+                 PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr, CHANS: tl.constexpr):
+    """(pixel offsets, valid mask, conv-weight index k = c*P*P + py*P + px) of the CHANS*ROWS*PATCH_PAD tile t."""
     STEPS: tl.constexpr = (PATCH + ROWS - 1) // ROWS
-    c = t // STEPS
-    py = (t % STEPS) * ROWS + tl.arange(0, ROWS * PATCH_PAD) // PATCH_PAD
-    px = tl.arange(0, ROWS * PATCH_PAD) % PATCH_PAD
-    if (PATCH == PATCH_PAD) and (PATCH % ROWS == 0):
-        valid = tl.full((ROWS * PATCH_PAD,), 1, tl.int1)  # statically in range: keeps loads vectorizable
-    else:
-        valid = (py < PATCH) & (px < PATCH)
+    TILE: tl.constexpr = ROWS * PATCH_PAD
+    if CHANS == 1:  # one channel per tile (P >= 3): the channel is a scalar, as the compiler likes it
+        c = t // STEPS
+        py = (t % STEPS) * ROWS + tl.arange(0, TILE) // PATCH_PAD
+        px = tl.arange(0, TILE) % PATCH_PAD
+        if (PATCH == PATCH_PAD) and (PATCH % ROWS == 0):
+            valid = tl.full((TILE,), 1, tl.int1)  # statically in range: keeps loads vectorizable
+        else:
+            valid = (py < PATCH) & (px < PATCH)
+    else:  # P <= 2 (STEPS == 1): CHANS whole patches side by side, channels past C masked
+        idx = tl.arange(0, CHANS * TILE)
+        c = t * CHANS + idx // TILE
+        py = (idx % TILE) // PATCH_PAD
+        px = idx % PATCH_PAD
+        valid = (py < PATCH) & (px < PATCH) & (c < C)
     return c * stride_c + py * stride_y + px * stride_x, valid, c * (PATCH * PATCH) + py * PATCH + px
 
 
@@ -100,7 +116,7 @@ def _patch_embed_fwd_kernel(
     M, D, C, Np, Wp, T, prefix, pos_base,  # M = B*Np patch rows, T = prefix + Np tokens
     HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_REG: tl.constexpr, POS_PREFIX: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
-    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr,  # P is a model constant
+    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr, CHANS: tl.constexpr,  # P: a model constant
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # 1-D grid, n fastest: programs that share an image tile run together (L2 reuse of the gather).
@@ -115,9 +131,9 @@ def _patch_embed_fwd_kernel(
         mask_m = offs_m < M
         img, tok, p = _patch_rows(offs_m, Np, Wp, PATCH, prefix, sxb, sxh, sxw, T * D, D)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(0, C * ((PATCH + ROWS - 1) // ROWS)):
-            xpix, valid, _ = _tile_pixels(t, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS)
-            wpix, _, _ = _tile_pixels(t, swc, swy, swx, PATCH, PATCH_PAD, ROWS)
+        for t in range(0, _num_tiles(C, PATCH, ROWS, CHANS)):
+            xpix, valid, _ = _tile_pixels(t, C, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS, CHANS)
+            wpix, _, _ = _tile_pixels(t, C, swc, swy, swx, PATCH, PATCH_PAD, ROWS, CHANS)
             a = tl.load(X + img[:, None] + xpix[None, :], mask=mask_m[:, None] & valid[None, :], other=0.0)
             w = tl.load(W + offs_n[None, :] * swd + wpix[:, None], mask=valid[:, None] & mask_n[None, :], other=0.0)
             acc = _dot(a.to(cdt), w.to(cdt), acc, INPUT_PRECISION)
@@ -151,20 +167,21 @@ def _patch_embed_dweight_kernel(
     M, D, K, Np, Wp, prefix, blocks_per_split,  # each split covers blocks_per_split row blocks
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr,
+    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr, CHANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # grid (n-blocks x k-tiles, S): program (n, t, s) owns dW[n-block, k-tile t] over split s of the patches
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_t = (K // (PATCH * PATCH)) * ((PATCH + ROWS - 1) // ROWS)
+    C = K // (PATCH * PATCH)
+    num_t = _num_tiles(C, PATCH, ROWS, CHANS)
     pid_n = pid // num_t
     pid_t = pid % num_t
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
-    pix, valid, offs_k = _tile_pixels(pid_t, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS)
+    pix, valid, offs_k = _tile_pixels(pid_t, C, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS, CHANS)
     cdt = DY.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, ROWS * PATCH_PAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, CHANS * ROWS * PATCH_PAD), dtype=tl.float32)
     bias_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     m_begin = split * blocks_per_split * BLOCK_M
     m_end = tl.minimum(m_begin + blocks_per_split * BLOCK_M, M)
@@ -238,25 +255,25 @@ def _patch_embed_dimages_kernel(
     swd, swc, swy, swx,  # weight strides
     M, D, C, Np, Wp, prefix,
     INPUT_PRECISION: tl.constexpr,
-    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr,
+    PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr, CHANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # program (m-block, k-tile t): dX[m-block, tile t] = dY[m-block, :] @ W[:, tile t], scattered to pixels
     pid = tl.program_id(0)
-    num_t = C * ((PATCH + ROWS - 1) // ROWS)
+    num_t = _num_tiles(C, PATCH, ROWS, CHANS)
     offs_m = (pid // num_t) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     img, tok, p = _patch_rows(offs_m, Np, Wp, PATCH, prefix, sgb, sgh, sgw, sdb, sdt)
-    wpix, valid, _ = _tile_pixels(pid % num_t, swc, swy, swx, PATCH, PATCH_PAD, ROWS)
+    wpix, valid, _ = _tile_pixels(pid % num_t, C, swc, swy, swx, PATCH, PATCH_PAD, ROWS, CHANS)
     cdt = DY.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, ROWS * PATCH_PAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, CHANS * ROWS * PATCH_PAD), dtype=tl.float32)
     for n0 in range(0, D, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < D
         dy = tl.load(DY + tok[:, None] + offs_n[None, :] * sdd, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
         w = tl.load(W + offs_n[:, None] * swd + wpix[None, :], mask=mask_n[:, None] & valid[None, :], other=0.0)
         acc = _dot(dy, w.to(cdt), acc, INPUT_PRECISION)
-    gpix, _, _ = _tile_pixels(pid % num_t, sgc, sgh, sgw, PATCH, PATCH_PAD, ROWS)
+    gpix, _, _ = _tile_pixels(pid % num_t, C, sgc, sgh, sgw, PATCH, PATCH_PAD, ROWS, CHANS)
     tl.store(DX + img[:, None] + gpix[None, :], acc.to(DX.dtype.element_ty), mask=mask_m[:, None] & valid[None, :])
 
 
@@ -299,14 +316,20 @@ def input_precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "ieee"
 
 
-def _gemm_launch(cfg: dict, dtype: torch.dtype, patch: int) -> tuple[dict, dict, int]:
-    """(constexprs, launch options, k-tiles per channel) of a GEMM kernel: a K tile is ROWS patch rows
-    of PATCH_PAD columns, ROWS * PATCH_PAD ~ the table's BLOCK_K."""
+_MIN_DOT_K = 16  # tl.dot on NVIDIA needs K (and this kernel's tile widths) >= 16
+
+
+def _gemm_launch(cfg: dict, dtype: torch.dtype, patch: int, in_chans: int) -> tuple[dict, dict, int]:
+    """(constexprs, launch options, K tiles per patch) of a GEMM kernel: a K tile is CHANS channels x ROWS
+    patch rows x PATCH_PAD columns, ROWS * PATCH_PAD ~ the table's BLOCK_K; CHANS > 1 only where one
+    channel's padded patch is under 16 columns (P <= 2)."""
     pad = triton.next_power_of_2(patch)
     rows = min(max(1, cfg["BLOCK_K"] // pad), pad)
-    constexprs = dict(INPUT_PRECISION=input_precision(dtype), PATCH=patch, PATCH_PAD=pad, ROWS=rows,
+    chans = max(1, _MIN_DOT_K // (rows * pad))  # powers of two: CHANS * ROWS * PATCH_PAD >= 16
+    constexprs = dict(INPUT_PRECISION=input_precision(dtype), PATCH=patch, PATCH_PAD=pad, ROWS=rows, CHANS=chans,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
-    return constexprs, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), triton.cdiv(patch, rows)
+    k_tiles = triton.cdiv(in_chans, chans) * triton.cdiv(patch, rows)
+    return constexprs, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), k_tiles
 
 
 def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size: int = 16, in_chans: int = 3,
@@ -324,8 +347,8 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     Np = Wp * Wp
     prefix, K, M = T - Np, C * P * P, batch * Np
     cdt, img, par = (TRITON_DTYPE_NAMES[d] for d in (dtype, images_dtype, param_dtype))
-    steps = _gemm_launch(cfg["dweight"], dtype, P)[2]
-    splits, per_split = _dweight_split(M, D, C * steps, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+    k_tiles = _gemm_launch(cfg["dweight"], dtype, P, C)[2]
+    splits, per_split = _dweight_split(M, D, k_tiles, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
     image_strides = dict(b=C * img_size * img_size, c=img_size * img_size, h=img_size, w=1)
     values = dict(  # every integer argument of the four kernels at this launch
         {f"sx{k}": v for k, v in image_strides.items()}, **{f"sg{k}": v for k, v in image_strides.items()},
@@ -348,7 +371,7 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     specs = []
     for name, fn, pointers, constexprs, launch in kernels:
         if "PATCH" in fn.arg_names:
-            constexprs = dict(constexprs, **_gemm_launch(launch, dtype, P)[0])
+            constexprs = dict(constexprs, **_gemm_launch(launch, dtype, P, C)[0])
         else:
             constexprs = dict(constexprs, BLOCK=launch["BLOCK"], BATCH_TILE=launch["BATCH_TILE"])
         constexprs.update({a: 1 for a in fn.arg_names if values.get(a) == 1})
@@ -430,7 +453,7 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # pos_embed go through their strides): copy strided or expanded (stride-0) views, a no-op otherwise
     bias, cls_token, reg_tokens = (t.contiguous() if t is not None else None for t in (bias, cls_token, reg_tokens))
     out = torch.empty((B, T, D), dtype=compute_dtype, device=device)
-    consts, opts, _ = _gemm_launch(patch_embed_config(gpu_arch(device), compute_dtype)["fwd"], compute_dtype, P)
+    consts, opts, _ = _gemm_launch(patch_embed_config(gpu_arch(device), compute_dtype)["fwd"], compute_dtype, P, C)
     rows = triton.cdiv(M, consts["BLOCK_M"]) + triton.cdiv(B * prefix, consts["BLOCK_M"])
     grid = (rows * triton.cdiv(D, consts["BLOCK_N"]),)
     _patch_embed_fwd_kernel[grid](
@@ -482,10 +505,10 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
     if needs_proj_grads:
-        consts, opts, steps = _gemm_launch(cfg["dweight"], dtokens.dtype, P)
-        splits, per_split = _dweight_split(M, D, C * steps, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+        consts, opts, k_tiles = _gemm_launch(cfg["dweight"], dtokens.dtype, P, C)
+        splits, per_split = _dweight_split(M, D, k_tiles, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
         partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
-        grid = (triton.cdiv(D, consts["BLOCK_N"]) * C * steps, splits)
+        grid = (triton.cdiv(D, consts["BLOCK_N"]) * k_tiles, splits)
         _patch_embed_dweight_kernel[grid](
             partials, dtokens, images, *dtokens.stride(), *images.stride(),
             M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
@@ -502,8 +525,8 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
         num_warps=red["num_warps"], num_stages=red["num_stages"])
 
     if needs_dimages:
-        consts, opts, steps = _gemm_launch(cfg["dimages"], dtokens.dtype, P)
-        grid = (triton.cdiv(M, consts["BLOCK_M"]) * C * steps,)
+        consts, opts, k_tiles = _gemm_launch(cfg["dimages"], dtokens.dtype, P, C)
+        grid = (triton.cdiv(M, consts["BLOCK_M"]) * k_tiles,)
         _patch_embed_dimages_kernel[grid](
             dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
             M, D, C, Np, Wp, prefix, **consts, **opts)

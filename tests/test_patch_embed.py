@@ -98,6 +98,9 @@ CASES = {
     "p16_c1_regs_no_embed_class": (16, 1, 32, 48, 96, True, 4, False),
     "p14_c3_no_prefix": (14, 3, 28, 42, 80, False, 0, True),
     "p16_c4_square_regs_only": (16, 4, 32, 32, 48, False, 2, True),
+    # P <= 2: a K tile spans 16 // P^2 channels, the last group part-masked (C = 5 with 4 per tile; 3 of 16)
+    "p2_c5_regs": (2, 5, 6, 10, 32, True, 1, True),
+    "p1_c3_no_embed_class": (1, 3, 5, 7, 24, True, 0, False),
 }
 
 
@@ -287,6 +290,34 @@ def test_custom_ops_trace_under_compile():
     torch.library.opcheck(patch_embed_fwd, args + (True, torch.float32), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(patch_embed_bwd, (torch.randn_like(eager),) + args + (True, True, False),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_small_patches_compile_for_gpu(monkeypatch):
+    """P = 1 and 2 (one channel's patch is under tl.dot's 16 K-columns; the interpreter does not check it):
+    every GEMM kernel of aot_specs compiles for sm_80 and sm_90 with tensor cores and no spills, in the
+    report's compile workers (a real Triton build, not the interpreter)."""
+    from vit_fast.report import _compile_all, _python_fn
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # PyTorch's default: fp32 dots on TF32 cores
+
+    todo = []
+    for patch in (1, 2):
+        for arch in (80, 90):
+            for dtype in (torch.bfloat16, torch.float32):
+                specs = pe.aot_specs(tokens=1 + (32 // patch) ** 2, width=192, dtype=dtype, arch=arch,
+                                     patch_size=patch, img_size=32, batch=8)
+                for spec in (s for s in specs if s.has_dot):
+                    tile_k = spec.constexprs["CHANS"] * spec.constexprs["ROWS"] * spec.constexprs["PATCH_PAD"]
+                    assert tile_k >= 16, spec.name
+                    fn = _python_fn(spec.fn)
+                    todo.append((f"{spec.name} P={patch} sm_{arch} {dtype}", (
+                        fn.__module__, fn.__name__, spec.signature, spec.constexprs, spec.num_warps,
+                        spec.num_stages, arch, spec.divisible_by_16)))
+    results = dict(_compile_all(todo, workers=2, progress=None))
+    assert len(results) == len(todo) == 24
+    for where, result in results.items():
+        assert result["error"] == "", f"{where}: {result['error']}"
+        assert result["spill_bytes"] == 0 and result["tensor_cores"] != "NO", f"{where}: {result}"
 
 
 @pytest.mark.parametrize("problem, match", [

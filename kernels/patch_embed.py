@@ -501,6 +501,8 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
              for s, dt in _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages,
                                        needs_proj_grads)]
     dW, dbias, dpos, dcls, dreg, dimages = grads
+    if B == 0:  # an empty batch contributes nothing (and would make an empty split of the patch axis)
+        return [g.zero_() for g in grads]
     cfg = patch_embed_config(gpu_arch(device), dtokens.dtype)
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM

@@ -213,6 +213,15 @@ def test_timm_stack_matches():
                 assert_close(a.grad, b.grad, bound(torch.float32, "dot"), f"d{name} (regs={regs})")
 
 
+def test_empty_batch_gives_empty_tokens_and_zero_grads():
+    inputs = make_inputs(0, 3, 16, 16, 8, 32, regs=1)
+    out = call(patch_embed, inputs, True)
+    assert out.shape == (0, 2 + 4, 32)
+    out.sum().backward()
+    for name in NAMES:
+        assert torch.equal(inputs[name].grad, torch.zeros_like(inputs[name])), name
+
+
 def test_backward_is_bitwise_repeatable(monkeypatch):
     """Two backward passes give identical bits, also with the dW partials split over several programs."""
     small = pe.patch_embed_config(80, torch.float32)

@@ -13,13 +13,12 @@ Without CUDA it prints one line and exits 0.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 
 import torch
 
-from vit_fast.bench import PEAK_TFLOPS, git_revision  # dense bf16/fp16 peaks, tagging of results
+from vit_fast.bench import PEAK_TFLOPS, environment, write_csv  # dense bf16/fp16 peaks, result tagging
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int):
@@ -78,10 +77,6 @@ def time_provider(fn, batch, heads, tokens, head_dim, dtype, backward: bool) -> 
     return do_bench(run, grad_to_none=inputs if backward else None, return_mode="median")
 
 
-def environment() -> dict:
-    import triton
-
-    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git=git_revision())
 
 
 def main(argv=None) -> int:
@@ -122,10 +117,7 @@ def main(argv=None) -> int:
                                  head_dim=args.head_dim, dtype=args.dtype, pass_="fwd+bwd" if backward else "fwd",
                                  ms=ms, tflops=tflops))
     if args.csv and rows:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     return 0
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from vit_fast.bench import environment
 
 HBM_TB_S = {"H100": 3.35, "H200": 4.8, "A100": 2.0}  # datasheet ceilings (GUIDE.md 5; H200 spec sheet)
 
@@ -110,14 +111,6 @@ def time_case(case: Case, rows: int) -> dict:
     return result
 
 
-def environment() -> dict:
-    import triton
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        rev = "unknown"
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "git": rev}
 
 
 def main(argv=None) -> int:

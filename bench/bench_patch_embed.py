@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from vit_fast.bench import environment, write_csv
 
 PEAK = {"A100": (312.0, 2.0), "H100": (989.0, 3.35), "H200": (989.0, 4.8)}  # bf16 TFLOP/s, HBM TB/s
 
@@ -84,14 +84,6 @@ def time_provider(fn, images, params, autocast, backward) -> float:
     return do_bench(run, grad_to_none=params if backward else None, return_mode="median")
 
 
-def environment() -> dict:
-    import triton
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        rev = "unknown"
-    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git=rev)
 
 
 def main(argv=None) -> int:
@@ -129,10 +121,7 @@ def main(argv=None) -> int:
                              pure_bf16=args.pure_bf16, pass_="fwd+bwd" if backward else "fwd", ms=ms, tflops=tflops,
                              gbs_min=gbs))
     if args.csv and rows:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     return 0
 
 

@@ -47,6 +47,21 @@ def git_revision() -> str:
         return "unknown"
 
 
+def environment() -> dict:
+    """What every benchmark result is tagged with: GPU, torch, triton and git revision."""
+    import triton
+
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                git=git_revision())
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def build(path: str, preset: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if path.startswith("timm"):

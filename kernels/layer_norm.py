@@ -37,10 +37,12 @@ The unfused eager path moves add 3s + LN 2s = 5s forward (7s with a separate bia
 dropout), and backward 4s+ plus separate parameter-grad reductions.
 
 Limits: N from 1 to 8192 in one tile per row (tested 64..8192, incl. 192..1664 ViT widths).
-Compiled for sm_80 / sm_90 (aot_specs, widths 384..1664, every flag combination): forward 30-85
-registers, backward 40-112, no spills. At 8192 the join backward with LayerScale spills up to
-176 bytes per thread (32 warps cap registers at 64): correct but slower; plain LayerNorm and
-every forward are spill-free up to 8192. Any leading shape, 0 rows included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
+Compiled for sm_80 / sm_90 (aot_specs with the launch's 16-divisibility; the report's presets,
+widths 192..1280, bf16/fp16/fp32, every flag combination): forward 30-74 registers, backward
+57-175, no spills. Wider rows are outside the presets and were last compiled without the
+divisibility attributes: then at 8192 the join backward with LayerScale spilled up to 176 bytes
+per thread (32 warps cap registers at 64), correct but slower. Any leading shape, 0 rows
+included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
 Inputs whose last dimension is not contiguous are copied once; row strides are passed through.
 """
 from __future__ import annotations
@@ -133,6 +135,7 @@ def _layer_norm_bwd_kernel(
     acc_db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_dgamma = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_dbb = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    inv_n = 1.0 / N  # one division per program, not two per row tile (fewer live values in the loop)
     for tile in range(pid, tl.cdiv(M, BLOCK_M), G):  # a fixed set of row tiles per program
         rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < M
@@ -143,8 +146,8 @@ def _layer_norm_bwd_kernel(
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
         wdy = w * dy
-        c1 = tl.sum(xhat * wdy, axis=1) / N
-        c2 = tl.sum(wdy, axis=1) / N
+        c1 = tl.sum(xhat * wdy, axis=1) * inv_n
+        c2 = tl.sum(wdy, axis=1) * inv_n
         dh = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DH_OUT:
             dh += tl.load(DH_OUT + rows[:, None] * stride_dhom + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -155,7 +158,10 @@ def _layer_norm_bwd_kernel(
         if STORE_DX:
             x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32) \
                 if HAS_GAMMA else 0.0
-            scale = tl.load(SCALE + rows // tokens_per_sample, mask=row_ok, other=0.0)[:, None] if HAS_SCALE else 0.0
+            # sample index in int32 (rows < 2^31): an int64 division is a SASS subroutine CALL, and the
+            # registers saved around it went to the stack (8 B/thread) in drop-path variants
+            scale = tl.load(SCALE + rows.to(tl.int32) // tokens_per_sample, mask=row_ok, other=0.0)[:, None] \
+                if HAS_SCALE else 0.0
             dx, dgamma_term = residual_join_bwd(dh, x, bb, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
                                                 HAS_BRANCH_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
             tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -173,13 +179,23 @@ def _layer_norm_bwd_kernel(
         tl.store(PARTIAL + (bb_slice * G + pid) * N + cols, acc_dbb, mask=col_ok)
 
 
-def ln_config(n: int, arch: int = 80) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): a whole padded row per tile (statistics in registers), rows
-    stacked to 2048 elements for narrow widths with 8 elements per thread; single-row tiles
-    (widths > 1024) get 4-8 elements per thread, up to 32 warps. The backward keeps ~10 row-sized
-    fp32 tiles live: at 8 warps a 2048-wide row hits ptxas' 128-register cap and spills on sm_90,
-    at 16 it stays under 100 (aot_specs compiled for sm_80 / sm_90). One table for both archs."""
+# Backward tiles that differ from the forward's (BLOCK_N -> (BLOCK_M, num_warps)): at most two rows
+# and 8 elements per thread. The forward's 8-warp tiles of 4-8 rows (and 16 warps for one 2048 row)
+# leave ptxas spilling one register (8 B/thread) in some flag combinations on sm_80 or sm_90.
+_BWD_TILES = {256: (2, 2), 512: (2, 4), 2048: (1, 8)}
+
+
+def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward (or, with ``backward``, the backward) kernel: a
+    whole padded row per tile (statistics in registers). Forward: rows stacked to 2048 elements for
+    narrow widths with 8 elements per thread; single-row tiles (widths > 1024) get 4-8 elements per
+    thread, up to 32 warps. Backward: ``_BWD_TILES`` where set. Every entry for the report's presets
+    (widths 192..1280, bf16/fp16/fp32) compiles for sm_80 and sm_90 without spills (aot_specs with
+    the launch's 16-divisibility). One table for both archs; launchers and aot_specs both call this."""
     block_n = next_power_of_2(n)
+    if backward and block_n in _BWD_TILES:
+        block_m, warps = _BWD_TILES[block_n]
+        return block_m, block_n, warps
     block_m = max(1, min(16, 2048 // block_n))
     if block_m > 1 or block_n < 2048:
         return block_m, block_n, max(1, block_m * block_n // 256)
@@ -238,7 +254,7 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
     params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
     if m == 0:
         return dh, dx, torch.zeros((len(params), n), device=dev, dtype=param_grad_dtype(params))
-    block_m, block_n, warps = ln_config(n)
+    block_m, block_n, warps = ln_config(n, backward=True)
     g = num_partials(triton.cdiv(m, block_m), 1, dev)
     partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
     tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
@@ -374,6 +390,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     types.update({"MEAN": "*fp32", "RSTD": "*fp32", "SCALE": "*fp32", "PARTIAL": "*fp32", "eps": "fp32",
                   "seed": "i32", "p": "fp32"})
     block_m, block_n, warps = ln_config(width, arch)
+    bwd_block_m, _, bwd_warps = ln_config(width, arch, backward=True)
     specs = []
     variants = [(False, False, False, False, False)] + [
         (True, bb, gamma, scale, drop) for bb in (False, True) for gamma in (False, True)
@@ -389,10 +406,10 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
         specs.append(_spec("layer_norm_fwd", _layer_norm_fwd_kernel, types, c, warps, note, values))
         for dh_out in ((False, True) if res else (False,)):
             store_dx = res and (gamma or scale or drop)
-            c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out, STORE_DX=store_dx, **flags)
+            c = dict(BLOCK_M=bwd_block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out, STORE_DX=store_dx, **flags)
             bwd_values = dict(values, stride_hm=width, stride_dhom=width if dh_out else 0,
                               stride_dxm=width if store_dx else 0)
-            specs.append(_spec("layer_norm_bwd", _layer_norm_bwd_kernel, types, c, warps,
+            specs.append(_spec("layer_norm_bwd", _layer_norm_bwd_kernel, types, c, bwd_warps,
                                note + f" grad_into_h={dh_out}", bwd_values))
     return specs
 

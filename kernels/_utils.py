@@ -57,15 +57,25 @@ def check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> 
         raise ValueError(f"{op}: expected {name} of shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def next_seed() -> int:
-    """A fresh Philox seed for one kernel call, drawn from torch's default CPU generator.
+def next_seed() -> torch.Tensor:
+    """A fresh Philox seed for one kernel call: a 1-element int64 CPU tensor drawn from torch's
+    default CPU generator.
 
     Drawing on the CPU generator never synchronises a GPU, follows ``torch.manual_seed``, and is
     replayed by ``torch.utils.checkpoint`` (which restores the CPU RNG state before recomputing),
-    so a recomputed forward draws the same dropout mask. The seed is saved for backward, which
-    regenerates the mask from it instead of storing the mask.
+    so a recomputed forward draws the same dropout mask. The seed stays a tensor up to the custom
+    ops, which read it with ``seed_value`` inside their implementation: torch.compile traces the
+    draw as a graph op (a fresh seed per call, no ``.item()`` graph break, no
+    ``capture_scalar_outputs`` needed). It is saved for backward, which regenerates the mask from it
+    instead of storing the mask.
     """
-    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
+    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device="cpu")
+
+
+def seed_value(seed: torch.Tensor | None) -> int:
+    """The int a kernel launch takes from a ``next_seed()`` tensor (0 for None: no dropout, no draw).
+    Only called inside custom-op implementations, which dynamo does not trace."""
+    return int(seed.item()) if seed is not None else 0
 
 
 @triton.jit

@@ -27,7 +27,10 @@ Dtypes: fp16 and bf16 dots run on tensor cores with fp32 accumulation; softmax, 
 elementwise math are fp32; P is cast to the input dtype for the P v dot (as FlashAttention does).
 fp32 inputs use IEEE fp32 dots unless torch.backends.cuda.matmul.allow_tf32 is True (then tf32).
 Dropout regenerates its mask in every kernel from (seed, ((b * H + h) * N + i) * N + j) with the
-shared Philox helper ``dropout_keep_mask``; the mask is never stored.
+shared Philox helper ``dropout_keep_mask``; the mask is never stored. The seed is a 1-element CPU
+tensor from ``_utils.next_seed()`` (torch's CPU generator: ``torch.manual_seed`` and checkpointing
+replay it), read as an int only inside the custom ops (torch.compile traces it, no graph break)
+and saved for backward.
 
 Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probability), head_dim
 1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory).
@@ -45,6 +48,7 @@ ViT-B/16 in bf16 (C = 768, H = 12): 6.2 KB per token forward, 20.2 KB backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -60,6 +64,7 @@ from ._utils import (
     gpu_arch,
     next_power_of_2,
     next_seed,
+    seed_value,
 )
 
 MAX_HEAD_DIM = 128
@@ -491,7 +496,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.
 @torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
 def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32)."""
     D = _check_packed("attention_fwd", qkv, num_heads)
     _check_dropout("attention_fwd", dropout_p)
@@ -499,7 +504,8 @@ def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: fl
     B, N, _ = qkv.shape
     out = _empty((B, N, num_heads * D), qkv.dtype, qkv.device)
     lse = _empty((B, num_heads, N), torch.float32, qkv.device)
-    _launch_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p, seed)
+    _launch_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p,
+                seed_value(seed))
     return out, lse
 
 
@@ -511,14 +517,14 @@ def _(qkv, num_heads, scale, dropout_p, seed):
 
 @torch.library.custom_op("vit_fast::attention_bwd", mutates_args=())
 def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_heads: int,
-                  scale: float, dropout_p: float, seed: int) -> torch.Tensor:
+                  scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
     """Packed backward: one (B, N, 3 * H * D) gradient; dQ, dK, dV written into its three slices."""
     check_kernel_device("attention_bwd", grad_out, qkv, out, lse)
     if grad_out.shape != out.shape:
         raise ValueError(f"attention_bwd: expected grad_out of shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
     dqkv = _empty(qkv.shape, qkv.dtype, qkv.device)
     _launch_bwd(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse,
-                *_split_packed(dqkv, num_heads), scale, dropout_p, seed)
+                *_split_packed(dqkv, num_heads), scale, dropout_p, seed_value(seed))
     return dqkv
 
 
@@ -529,7 +535,7 @@ def _(grad_out, qkv, out, lse, num_heads, scale, dropout_p, seed):
 
 @torch.library.custom_op("vit_fast::attention_qkv_fwd", mutates_args=())
 def attention_qkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float,
-                      seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Separate (B, H, N, D) q, k, v of any strides -> (out (B, H, N, D) contiguous, lse (B, H, N))."""
     _check_separate("attention_qkv_fwd", q, k, v)
     _check_dropout("attention_qkv_fwd", dropout_p)
@@ -537,7 +543,7 @@ def attention_qkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     B, H, N, D = q.shape
     out = _empty((B, H, N, D), q.dtype, q.device)
     lse = _empty((B, H, N), torch.float32, q.device)
-    _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed)
+    _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed_value(seed))
     return out, lse
 
 
@@ -549,12 +555,12 @@ def _(q, k, v, scale, dropout_p, seed):
 @torch.library.custom_op("vit_fast::attention_qkv_bwd", mutates_args=())
 def attention_qkv_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, scale: float, dropout_p: float,
-                      seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_kernel_device("attention_qkv_bwd", grad_out, q, k, v, out, lse)
     if grad_out.shape != q.shape:
         raise ValueError(f"attention_qkv_bwd: expected grad_out of shape {tuple(q.shape)}, got {tuple(grad_out.shape)}")
     dq, dk, dv = (_empty(q.shape, q.dtype, q.device) for _ in range(3))
-    _launch_bwd(grad_out, q, k, v, out, lse, dq, dk, dv, scale, dropout_p, seed)
+    _launch_bwd(grad_out, q, k, v, out, lse, dq, dk, dv, scale, dropout_p, seed_value(seed))
     return dq, dk, dv
 
 
@@ -570,35 +576,37 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, num_heads, scale, dropout_p, seed):
         out, lse = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
-        ctx.save_for_backward(qkv, out, lse)
-        ctx.args = (num_heads, scale, dropout_p, seed)
+        ctx.save_for_backward(qkv, out, lse, seed)
+        ctx.args = (num_heads, scale, dropout_p)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        qkv, out, lse = ctx.saved_tensors
-        return attention_bwd(grad_out, qkv, out, lse, *ctx.args), None, None, None, None
+        qkv, out, lse, seed = ctx.saved_tensors
+        return attention_bwd(grad_out, qkv, out, lse, *ctx.args, seed), None, None, None, None
 
 
 class AttentionQKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, dropout_p, seed):
         out, lse = attention_qkv_fwd(q, k, v, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, seed)
+        ctx.args = (scale, dropout_p)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return *attention_qkv_bwd(grad_out, *ctx.saved_tensors, *ctx.args), None, None, None
+        *tensors, seed = ctx.saved_tensors
+        return *attention_qkv_bwd(grad_out, *tensors, *ctx.args, seed), None, None, None
 
 
-def _dropout_and_seed(op: str, dropout_p: float, training: bool) -> tuple[float, int]:
+def _dropout_and_seed(op: str, dropout_p: float, training: bool) -> tuple[float, Optional[torch.Tensor]]:
+    """(p, seed): a ``next_seed()`` tensor only when dropout is active (else None, nothing drawn)."""
     _check_dropout(op, dropout_p)
     p = float(dropout_p) if training else 0.0
-    return p, (next_seed() if p > 0.0 else 0)
+    return p, (next_seed() if p > 0.0 else None)
 
 
 def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,

@@ -19,8 +19,9 @@ same seed, the same dropout mask: offsets are the logical element index row * N 
 
 Dropout: the keep-mask is drawn in-kernel by ``_utils.dropout_keep_mask(seed, offset, p)``
 (Philox via tl.rand) and never stored; backward regenerates it from the same seed. The seed
-comes from ``_utils.next_seed()`` once per call (torch's CPU generator, so ``torch.manual_seed``
-and activation checkpointing replay it) and is saved for backward. ``p == 0`` or
+comes from ``_utils.next_seed()`` once per call as a 1-element CPU tensor (torch's CPU generator,
+so ``torch.manual_seed`` and activation checkpointing replay it; torch.compile traces the draw, no
+graph break), is read as an int only inside the custom ops, and is saved for backward. ``p == 0`` or
 ``training=False`` compiles the kernel without the draw (constexpr HAS_DROPOUT).
 
 Dtypes: x fp32/fp16/bf16; bias / gamma may be fp32 while x is half (autocast), grads then come
@@ -65,6 +66,7 @@ from ._utils import (
     dropout_keep_mask,
     next_power_of_2,
     next_seed,
+    seed_value,
 )
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)  # jit globals must be constexpr
@@ -352,8 +354,9 @@ def _(dy, x, bias, approximate):
 @torch.library.custom_op("vit_fast::bias_dropout_add_fwd", mutates_args=())
 def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                          gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor],
-                         p: float, seed: int) -> torch.Tensor:
-    """x, residual: (M, N); sample_scale (B,) with B dividing M. p > 0 draws dropout with seed."""
+                         p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
+    """x, residual: (M, N); sample_scale (B,) with B dividing M. p > 0 draws dropout with seed
+    (a 1-element int64 CPU tensor from ``next_seed``; None without dropout)."""
     m, n = x.shape
     out = torch.empty((m, n), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
     if m == 0:
@@ -363,7 +366,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _bias_dropout_add_fwd_kernel[grid](
         out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
-        seed, p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None,
+        seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None,
         HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, num_warps=warps)
     return out
 
@@ -376,7 +379,7 @@ def _(x, bias, residual, gamma, sample_scale, p, seed):
 @torch.library.custom_op("vit_fast::bias_dropout_add_bwd", mutates_args=())
 def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
                          gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor],
-                         p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """dout: (M, N). Returns (dx or an empty tensor when dx is dout itself, (K, N) param grads
     [dbias][, dgamma] in the parameters' dtype (fp32 if they differ))."""
     m, n = x.shape
@@ -393,7 +396,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
     tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
     _bias_dropout_add_bwd_kernel[(g, col_tiles)](
         dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0), dx.stride(0) if store_dx else 0,
-        m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
+        m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
         HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, STORE_DX=store_dx,
         num_warps=warps)
     return dx, (sum_partials(partial, param_dtype) if params else partial.new_empty((0, n)))
@@ -429,16 +432,16 @@ class BiasDropoutAddFunction(torch.autograd.Function):
     def forward(ctx, x, bias, residual, gamma, sample_scale, p, seed):
         n = x.shape[-1]
         x2 = as_rows(x, n)
-        ctx.save_for_backward(x2, bias, gamma, sample_scale)
-        ctx.p, ctx.seed, ctx.shape, ctx.res_dtype = p, seed, x.shape, residual.dtype
+        ctx.save_for_backward(x2, bias, gamma, sample_scale, seed)
+        ctx.p, ctx.shape, ctx.res_dtype = p, x.shape, residual.dtype
         ctx.store_dx = stores_dx(p, gamma, sample_scale, torch.promote_types(x.dtype, residual.dtype), x.dtype)
         return bias_dropout_add_fwd(x2, bias, as_rows(residual, n), gamma, sample_scale, p, seed).view(x.shape)
 
     @staticmethod
     def backward(ctx, dout):
-        x2, bias, gamma, sample_scale = ctx.saved_tensors
+        x2, bias, gamma, sample_scale, seed = ctx.saved_tensors
         dout2 = as_rows(dout, x2.shape[1])
-        dx, dparams = bias_dropout_add_bwd(dout2, x2, bias, gamma, sample_scale, ctx.p, ctx.seed)
+        dx, dparams = bias_dropout_add_bwd(dout2, x2, bias, gamma, sample_scale, ctx.p, seed)
         dx = dx.view(ctx.shape) if ctx.store_dx else dout
         grads = iter(dparams)
         dbias = next(grads).to(bias.dtype) if bias is not None else None
@@ -468,9 +471,11 @@ def _check_sample_scale(op: str, sample_scale: Optional[torch.Tensor], x: torch.
 
 def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optional[torch.Tensor],
                  gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], p: float, training: bool,
-                 *more: Optional[torch.Tensor], bias_name: str = "bias", p_name: str = "p") -> tuple[float, int]:
+                 *more: Optional[torch.Tensor], bias_name: str = "bias",
+                 p_name: str = "p") -> tuple[float, Optional[torch.Tensor]]:
     """Validate a residual join's inputs (x already checked) and pick its dropout: returns (p, seed),
-    p = 0 and no seed drawn from torch's generator in eval mode or for p = 0."""
+    seed a ``next_seed()`` tensor; p = 0 and seed None (nothing drawn from torch's generator) in eval
+    mode or for p = 0."""
     n = x.shape[-1]
     check_float(op, "residual", residual)
     check_shape(op, "residual", residual, tuple(x.shape))
@@ -481,7 +486,7 @@ def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optiona
         raise ValueError(f"{op}: expected dropout probability {p_name} in [0, 1], got {p}")
     check_kernel_device(op, x, residual, bias, gamma, sample_scale, *more)
     p = float(p) if training else 0.0
-    return p, (next_seed() if p > 0 else 0)
+    return p, (next_seed() if p > 0 else None)
 
 
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:

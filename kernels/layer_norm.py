@@ -21,7 +21,9 @@ Dtypes: x fp32/fp16/bf16; weight, bias, branch_bias, gamma may be fp32 while x i
 their grads come back in their own dtype). ``layer_norm`` returns x.dtype. ``add_layer_norm``
 returns normed in x.dtype and h in ``promote_types(x.dtype, residual.dtype)`` (an fp32 residual
 stream stays fp32). mean and rstd are saved in fp32, one per row. Dropout: seed per call from
-``_utils.next_seed()``, saved for backward, mask regenerated (never stored); offsets are the
+``_utils.next_seed()`` (a 1-element CPU tensor, read as an int only inside the custom ops, so
+torch.compile traces it without a graph break), saved for backward, mask regenerated (never
+stored); offsets are the
 logical element index row * N + col (int64), the same as ``bias_dropout_add``.
 
 Traffic per element (s = bytes of the activation dtype, 2 for bf16; per-row stats (8 bytes per
@@ -54,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2
+from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2, seed_value
 from .bias_gelu import (
     _check_param,
     _check_rows_input,
@@ -206,9 +208,10 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
 def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
                        branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
                        sample_scale: Optional[torch.Tensor], eps: float, p: float,
-                       seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual: (M, N) with contiguous columns. Returns (normed, h, mean, rstd); without a
-    residual h is an empty placeholder (the plain LayerNorm)."""
+                       seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual: (M, N) with contiguous columns; seed: a ``next_seed()`` tensor (None without
+    dropout). Returns (normed, h, mean, rstd); without a residual h is an empty placeholder (the
+    plain LayerNorm)."""
     m, n = x.shape
     dev = x.device
     y = torch.empty((m, n), device=dev, dtype=x.dtype)
@@ -224,7 +227,7 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
         y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
         x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
-        m, n, tokens, eps, seed, p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=has_res,
+        m, n, tokens, eps, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=has_res,
         HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
         HAS_DROPOUT=p > 0, num_warps=warps)
     return y, h, mean, rstd
@@ -243,7 +246,7 @@ def _(x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed)
 def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor, x: torch.Tensor,
                        weight: torch.Tensor, bias: torch.Tensor, branch_bias: Optional[torch.Tensor],
                        gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], mean: torch.Tensor,
-                       rstd: torch.Tensor, p: float, seed: int,
+                       rstd: torch.Tensor, p: float, seed: Optional[torch.Tensor],
                        store_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows (M, N). h: the normalised rows (x itself for plain LN). Returns (dh in h.dtype, dx in
     x.dtype or an empty placeholder when dx is dh, (K, N) grads of [w, b, gamma?, branch_bias?])."""
@@ -261,7 +264,7 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
     _layer_norm_bwd_kernel[(g,)](
         dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
         dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), dh.stride(0),
-        dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
+        dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
         HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, num_warps=warps)
     return dh, dx, sum_partials(partial, param_grad_dtype(params))
@@ -286,23 +289,24 @@ class AddLayerNormFunction(torch.autograd.Function):
         ctx.has_res = residual is not None
         ctx.res_dtype = residual.dtype if ctx.has_res else None
         ctx.store_dx = ctx.has_res and stores_dx(p, gamma, sample_scale, h.dtype, x.dtype)
-        ctx.p, ctx.seed, ctx.shape = p, seed, shape
+        ctx.p, ctx.shape = p, shape
         ctx.set_materialize_grads(False)  # no zero-filled d(h) read when h gets no gradient
-        ctx.save_for_backward(h if ctx.has_res else x2, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd)
+        ctx.save_for_backward(h if ctx.has_res else x2, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd,
+                              seed)
         if not ctx.has_res:
             return y.view(shape)
         return y.view(shape), h.view(shape)
 
     @staticmethod
     def backward(ctx, dy, dh_out=None):
-        h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd = ctx.saved_tensors
+        h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, seed = ctx.saved_tensors
         n = h.shape[1]
         dh_out2 = as_rows(dh_out, n) if dh_out is not None else None
         if dy is None:  # normed unused: only the join's backward (no LN pass over zeros)
-            return AddLayerNormFunction._join_backward(ctx, dh_out2, x2, branch_bias, gamma, sample_scale)
+            return AddLayerNormFunction._join_backward(ctx, dh_out2, x2, branch_bias, gamma, sample_scale, seed)
         dy2 = as_rows(dy, n)
         dh, dx, dparams = add_layer_norm_bwd(dy2, dh_out2, h, x2, weight, bias, branch_bias, gamma, sample_scale,
-                                             mean, rstd, ctx.p, ctx.seed, ctx.store_dx)
+                                             mean, rstd, ctx.p, seed, ctx.store_dx)
         dh = dh.view(ctx.shape)
         grads = iter(dparams)
         dweight, dbias = next(grads).to(weight.dtype), next(grads).to(bias.dtype)
@@ -315,8 +319,8 @@ class AddLayerNormFunction(torch.autograd.Function):
 
 
     @staticmethod
-    def _join_backward(ctx, dh2, x2, branch_bias, gamma, sample_scale):
-        dx, dparams = bias_dropout_add_bwd(dh2, x2, branch_bias, gamma, sample_scale, ctx.p, ctx.seed)
+    def _join_backward(ctx, dh2, x2, branch_bias, gamma, sample_scale, seed):
+        dx, dparams = bias_dropout_add_bwd(dh2, x2, branch_bias, gamma, sample_scale, ctx.p, seed)
         grads = iter(dparams)
         dbranch = next(grads).to(branch_bias.dtype) if branch_bias is not None else None
         dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
@@ -342,7 +346,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """LayerNorm over the last dim of x (..., N); weight, bias (N,). Output in x.dtype."""
     _check_ln_inputs("layer_norm", x, weight, bias, eps)
     check_kernel_device("layer_norm", x, weight, bias)
-    return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, 0)
+    return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None)
 
 
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -179,7 +179,7 @@ def test_dropout_rate_within_3_sigma():
 def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
     """Forward, dK/dV and dQ regenerate one mask: the kernel equals the reference handed that mask."""
     B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
-    monkeypatch.setattr(A, "next_seed", lambda: seed)
+    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     qkv = make_qkv(B, N, H, D, dtype)
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
@@ -303,9 +303,15 @@ def test_torch_compile_fullgraph():
     ref.sum().backward()
     assert_close(out, ref, rtol=bound(torch.float32, "dot"), name="compiled out")
     assert_close(qkv.grad, x.grad, rtol=bound(torch.float32, "dot"), name="compiled dqkv")
-    dropped = torch.compile(lambda x: A.attention(x, 2, dropout_p=0.2, training=True), fullgraph=True, backend="aot_eager")
-    with torch.no_grad():  # a fresh seed per call, not one baked into the graph
-        assert not torch.equal(dropped(qkv), dropped(qkv))
+
+
+def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
+    """No .item() graph break (the seed is a tensor), a fresh mask per call, eager's mask and dqkv
+    for the same torch.manual_seed."""
+    from tests.test_bias_gelu import check_compiled_dropout
+
+    qkv = make_qkv(1, 20, 2, 32, torch.float32).requires_grad_()
+    check_compiled_dropout(lambda x: A.attention(x, 2, dropout_p=0.2, training=True), [qkv], monkeypatch)
 
 
 @pytest.mark.parametrize("make, match", [

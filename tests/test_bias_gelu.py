@@ -308,18 +308,54 @@ def test_bias_dropout_add_launches_and_bytes(traffic):
     m, d = 24, 768
     x, res, dout = (torch.randn(m, d, dtype=torch.bfloat16) for _ in range(3))
     bias, gamma = torch.randn(d), torch.randn(d)
-    out = bg.bias_dropout_add_fwd(x, bias, res, gamma, None, 0.1, 7)
+    out = bg.bias_dropout_add_fwd(x, bias, res, gamma, None, 0.1, torch.tensor([7]))
     assert traffic.launches == ["_bias_dropout_add_fwd_kernel"]
     assert [traffic.bytes("read", t) for t in (x, res)] == [x.nbytes, res.nbytes]
     assert traffic.bytes("write", out) == out.nbytes
     traffic.clear()
-    dx, _ = bg.bias_dropout_add_bwd(dout, x, bias, gamma, None, 0.1, 7)
+    dx, _ = bg.bias_dropout_add_bwd(dout, x, bias, gamma, None, 0.1, torch.tensor([7]))
     assert traffic.launches == ["_bias_dropout_add_bwd_kernel", "_sum_partials_kernel"]
     assert [traffic.bytes("read", t) for t in (dout, x)] == [dout.nbytes, x.nbytes]
     assert traffic.bytes("write", dx) == dx.nbytes
     traffic.clear()
-    dx, _ = bg.bias_dropout_add_bwd(dout, x, bias, None, None, 0.0, 0)
+    dx, _ = bg.bias_dropout_add_bwd(dout, x, bias, None, None, 0.0, None)
     assert dx.numel() == 0 and traffic.bytes("read", x) == 0 and traffic.bytes("read", dout) == dout.nbytes
+
+
+def check_compiled_dropout(fn, inputs: list[torch.Tensor], monkeypatch) -> None:
+    """fn draws dropout in training: torch.compile must trace it whole without capture_scalar_outputs
+    (the seed is a tensor drawn in the graph, read as an int only inside the custom ops), draw a
+    fresh mask on every call, and for the same torch.manual_seed give eager's output and gradients."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*inputs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (compiled, compiled, fn):
+        for t in inputs:
+            t.grad = None
+        torch.manual_seed(3)
+        out = run(*inputs)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+        out.backward(grad_out)  # the backward regenerates the mask from the saved seed tensor
+        results.append([out.detach()] + [t.grad for t in inputs])
+        with torch.no_grad():
+            assert not torch.equal(run(*inputs), out), "the next call must draw another mask"
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0])), "same manual_seed, different draw"
+
+
+def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
+    x, bias, res = randn(2, 3, 64), randn(64), randn(2, 3, 64)
+    check_compiled_dropout(lambda x, bias, res: bias_dropout_add(x, bias, res, 0.5, True), [x, bias, res],
+                           monkeypatch)
+    seed = torch.tensor([7])  # the custom ops take the seed tensor itself (schema, fake impl)
+    x2, res2, gamma = x.detach().view(6, 64), res.detach().view(6, 64), randn(64, grad=False)
+    torch.library.opcheck(bg.bias_dropout_add_fwd, (x2, bias.detach(), res2, gamma, None, 0.5, seed),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(bg.bias_dropout_add_bwd, (res2, x2, bias.detach(), gamma, None, 0.5, seed),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_fullgraph_traces_custom_ops():

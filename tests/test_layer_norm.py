@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.numerics import assert_close, bound
-from tests.test_bias_gelu import DEVICE, DTYPES, compare, kernel_keep_mask, poisoned_outputs, randn, traffic  # noqa: F401
+from tests.test_bias_gelu import (DEVICE, DTYPES, check_compiled_dropout, compare, kernel_keep_mask,  # noqa: F401
+                                  poisoned_outputs, randn, traffic)
 from vit_fast.kernels import layer_norm as ln
 from vit_fast.kernels.bias_gelu import bias_dropout_add
 from vit_fast.kernels.layer_norm import add_layer_norm, add_layer_norm_ref, layer_norm, layer_norm_ref
@@ -185,19 +186,20 @@ def test_layer_norm_launches_and_bytes(traffic):
     def moved(kind, *ts):
         return [traffic.bytes(kind, t) for t in ts]
 
-    y, _, mean, rstd = ln.add_layer_norm_fwd(x, None, w, b, None, None, None, 1e-6, 0.0, 0)
+    y, _, mean, rstd = ln.add_layer_norm_fwd(x, None, w, b, None, None, None, 1e-6, 0.0, None)
     assert traffic.launches == ["_layer_norm_fwd_kernel"]
     assert moved("read", x) == [x.nbytes] and moved("write", y, mean, rstd) == [y.nbytes, 4 * m, 4 * m]
     traffic.clear()
-    dx, _, _ = ln.add_layer_norm_bwd(dy, None, x, x, w, b, None, None, None, mean, rstd, 0.0, 0, False)
+    dx, _, _ = ln.add_layer_norm_bwd(dy, None, x, x, w, b, None, None, None, mean, rstd, 0.0, None, False)
     assert traffic.launches == ["_layer_norm_bwd_kernel", "_sum_partials_kernel"]
     assert moved("read", dy, x) == [dy.nbytes, x.nbytes] and moved("write", dx) == [dx.nbytes]
     traffic.clear()
-    y, h, mean, rstd = ln.add_layer_norm_fwd(x, res, w, b, None, gamma, None, 1e-6, 0.1, 3)
+    y, h, mean, rstd = ln.add_layer_norm_fwd(x, res, w, b, None, gamma, None, 1e-6, 0.1, torch.tensor([3]))
     assert traffic.launches == ["_layer_norm_fwd_kernel"]
     assert moved("read", x, res) == [x.nbytes, res.nbytes] and moved("write", y, h) == [y.nbytes, h.nbytes]
     traffic.clear()
-    dh, dx, _ = ln.add_layer_norm_bwd(dy, dh_out, h, x, w, b, None, gamma, None, mean, rstd, 0.1, 3, True)
+    dh, dx, _ = ln.add_layer_norm_bwd(dy, dh_out, h, x, w, b, None, gamma, None, mean, rstd, 0.1,
+                                      torch.tensor([3]), True)
     assert traffic.launches == ["_layer_norm_bwd_kernel", "_sum_partials_kernel"]
     assert moved("read", dy, dh_out, h, x) == [dy.nbytes, dh_out.nbytes, h.nbytes, x.nbytes]
     assert moved("write", dh, dx) == [dh.nbytes, dx.nbytes]
@@ -212,6 +214,16 @@ def test_torch_compile_fullgraph_traces_add_layer_norm():
     assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
     (y.sum() + h.sum()).backward()
     assert inputs["gamma"].grad is not None
+
+
+def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
+    x, res, w, b, gamma = randn(2, 3, 64), randn(2, 3, 64), randn(64), randn(64), randn(64)
+
+    def block(x, res, w, b, gamma):
+        normed, h = add_layer_norm(x, res, w, b, gamma=gamma, dropout_p=0.5, training=True)
+        return normed + h
+
+    check_compiled_dropout(block, [x, res, w, b, gamma], monkeypatch)
 
 
 @pytest.mark.parametrize("width,hidden", [(384, 1536), (1408, 6144)])

@@ -284,8 +284,10 @@ def _attention_dq_kernel(
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
         vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
-        # Padded keys need no mask here: k = 0 there, so their column of ds meets zeros in ds @ k.
+        # Padded keys (k loaded as 0) must get p = 0: exp(0 - lse) overflows when every real score of
+        # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
+        p = tl.where(col_ok[None, :], p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         if DROPOUT:
             offsets = (row_base + rows[:, None]) * seq_len + cols[None, :]

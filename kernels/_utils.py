@@ -57,6 +57,13 @@ def check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> 
         raise ValueError(f"{op}: expected {name} of shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels index per-column parameters (weights, biases, LayerScale, drop-path scales) as
+    ``ptr + col``: a strided or expanded (stride-0) 1-D view is copied once. Called in the public
+    functionals, before autograd, so gradients still flow back through the view."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def next_seed() -> torch.Tensor:
     """A fresh Philox seed for one kernel call: a 1-element int64 CPU tensor drawn from torch's
     default CPU generator.

@@ -67,6 +67,7 @@ from ._utils import (
     next_power_of_2,
     next_seed,
     seed_value,
+    unit_stride,
 )
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)  # jit globals must be constexpr
@@ -496,7 +497,7 @@ def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = 
     if approximate not in ("none", "tanh"):
         raise ValueError(f"bias_gelu: expected approximate 'none' or 'tanh', got {approximate!r}")
     check_kernel_device("bias_gelu", x, bias)
-    return BiasGeluFunction.apply(x, bias, approximate)
+    return BiasGeluFunction.apply(x, unit_stride(bias), approximate)
 
 
 def bias_gelu_ref(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
@@ -515,6 +516,7 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
     """
     _check_rows_input("bias_dropout_add", x)
     p, seed = prepare_join("bias_dropout_add", x, residual, bias, gamma, sample_scale, p, training)
+    bias, gamma, sample_scale = map(unit_stride, (bias, gamma, sample_scale))
     return BiasDropoutAddFunction.apply(x, bias, residual, gamma, sample_scale, p, seed)
 
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2, seed_value
+from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2, seed_value, unit_stride
 from .bias_gelu import (
     _check_param,
     _check_rows_input,
@@ -346,6 +346,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """LayerNorm over the last dim of x (..., N); weight, bias (N,). Output in x.dtype."""
     _check_ln_inputs("layer_norm", x, weight, bias, eps)
     check_kernel_device("layer_norm", x, weight, bias)
+    weight, bias = unit_stride(weight), unit_stride(bias)
     return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None)
 
 
@@ -367,6 +368,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     _check_ln_inputs("add_layer_norm", x, weight, bias, eps)
     p, seed = prepare_join("add_layer_norm", x, residual, branch_bias, gamma, sample_scale, dropout_p, training,
                            weight, bias, bias_name="branch_bias", p_name="dropout_p")
+    weight, bias, branch_bias, gamma, sample_scale = map(unit_stride, (weight, bias, branch_bias, gamma, sample_scale))
     return AddLayerNormFunction.apply(x, residual, weight, bias, branch_bias, gamma, sample_scale, float(eps), p, seed)
 
 

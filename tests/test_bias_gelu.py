@@ -370,3 +370,23 @@ def test_torch_compile_fullgraph_traces_custom_ops():
     assert_close(out, block(x, bias, res).double(), bound(torch.float32), "compiled")
     out.sum().backward()
     assert x.grad is not None and bias.grad is not None
+
+
+def strided_and_expanded(n: int):
+    """A stride-2 view and a stride-0 (expanded) view of length n: parameters the kernels index as
+    ptr + col must be copied first (unit_stride), or they read the wrong elements / out of bounds."""
+    strided = randn(2 * n, grad=False)[::2].requires_grad_()
+    expanded = randn(1, grad=False, scale=0.7).requires_grad_().expand(n)
+    return strided, expanded
+
+
+def test_strided_and_expanded_parameters():
+    torch.manual_seed(9)
+    n = 192
+    strided, expanded = strided_and_expanded(n)
+    compare(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=strided, approximate="none"), torch.float32)
+    compare(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=expanded, approximate="none"), torch.float32)
+    scale = torch.tensor([1.25, 0.0, 0.0, 1.25], device=DEVICE)[::2]  # strided drop-path scale (B = 2)
+    compare(bias_dropout_add, bias_dropout_add_ref,
+            dict(x=randn(2, 5, n), bias=strided, residual=randn(2, 5, n), p=0.0, training=False, gamma=expanded,
+                 sample_scale=scale), torch.float32)

@@ -273,3 +273,15 @@ def test_aot_specs_claim_no_alignment_a_launch_does_not_have():
         assert all(a.startswith("stride_") for a in ints), (s.name, ints)
     plain = next(s for s in specs if s.name == "layer_norm_fwd" and not s.constexprs["HAS_RESIDUAL"])
     assert {"stride_rm", "stride_hm"} <= set(plain.divisible_by_16)  # 0: no residual, no h output
+
+
+def test_strided_and_expanded_parameters():
+    from tests.test_bias_gelu import strided_and_expanded
+    torch.manual_seed(10)
+    n = 384
+    strided, expanded = strided_and_expanded(n)
+    compare(layer_norm, layer_norm_ref, dict(x=randn(3, n), weight=strided, bias=expanded), torch.float32)
+    (strided, expanded), (strided2, expanded2) = strided_and_expanded(n), strided_and_expanded(n)  # distinct leaves
+    compare(add_layer_norm, add_layer_norm_ref,
+            dict(x=randn(3, n), residual=randn(3, n), weight=expanded, bias=strided, branch_bias=strided2,
+                 gamma=expanded2), torch.float32)

@@ -1,7 +1,7 @@
 """kernels/bias_gelu.py: bias_gelu and bias_dropout_add against float64 references, forward and
 backward, plus dropout statistics, launches and bytes per element (interpreter counters).
 
-The poisoning fixture, the traffic counter and ``compare`` are reused by tests/test_layer_norm.py.
+The poisoning fixture, the traffic counter and ``check_matches_reference`` are reused by tests/test_layer_norm.py.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def traffic(monkeypatch):
     return rec
 
 
-def compare(fn, ref_fn, inputs: dict, dtype: torch.dtype, grad_outputs=None, eager_fn=None, seed=None):
+def check_matches_reference(fn, ref_fn, inputs: dict, dtype: torch.dtype, grad_outputs=None, eager_fn=None, seed=None):
     """Run fn on `inputs` (tensors with requires_grad get gradients) and ref_fn on float64 copies;
     compare every output and every gradient against the float64 result with the dtype's bound.
     With eager_fn, also hold the flash-attention rule: kernel error <= 2x the error of eager PyTorch
@@ -138,7 +138,7 @@ def eager_bias_gelu(x, bias, approximate):
 def test_bias_gelu_matches_reference(shape, dtype, approximate):
     torch.manual_seed(0)
     inputs = dict(x=randn(*shape, dtype=dtype, scale=2.0), bias=randn(shape[-1], dtype=dtype), approximate=approximate)
-    compare(bias_gelu, bias_gelu_ref, inputs, dtype, eager_fn=eager_bias_gelu)
+    check_matches_reference(bias_gelu, bias_gelu_ref, inputs, dtype, eager_fn=eager_bias_gelu)
 
 
 @pytest.mark.parametrize("width", [64, 1000, 3072, 5120, 16384])
@@ -146,7 +146,7 @@ def test_bias_gelu_widths_bf16_autocast_bias(width):
     """Awkward and ViT-H widths; bf16 activations with an fp32 bias (autocast) -> fp32 dbias."""
     torch.manual_seed(width)
     x, bias = randn(3, width, dtype=torch.bfloat16, scale=2.0), randn(width)
-    _, (dx, dbias) = compare(bias_gelu, bias_gelu_ref, dict(x=x, bias=bias), torch.bfloat16)
+    _, (dx, dbias) = check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=x, bias=bias), torch.bfloat16)
     assert dx.dtype == torch.bfloat16 and dbias.dtype == torch.float32
 
 
@@ -154,7 +154,7 @@ def test_bias_gelu_widths_bf16_autocast_bias(width):
 def test_bias_gelu_rows_and_leading_shapes(shape):
     torch.manual_seed(1)
     x, bias = randn(*shape), randn(shape[-1])
-    (y,), (dx, dbias) = compare(bias_gelu, bias_gelu_ref, dict(x=x, bias=bias), torch.float32)
+    (y,), (dx, dbias) = check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=x, bias=bias), torch.float32)
     assert y.shape == x.shape and dx.shape == x.shape
     if x.numel() == 0:
         assert torch.equal(dbias, torch.zeros_like(dbias))
@@ -167,7 +167,7 @@ def test_bias_gelu_without_bias_and_non_contiguous_inputs():
     x_rows = randn(6, 4, 384, grad=False).transpose(0, 1).requires_grad_()  # leading dims permuted
     x_wide = base[..., :384].requires_grad_()  # row stride 768, columns contiguous: no copy
     for x in (x_strided, x_rows, x_wide):
-        compare(bias_gelu, bias_gelu_ref, dict(x=x, bias=None), torch.float32)
+        check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=x, bias=None), torch.float32)
 
 
 def test_bias_gelu_sum_backward_and_determinism():
@@ -242,7 +242,7 @@ def test_bias_dropout_add_matches_reference(dtype, gamma, drop_path):
     inputs = dict(x=randn(b, n, d, dtype=dtype), bias=randn(d, dtype=dtype), residual=randn(b, n, d, dtype=dtype),
                   p=0.1, training=False, gamma=randn(d, dtype=dtype, scale=0.1) if gamma else None,
                   sample_scale=torch.tensor([0.0, 1.25, 1.25], device=DEVICE) if drop_path else None)
-    compare(bias_dropout_add, bias_dropout_add_ref, inputs, dtype, eager_fn=eager_bias_dropout_add)
+    check_matches_reference(bias_dropout_add, bias_dropout_add_ref, inputs, dtype, eager_fn=eager_bias_dropout_add)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -254,7 +254,7 @@ def test_bias_dropout_add_dropout_mask_forward_and_backward(dtype):
     torch.manual_seed(5)
     inputs = dict(x=randn(b, n, d, dtype=dtype), bias=randn(d), residual=randn(b, n, d, dtype=dtype), p=p,
                   training=True, gamma=randn(d, scale=0.1), sample_scale=torch.tensor([2.0, 0.0], device=DEVICE))
-    compare(bias_dropout_add, lambda **kw: bias_dropout_add_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
+    check_matches_reference(bias_dropout_add, lambda **kw: bias_dropout_add_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
 
 
 def test_dropout_rate_seeds_and_eval_mode():
@@ -279,7 +279,7 @@ def test_bias_dropout_add_autocast_dtypes_and_plain_backward():
     torch.manual_seed(6)
     inputs = dict(x=randn(2, 3, 192, dtype=torch.bfloat16), bias=randn(192), residual=randn(2, 3, 192), p=0.0,
                   training=True, gamma=randn(192, scale=0.1))
-    (out,), (dx, dbias, dres, dgamma) = compare(bias_dropout_add, bias_dropout_add_ref, inputs, torch.bfloat16)
+    (out,), (dx, dbias, dres, dgamma) = check_matches_reference(bias_dropout_add, bias_dropout_add_ref, inputs, torch.bfloat16)
     assert (out.dtype, dx.dtype, dbias.dtype, dres.dtype, dgamma.dtype) == (torch.float32, torch.bfloat16,
                                                                             torch.float32, torch.float32,
                                                                             torch.float32)
@@ -384,9 +384,9 @@ def test_strided_and_expanded_parameters():
     torch.manual_seed(9)
     n = 192
     strided, expanded = strided_and_expanded(n)
-    compare(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=strided, approximate="none"), torch.float32)
-    compare(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=expanded, approximate="none"), torch.float32)
+    check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=strided, approximate="none"), torch.float32)
+    check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=expanded, approximate="none"), torch.float32)
     scale = torch.tensor([1.25, 0.0, 0.0, 1.25], device=DEVICE)[::2]  # strided drop-path scale (B = 2)
-    compare(bias_dropout_add, bias_dropout_add_ref,
+    check_matches_reference(bias_dropout_add, bias_dropout_add_ref,
             dict(x=randn(2, 5, n), bias=strided, residual=randn(2, 5, n), p=0.0, training=False, gamma=expanded,
                  sample_scale=scale), torch.float32)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.numerics import assert_close, bound
-from tests.test_bias_gelu import (DEVICE, DTYPES, check_compiled_dropout, compare, kernel_keep_mask,  # noqa: F401
+from tests.test_bias_gelu import (DEVICE, DTYPES, check_compiled_dropout, check_matches_reference, kernel_keep_mask,  # noqa: F401
                                   poisoned_outputs, randn, traffic)
 from vit_fast.kernels import layer_norm as ln
 from vit_fast.kernels.bias_gelu import bias_dropout_add
@@ -36,14 +36,14 @@ def eager_add_layer_norm(x, residual, weight, bias, eps=1e-6, **kw):
 @pytest.mark.parametrize("shape", [(2, 5, 192), (3, 768), (1, 1408)])
 def test_layer_norm_matches_reference(shape, dtype):
     torch.manual_seed(0)
-    compare(layer_norm, layer_norm_ref, ln_inputs(shape, dtype), dtype, eager_fn=eager_layer_norm)
+    check_matches_reference(layer_norm, layer_norm_ref, ln_inputs(shape, dtype), dtype, eager_fn=eager_layer_norm)
 
 
 @pytest.mark.parametrize("width", [64, 97, 384, 1024, 1280, 1664, 2048, 4096, 8192])
 def test_layer_norm_widths_autocast_params(width):
     """Every ViT width and a prime one, bf16 activations with fp32 weight/bias: bf16 dx, fp32 grads."""
     torch.manual_seed(width)
-    _, (dx, dw, db) = compare(layer_norm, layer_norm_ref, ln_inputs((2, width), torch.bfloat16, torch.float32),
+    _, (dx, dw, db) = check_matches_reference(layer_norm, layer_norm_ref, ln_inputs((2, width), torch.bfloat16, torch.float32),
                               torch.bfloat16)
     assert (dx.dtype, dw.dtype, db.dtype) == (torch.bfloat16, torch.float32, torch.float32)
 
@@ -53,7 +53,7 @@ def test_layer_norm_widths_autocast_params(width):
 def test_layer_norm_shapes_and_eps(shape, eps):
     """0 rows, 1 row, 3 leading dims, and 37 rows (several row tiles and partial rows); HF's eps."""
     torch.manual_seed(1)
-    (y,), (dx, dw, db) = compare(layer_norm, layer_norm_ref, ln_inputs(shape, torch.float32, eps=eps), torch.float32)
+    (y,), (dx, dw, db) = check_matches_reference(layer_norm, layer_norm_ref, ln_inputs(shape, torch.float32, eps=eps), torch.float32)
     assert y.shape == shape and dx.shape == shape
     if y.numel() == 0:
         assert torch.equal(dw, torch.zeros_like(dw)) and torch.equal(db, torch.zeros_like(db))
@@ -64,7 +64,7 @@ def test_layer_norm_non_contiguous_inputs_and_sum_backward():
     base = randn(4, 6, 2 * 256, grad=False)
     w, b = randn(256), randn(256)
     for x in (base[..., ::2], randn(6, 4, 256, grad=False).transpose(0, 1), base[..., :256]):
-        compare(layer_norm, layer_norm_ref, dict(x=x.requires_grad_(), weight=w, bias=b, eps=1e-6), torch.float32)
+        check_matches_reference(layer_norm, layer_norm_ref, dict(x=x.requires_grad_(), weight=w, bias=b, eps=1e-6), torch.float32)
     x = base[..., 256:].requires_grad_()
     layer_norm(x, w, b).sum().backward()  # stride-0 grad of ones
     x64 = x.detach().double().requires_grad_()
@@ -105,7 +105,7 @@ def test_add_layer_norm_plain_form(dtype):
     """add_layer_norm(x, residual, weight, bias, eps) exactly as the issue states it."""
     torch.manual_seed(3)
     inputs = dict(ln_inputs((2, 9, 384), dtype), residual=randn(2, 9, 384, dtype=dtype))
-    compare(add_layer_norm, add_layer_norm_ref, inputs, dtype, eager_fn=eager_add_layer_norm)
+    check_matches_reference(add_layer_norm, add_layer_norm_ref, inputs, dtype, eager_fn=eager_add_layer_norm)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -122,7 +122,7 @@ def test_add_layer_norm_residual_join(dtype, branch_bias, gamma, drop_path, drop
                   gamma=randn(d, dtype=dtype, scale=0.5) if gamma else None,
                   sample_scale=torch.tensor([1 / 0.9, 0.0, 1 / 0.9], device=DEVICE) if drop_path else None,
                   dropout_p=p if dropout else 0.0, training=dropout)
-    compare(add_layer_norm, lambda **kw: add_layer_norm_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
+    check_matches_reference(add_layer_norm, lambda **kw: add_layer_norm_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
 
 
 def test_add_layer_norm_join_equals_bias_dropout_add():
@@ -140,7 +140,7 @@ def test_add_layer_norm_autocast_dtypes():
     torch.manual_seed(5)
     inputs = dict(ln_inputs((2, 3, 768), torch.bfloat16, torch.float32), residual=randn(2, 3, 768),
                   branch_bias=randn(768), gamma=randn(768, scale=0.1))
-    (y, h), grads = compare(add_layer_norm, add_layer_norm_ref, inputs, torch.bfloat16)
+    (y, h), grads = check_matches_reference(add_layer_norm, add_layer_norm_ref, inputs, torch.bfloat16)
     assert (y.dtype, h.dtype) == (torch.bfloat16, torch.float32)
     assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * 5  # x, weight, bias, residual, bb, gamma
 
@@ -158,7 +158,7 @@ def test_add_layer_norm_gradient_through_one_output(use):
     def pick(f):
         return lambda **kw: f(**kw)[0 if use == "normed" else 1]
     ref = pick(lambda **kw: add_layer_norm_ref(**kw, keep_mask=keep))
-    compare(pick(add_layer_norm), ref, inputs, torch.float32, seed=10)
+    check_matches_reference(pick(add_layer_norm), ref, inputs, torch.float32, seed=10)
 
 
 def test_add_layer_norm_backward_is_deterministic():
@@ -280,8 +280,8 @@ def test_strided_and_expanded_parameters():
     torch.manual_seed(10)
     n = 384
     strided, expanded = strided_and_expanded(n)
-    compare(layer_norm, layer_norm_ref, dict(x=randn(3, n), weight=strided, bias=expanded), torch.float32)
+    check_matches_reference(layer_norm, layer_norm_ref, dict(x=randn(3, n), weight=strided, bias=expanded), torch.float32)
     (strided, expanded), (strided2, expanded2) = strided_and_expanded(n), strided_and_expanded(n)  # distinct leaves
-    compare(add_layer_norm, add_layer_norm_ref,
+    check_matches_reference(add_layer_norm, add_layer_norm_ref,
             dict(x=randn(3, n), residual=randn(3, n), weight=expanded, bias=strided, branch_bias=strided2,
                  gamma=expanded2), torch.float32)

@@ -77,8 +77,6 @@ def time_provider(fn, batch, heads, tokens, head_dim, dtype, backward: bool) -> 
     return do_bench(run, grad_to_none=inputs if backward else None, return_mode="median")
 
 
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)

@@ -111,8 +111,6 @@ def time_case(case: Case, rows: int) -> dict:
     return result
 
 
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256, help="images (x 197 tokens)")

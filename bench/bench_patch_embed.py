@@ -84,8 +84,6 @@ def time_provider(fn, images, params, autocast, backward) -> float:
     return do_bench(run, grad_to_none=params if backward else None, return_mode="median")
 
 
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)

@@ -125,11 +125,16 @@ def test_attention_maps_on_the_fused_model():
         assert_close(maps[i], maps_ref[i], FP32, f"attention map {i}")
 
 
-def test_autocast_bf16_matches_reference_under_autocast():
-    fused, ref = make_pair(**TINY)
+@pytest.mark.parametrize("residual_in_fp32", [True, False], ids=["fp32_residual", "bf16_residual"])
+def test_autocast_bf16_matches_reference_under_autocast(residual_in_fp32):
+    """Both paths under autocast, against fp64; with residual_in_fp32=False both keep the residual stream
+    (the tokens entering the blocks and every join) in bf16."""
+    fused, ref = make_pair(**TINY, residual_in_fp32=residual_in_fp32)
     ref64 = copy.deepcopy(ref).double()
     x = torch.randn(2, 3, 32, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        stream = torch.float32 if residual_in_fp32 else torch.bfloat16
+        assert fused.embed(x).dtype == ref.embed(x).dtype == stream
         out, out_ref = fused(x), ref(x)
     assert out.dtype == out_ref.dtype == torch.bfloat16
     out64 = ref64(x.double())

@@ -292,8 +292,10 @@ class Block(nn.Module):
         return self.forward_reference(x)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        # .to(x.dtype): the residual stream keeps its dtype (a no-op unless it is half under autocast,
+        # residual_in_fp32=False, where the fp32 LayerScale output would promote it)
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x)))).to(x.dtype)
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))).to(x.dtype)
         return x
 
     def forward_pair(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm]

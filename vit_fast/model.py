@@ -46,6 +46,7 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = cfg.dynamic_img_size
         self.grad_checkpointing = False
         self.backend = cfg.backend
+        self.residual_in_fp32 = cfg.residual_in_fp32
         D = cfg.embed_dim
 
         self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, D,
@@ -165,8 +166,10 @@ class VisionTransformer(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images -> token sequence entering the first block (B, prefix + h*w, D)."""
         grid = self.patch_embed.check_input(x)
+        residual_dtype = self._autocast_residual_dtype(x)
         if resolve_backend(self.patch_embed.backend, x) == "torch":
-            return self._pos_embed(self.patch_embed(x), grid)
+            tokens = self._pos_embed(self.patch_embed(x), grid)
+            return tokens if residual_dtype is None else tokens.to(residual_dtype)
         pos_embed = self._resized_pos_embed(grid)
         covers_prefix = not self.no_embed_class
         if pos_embed is None:  # pos_embed='none': the kernel adds zeros
@@ -174,11 +177,18 @@ class VisionTransformer(nn.Module):
             pos_embed = x.new_zeros((1, tokens, self.embed_dim), dtype=self.patch_embed.proj.weight.dtype)
         # Outside autocast: tokens come out in the images' dtype, so the residual stream keeps the
         # reference's dtype under AMP (fp32: timm's pos_embed add promotes it); an fp32 patch GEMM is <2%
-        # of the FLOPs.
-        with torch.autocast(x.device.type, enabled=False):
+        # of the FLOPs. With residual_in_fp32=False the kernel runs under autocast: tokens in its dtype.
+        with torch.autocast(x.device.type, enabled=residual_dtype is not None):
             tokens = patch_embed_kernel(x, self.patch_embed.proj.weight, self.patch_embed.proj.bias, pos_embed,
                                         self.cls_token, self.reg_token, covers_prefix)
         return self.pos_drop(tokens)
+
+    def _autocast_residual_dtype(self, x: torch.Tensor) -> Optional[torch.dtype]:
+        """The autocast dtype when the residual stream should be kept in it (residual_in_fp32=False under
+        autocast), else None: the stream then has timm's dtype (fp32 under autocast)."""
+        if self.residual_in_fp32 or not torch.is_autocast_enabled(x.device.type):
+            return None
+        return torch.get_autocast_dtype(x.device.type)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)

@@ -46,6 +46,8 @@ class ViTConfig:
     act: str = "gelu"                 # 'gelu' (exact erf) | 'gelu_tanh'
     weight_init: str = ""             # '' timm init | 'skip' (weights loaded right after)
     backend: str = "auto"             # Triton kernels on CUDA (or under TRITON_INTERPRET=1), else the reference
+    residual_in_fp32: bool = True     # under autocast: residual stream in fp32 as timm; False: in the autocast
+                                      # dtype (FlashAttention's residual_in_fp32=False), fewer bytes per step
 
     def __post_init__(self) -> None:
         self.img_size = to_2tuple(self.img_size)

@@ -9,7 +9,8 @@ One step is forward + cross-entropy + backward, no optimizer. It is counted on C
     a DRAM model where re-reads within one launch hit L2, as the aten side assumes), and 2*M*N*K per
     tl.dot. The interpreter's own argument copies are not counted.
 The eager paths are timm's VisionTransformer (random weights) under torch.autocast, with timm's fused
-SDPA attention and with ``fused_attn=False``; the fused path is vit_fast's model with backend='triton'.
+SDPA attention and with ``fused_attn=False``; the fused path is vit_fast's model with backend='triton',
+as built (residual stream in fp32 under autocast, as timm) and with ``residual_in_fp32=False``.
 
 Counting runs at two small batches; every op is fitted as ``fixed + per_image * batch`` (weights and
 their gradients are the fixed part, activations the per-image part) and evaluated at the requested
@@ -293,11 +294,12 @@ def _distinct_bytes(chunks) -> float:
 # ----------------------------------------------------------------------------------------------
 # Models and one counted step
 
-PATHS = ("timm_eager", "timm_eager_unfused_attn", "vit_fast")
+PATHS = ("timm_eager", "timm_eager_unfused_attn", "vit_fast", "vit_fast_bf16_residual")
 PATH_LABELS = {
     "timm_eager": "timm eager (SDPA attention)",
     "timm_eager_unfused_attn": "timm eager, fused_attn=False",
     "vit_fast": "vit_fast backend='triton'",
+    "vit_fast_bf16_residual": "vit_fast, residual_in_fp32=False",
 }
 
 
@@ -314,6 +316,8 @@ def build_model(path: str, preset: str, **overrides) -> torch.nn.Module:
         return model.train()
     import vit_fast
 
+    if path == "vit_fast_bf16_residual":
+        overrides = dict(overrides, residual_in_fp32=False)
     return vit_fast.create_model(preset, backend="triton", **overrides).train()
 
 
@@ -503,7 +507,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
-    if "vit_fast" in args.paths and os.environ.get("TRITON_INTERPRET") != "1":
+    fused_paths = [p for p in args.paths if p.startswith("vit_fast")]
+    if fused_paths and os.environ.get("TRITON_INTERPRET") != "1":
         # The fused path is counted in the interpreter, which must be on before any kernel is defined.
         if "triton" in sys.modules:
             argv = sys.argv[1:] if argv is None else list(argv)
@@ -518,7 +523,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
           "launch overhead excluded. Eager: one launch per non-view aten op.\n")
     results = []
     for path in args.paths:
-        if path == "vit_fast":
+        if path in fused_paths:
             ok, why = fused_model_available()
             if not ok:
                 print(f"{PATH_LABELS[path]}: not counted: {why}\n")

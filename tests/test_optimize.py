@@ -147,6 +147,17 @@ def test_dtype_mode_and_frozen_parameters_preserved():
     assert out(images()).logits.dtype == torch.float16  # float32 pixels are cast, as transformers does
 
 
+def test_residual_in_fp32_false_keeps_the_stream_in_the_autocast_dtype():
+    ref = timm_vit().eval()
+    model = vit_fast.optimize(ref, backend="torch", residual_in_fp32=False)
+    assert model.residual_in_fp32 is False and model.config.residual_in_fp32 is False
+    x = images()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.embed(x).dtype == torch.bfloat16
+        assert_close(model(x), ref(x), bound(torch.bfloat16, "dot"), name="bf16-residual logits vs timm autocast")
+    assert vit_fast.optimize(model, residual_in_fp32=True).residual_in_fp32 is True
+
+
 def test_vit_fast_model_is_switched_in_place():
     model = vit_fast.create_model("vit_tiny_patch16_224", depth=1, img_size=32)
     assert vit_fast.optimize(model, backend="torch") is model and model.config.backend == "torch"

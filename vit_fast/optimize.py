@@ -30,9 +30,11 @@ from .convert import (_timm_config_from_model, from_hf, from_timm, from_torchvis
 from .model import VisionTransformer
 
 
-def optimize(model: nn.Module, backend: str = "auto") -> nn.Module:
+def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True) -> nn.Module:
     """A vit_fast model with ``model``'s weights, head and forward signature, running ``backend``
-    ('auto': the Triton kernels on CUDA tensors, the PyTorch reference elsewhere; 'triton'; 'torch')."""
+    ('auto': the Triton kernels on CUDA tensors, the PyTorch reference elsewhere; 'triton'; 'torch').
+    ``residual_in_fp32=False`` keeps the residual stream in the autocast dtype under autocast (fewer bytes
+    per step; numerics then differ from the source's fp32 stream)."""
     check_backend(backend)
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         raise ValueError("optimize: pass the bare model and wrap the result in DistributedDataParallel/"
@@ -45,7 +47,7 @@ def optimize(model: nn.Module, backend: str = "auto") -> nn.Module:
         raise RuntimeError(f"optimize: backend='triton' needs a model on CUDA (or CPU with TRITON_INTERPRET=1); "
                            f"the model is on {device}. Use backend='auto' or 'torch'.")
     if kind == "vit_fast":
-        return model.set_backend(backend)
+        return _set_residual_dtype(model.set_backend(backend), residual_in_fp32)
     if kind == "timm":
         problems = timm_unsupported(model)
         if problems:
@@ -63,7 +65,13 @@ def optimize(model: nn.Module, backend: str = "auto") -> nn.Module:
     fast = fast.to(device=device, dtype=dtype)
     _copy_requires_grad(model, fast, names)
     fast.train(model.training)
-    return fast.set_backend(backend)
+    return _set_residual_dtype(fast.set_backend(backend), residual_in_fp32)
+
+
+def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
+    vit = fast.model if isinstance(fast, HFViT) else fast
+    vit.residual_in_fp32 = vit.config.residual_in_fp32 = bool(residual_in_fp32)
+    return fast
 
 
 def source_kind(model: nn.Module) -> str:

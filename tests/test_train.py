@@ -189,13 +189,14 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path):
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_amp_and_gradient_accumulation(tmp_path, amp):
-    extra = ["--grad-checkpointing"] if amp == "bf16" else []
+    extra = ["--grad-checkpointing", "--bf16-residual"] if amp == "bf16" else []
     summary = run(tmp_path, "--amp", amp, "--accum-steps", "2", "--stop-at-step", "6", "--log-every", "3", *extra)
     assert summary["steps"] == 6 and 0 < summary["train_loss"] < 3
     state = ckpt.read_state(ckpt.resolve_checkpoint(tmp_path))
     weights = final_weights(tmp_path)
     assert all(torch.isfinite(w).all() and w.dtype == torch.float32 for w in weights.values())
     assert (state["scaler"].get("scale", 0) > 0) == (amp == "fp16")   # GradScaler only for fp16
+    assert state["model_config"]["residual_in_fp32"] == (amp == "fp16")  # --bf16-residual with bf16
 
 
 def test_lr_schedule_warmup_then_cosine():

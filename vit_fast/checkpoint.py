@@ -32,7 +32,7 @@ FORMAT = "vit_fast.train/1"
 WEIGHTS, STATE, LATEST = "model.safetensors", "state.pt", "latest"
 # ViTConfig fields that do not change the parameters: a checkpoint may be resumed with other values.
 NON_ARCH_FIELDS = {"backend", "weight_init", "drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate",
-                   "drop_path_rate", "dynamic_img_size"}
+                   "drop_path_rate", "dynamic_img_size", "residual_in_fp32"}
 
 
 # ----------------------------------------------------------------------------------------- RNG states

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drop-path-rate", type=float)
     m.add_argument("--global-pool", choices=("token", "avg", "avgmax", "max"))
     m.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto")
+    m.add_argument("--bf16-residual", dest="residual_in_fp32", action="store_false",
+                   help="with --amp: keep the residual stream in the autocast dtype (residual_in_fp32=False)")
     m.add_argument("--compile", action="store_true", help="torch.compile the model")
     m.add_argument("--grad-checkpointing", action="store_true", help="recompute block activations in backward")
     m.add_argument("--init-from", metavar="timm:NAME|hf:NAME|file:PATH",
@@ -198,7 +200,8 @@ def build_model(args: argparse.Namespace, data: DataInfo) -> nn.Module:
     if overrides["img_size"] != data.img_size or overrides["in_chans"] != data.in_chans:
         raise ValueError(f"model expects {overrides['in_chans']}x{overrides['img_size']}px images but the "
                          f"{args.dataset} data gives {data.in_chans}x{data.img_size}px")
-    model = vit_fast.create_model(args.model, backend=args.backend, **overrides)
+    model = vit_fast.create_model(args.model, backend=args.backend, residual_in_fp32=args.residual_in_fp32,
+                                  **overrides)
     if args.init_from:
         for note in ckpt.load_pretrained(model, args.init_from):
             log.info("--init-from: %s", note)

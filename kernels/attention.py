@@ -60,12 +60,15 @@ from ._utils import (
     check_float,
     check_kernel_device,
     check_ndim,
+    check_shape,
     dropout_keep_mask,
     gpu_arch,
     next_power_of_2,
     next_seed,
     seed_value,
+    unit_stride,
 )
+from .bias_gelu import sum_partials
 
 MAX_HEAD_DIM = 128
 MAX_GRID = 2**31 - 1
@@ -114,9 +117,36 @@ def _load(X, rows, row_ok, offs_d, d_ok, stride_n, stride_d, TRANS: tl.constexpr
 
 
 @triton.jit
+def _bias(Bias, part, bh, num_heads, head_dim, offs_d, d_ok):
+    """fp32 qkv-Linear bias of head bh % H for part 0 (q), 1 (k) or 2 (v): Bias[(part * H + h) * D + d]."""
+    return tl.load(Bias + (part * num_heads + bh % num_heads) * head_dim + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_bias(x, b, row_ok, d_ok, TRANS: tl.constexpr):
+    """x + b in fp32, back in x's dtype for the dots; still exactly zero outside N and D (as _load)."""
+    if TRANS:
+        y = x.to(tl.float32) + b[:, None]
+    else:
+        y = x.to(tl.float32) + b[None, :]
+    return tl.where(_tile_mask(row_ok, d_ok, TRANS), y, 0.0).to(x.dtype)
+
+
+@triton.jit
+def _store_column_sums(P, x, row_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK: tl.constexpr):
+    """Bias-gradient partial: the column sums of this program's fp32 (BLOCK x D) tile x over its valid
+    rows, stored at row b * tiles + tile, columns h * D + d, of a (G, H * D) fp32 buffer. Every
+    (row, column) has exactly one writer: no atomics, and the second stage sums rows in a fixed order."""
+    num_tiles = tl.cdiv(seq_len, BLOCK)
+    row = ((bh // num_heads) * num_tiles + tl.program_id(0) % num_tiles).to(tl.int64) * num_heads + bh % num_heads
+    tl.store(P + row * head_dim + offs_d, tl.sum(tl.where(row_ok[:, None], x, 0.0), 0), mask=d_ok)
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Out, Lse,  # outputs: (B, H, N, D) through strides; lse (B * H, N) fp32, natural log
     Q, K, V,  # inputs: (B, H, N, D) through strides (views of the packed qkv)
+    Bias,  # (3 * H * D,) qkv-Linear bias added to q, k, v in fp32 (None without HAS_BIAS)
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -129,6 +159,7 @@ def _attention_fwd_kernel(
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16)
     DROPOUT: tl.constexpr,  # False skips the Philox draw entirely
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
+    HAS_BIAS: tl.constexpr,  # q, k, v = loaded + bias (fp32 add), else the loads as they are
 ):
     bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -136,6 +167,10 @@ def _attention_fwd_kernel(
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    if HAS_BIAS:
+        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), row_ok, d_ok, False)
+        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
+        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
@@ -147,6 +182,8 @@ def _attention_fwd_kernel(
         cols = start_n + offs_n
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
+        if HAS_BIAS:
+            kT = _add_bias(kT, bias_k, col_ok, d_ok, True)
         s = tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))  # padded keys: exactly zero probability
         # The first tile always holds key 0, so m_new is finite from the first step on.
@@ -158,6 +195,8 @@ def _attention_fwd_kernel(
             offsets = (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
             p = tl.where(dropout_keep_mask(seed, offsets, dropout_p), p, 0.0)
         v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
+        if HAS_BIAS:
+            v = _add_bias(v, bias_v, col_ok, d_ok, False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
@@ -193,8 +232,10 @@ def _attention_delta_kernel(
 @triton.jit
 def _attention_dkdv_kernel(
     DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
+    PK, PV,  # HAS_BIAS outputs: (G, H * D) fp32 column partials of dk, dv (G >= B * k/v tiles), else None
     Q, K, V, DO,  # inputs through strides; dO may be non-contiguous
     Lse, Delta,  # (B * H, N) fp32
+    Bias,  # (3 * H * D,) qkv bias or None
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -207,6 +248,7 @@ def _attention_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     bh, cols = _program_tile(seq_len, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -215,6 +257,10 @@ def _attention_dkdv_kernel(
     d_ok = offs_d < head_dim
     k = _load(_head(K, bh, num_heads, stride_kb, stride_kh), cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
     v = _load(_head(V, bh, num_heads, stride_vb, stride_vh), cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
+    if HAS_BIAS:
+        k = _add_bias(k, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok), col_ok, d_ok, False)
+        v = _add_bias(v, _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok), col_ok, d_ok, False)
+        bias_q = _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok)
     q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
     do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
     row_base = bh.to(tl.int64) * seq_len
@@ -226,6 +272,8 @@ def _attention_dkdv_kernel(
         rows = start_m + offs_m
         row_ok = rows < seq_len
         qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
+        if HAS_BIAS:
+            qT = _add_bias(qT, bias_q, row_ok, d_ok, True)
         do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
         # Padded q rows get lse = +inf, hence probability exactly 0.
         lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
@@ -243,14 +291,20 @@ def _attention_dkdv_kernel(
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
-    tl.store(_head(DK, bh, num_heads, stride_db, stride_dh) + offsets, (dk * scale).to(DK.dtype.element_ty), mask=mask)
+    dk = dk * scale
+    tl.store(_head(DK, bh, num_heads, stride_db, stride_dh) + offsets, dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(_head(DV, bh, num_heads, stride_db, stride_dh) + offsets, dv.to(DV.dtype.element_ty), mask=mask)
+    if HAS_BIAS:  # padded k/v rows hold nonzero junk (p of a zero key), hence the row mask
+        _store_column_sums(PK, dk, col_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_N)
+        _store_column_sums(PV, dv, col_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_N)
 
 
 @triton.jit
 def _attention_dq_kernel(
     DQ,  # output: (B, H, N, D) through the gradient strides
+    PQ,  # HAS_BIAS output: (G, H * D) fp32 column partials of dq (G >= B * q tiles), else None
     Q, K, V, DO, Lse, Delta,
+    Bias,  # (3 * H * D,) qkv bias or None
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -263,6 +317,7 @@ def _attention_dq_kernel(
     BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -271,6 +326,10 @@ def _attention_dq_kernel(
     d_ok = offs_d < head_dim
     row_base = bh.to(tl.int64) * seq_len
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    if HAS_BIAS:
+        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), row_ok, d_ok, False)
+        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
+        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
     do = _load(_head(DO, bh, num_heads, stride_gb, stride_gh), rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
     lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
@@ -284,6 +343,9 @@ def _attention_dq_kernel(
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
         vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
+        if HAS_BIAS:
+            kT = _add_bias(kT, bias_k, col_ok, d_ok, True)
+            vT = _add_bias(vT, bias_v, col_ok, d_ok, True)
         # Padded keys (k loaded as 0) must get p = 0: exp(0 - lse) overflows when every real score of
         # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
@@ -295,20 +357,25 @@ def _attention_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
 
+    dq = dq * scale
     tl.store(_head(DQ, bh, num_heads, stride_db, stride_dh) + _tile(rows, offs_d, stride_dn, stride_dd, False),
-             (dq * scale).to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
+             dq.to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
+    if HAS_BIAS:
+        _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_M)
 
 
 @triton.jit
 def _attention_probs_kernel(
     P,  # output: (B * H, R, N) fp32 probabilities of the selected query rows
     Q, K, Lse, Rows,  # q, k through strides; lse (B * H, N); Rows (R,) int64 query indices
+    Bias,  # (3 * H * D,) qkv bias or None
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     num_heads, seq_len, head_dim, num_rows,
     scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     bh, r = _program_tile(num_rows, BLOCK_M)
     r_ok = r < num_rows
@@ -317,6 +384,9 @@ def _attention_probs_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    if HAS_BIAS:
+        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), r_ok, d_ok, False)
+        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
     lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * 1.4426950408889634
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
@@ -324,6 +394,8 @@ def _attention_probs_kernel(
         cols = start_n + offs_n
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
+        if HAS_BIAS:
+            kT = _add_bias(kT, bias_k, col_ok, d_ok, True)
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * (scale * 1.4426950408889634) - lse2[:, None])
         tl.store(p_rows + cols[None, :], p, mask=r_ok[:, None] & col_ok[None, :])
 
@@ -435,6 +507,16 @@ def _check_packed(op: str, qkv: torch.Tensor, num_heads: int) -> int:
     return head_dim
 
 
+def _check_qkv_bias(op: str, qkv_bias: torch.Tensor | None, qkv: torch.Tensor) -> None:
+    """An optional (3 * H * D,) float bias of the qkv Linear, on qkv's device (its dtype may differ)."""
+    if qkv_bias is None:
+        return
+    check_float(op, "qkv_bias", qkv_bias)
+    check_shape(op, "qkv_bias", qkv_bias, (qkv.shape[-1],))
+    if qkv_bias.device != qkv.device:
+        raise ValueError(f"{op}: expected qkv_bias on qkv's device {qkv.device}, got {qkv_bias.device}")
+
+
 def _check_separate(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(op, name, t)
@@ -463,20 +545,23 @@ def _dropout_args(dropout_p: float):
     return dropout_p > 0.0, inv_keep
 
 
-def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
+def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int, bias=None) -> None:
     B, H, N, D = q.shape
     precision = _input_precision(q.dtype)
     cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision).fwd
     dropout, inv_keep = _dropout_args(dropout_p)
     _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
-        out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        out, lse, q, k, v, bias, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, scale, dropout_p, inv_keep, seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
-        INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INPUT_PRECISION=precision, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int) -> None:
-    """Three launches: delta pre-pass, dK/dV, dQ. dq, dk, dv share one stride layout."""
+def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
+                bias=None) -> Optional[torch.Tensor]:
+    """Three launches: delta pre-pass, dK/dV, dQ (dq, dk, dv share one stride layout). With a bias,
+    the dK/dV and dQ programs also write fp32 column partials of dk, dv and dq into the three slabs
+    of one (3, G, H * D) buffer, and ``sum_partials`` (one launch) returns d(bias) (3 * H * D,)."""
     B, H, N, D = q.shape
     block_d, precision = _block_d(D), _input_precision(q.dtype)
     cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision)
@@ -485,54 +570,73 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     _attention_delta_kernel[attention_grid(B * H, N, cfg.delta.block_m)](
         delta, out, do, *out.stride(), *do.stride(), H, N, D,
         BLOCK_M=cfg.delta.block_m, BLOCK_D=block_d, num_warps=cfg.delta.num_warps)
-    common = (q, k, v, do, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+    partial = None
+    if bias is not None:
+        # Row b * tiles + tile of a slab belongs to one program. The dQ and dK/dV grids have equal tile
+        # counts in the fp16/bf16 tables; where an fp32 table's differ, the rows the smaller grid does
+        # not own are zeroed (one memset of a few KB).
+        rows_q, rows_kv = B * triton.cdiv(N, cfg.dq.block_m), B * triton.cdiv(N, cfg.dkdv.block_n)
+        partial = _empty((3, max(rows_q, rows_kv), H * D), torch.float32, q.device)
+        if rows_q < rows_kv:
+            partial[0, rows_q:].zero_()
+        elif rows_kv < rows_q:
+            partial[1:, rows_kv:].zero_()
+    slabs = (None, None, None) if partial is None else partial.unbind(0)
+    common = (q, k, v, do, lse, delta, bias, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
               H, N, D, scale, dropout_p, inv_keep, seed)
     _attention_dkdv_kernel[attention_grid(B * H, N, cfg.dkdv.block_n)](
-        dk, dv, *common, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=block_d,
-        DROPOUT=dropout, INPUT_PRECISION=precision, num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
+        dk, dv, slabs[1], slabs[2], *common, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=block_d,
+        DROPOUT=dropout, INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
+        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
     _attention_dq_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
-        dq, *common, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
-        DROPOUT=dropout, INPUT_PRECISION=precision, num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
+        dq, slabs[0], *common, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+        DROPOUT=dropout, INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
+        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
+    return None if partial is None else sum_partials(partial, bias.dtype).view(-1)
 
 
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.
 @torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
-def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
+def attention_fwd(qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor], num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32)."""
+    """Packed forward: qkv (B, N, 3 * H * D) [+ qkv_bias] -> (out (B, N, H * D), lse (B, H, N) fp32)."""
     D = _check_packed("attention_fwd", qkv, num_heads)
+    _check_qkv_bias("attention_fwd", qkv_bias, qkv)
     _check_dropout("attention_fwd", dropout_p)
-    check_kernel_device("attention_fwd", qkv)
+    check_kernel_device("attention_fwd", qkv, qkv_bias)
     B, N, _ = qkv.shape
     out = _empty((B, N, num_heads * D), qkv.dtype, qkv.device)
     lse = _empty((B, num_heads, N), torch.float32, qkv.device)
     _launch_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p,
-                seed_value(seed))
+                seed_value(seed), qkv_bias)
     return out, lse
 
 
 @attention_fwd.register_fake
-def _(qkv, num_heads, scale, dropout_p, seed):
+def _(qkv, qkv_bias, num_heads, scale, dropout_p, seed):
     B, N, width = qkv.shape
     return qkv.new_empty((B, N, width // 3)), qkv.new_empty((B, num_heads, N), dtype=torch.float32)
 
 
 @torch.library.custom_op("vit_fast::attention_bwd", mutates_args=())
-def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_heads: int,
-                  scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
-    """Packed backward: one (B, N, 3 * H * D) gradient; dQ, dK, dV written into its three slices."""
-    check_kernel_device("attention_bwd", grad_out, qkv, out, lse)
+def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor], out: torch.Tensor,
+                  lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
+                  seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed backward: (dqkv, dbias). dqkv is one (B, N, 3 * H * D) gradient with dQ, dK, dV written
+    into its three slices; dbias (3 * H * D,) in the bias dtype is its sum over batch and tokens, or an
+    empty tensor without a bias (custom ops cannot return None)."""
+    check_kernel_device("attention_bwd", grad_out, qkv, qkv_bias, out, lse)
     if grad_out.shape != out.shape:
         raise ValueError(f"attention_bwd: expected grad_out of shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
     dqkv = _empty(qkv.shape, qkv.dtype, qkv.device)
-    _launch_bwd(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse,
-                *_split_packed(dqkv, num_heads), scale, dropout_p, seed_value(seed))
-    return dqkv
+    dbias = _launch_bwd(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads),
+                        lse, *_split_packed(dqkv, num_heads), scale, dropout_p, seed_value(seed), qkv_bias)
+    return dqkv, qkv.new_empty(0) if dbias is None else dbias
 
 
 @attention_bwd.register_fake
-def _(grad_out, qkv, out, lse, num_heads, scale, dropout_p, seed):
-    return torch.empty_like(qkv)
+def _(grad_out, qkv, qkv_bias, out, lse, num_heads, scale, dropout_p, seed):
+    return torch.empty_like(qkv), qkv.new_empty(0) if qkv_bias is None else torch.empty_like(qkv_bias)
 
 
 @torch.library.custom_op("vit_fast::attention_qkv_fwd", mutates_args=())
@@ -576,17 +680,18 @@ def _(grad_out, q, k, v, out, lse, scale, dropout_p, seed):
 # --------------------------------------------------------------------------------------------- #
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, num_heads, scale, dropout_p, seed):
-        out, lse = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
-        ctx.save_for_backward(qkv, out, lse, seed)
+    def forward(ctx, qkv, qkv_bias, num_heads, scale, dropout_p, seed):
+        out, lse = attention_fwd(qkv, qkv_bias, num_heads, scale, dropout_p, seed)
+        ctx.save_for_backward(qkv, qkv_bias, out, lse, seed)
         ctx.args = (num_heads, scale, dropout_p)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        qkv, out, lse, seed = ctx.saved_tensors
-        return attention_bwd(grad_out, qkv, out, lse, *ctx.args, seed), None, None, None, None
+        qkv, qkv_bias, out, lse, seed = ctx.saved_tensors
+        dqkv, dbias = attention_bwd(grad_out, qkv, qkv_bias, out, lse, *ctx.args, seed)
+        return dqkv, (dbias if qkv_bias is not None else None), None, None, None, None
 
 
 class AttentionQKVFunction(torch.autograd.Function):
@@ -612,19 +717,25 @@ def _dropout_and_seed(op: str, dropout_p: float, training: bool) -> tuple[float,
 
 
 def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-                       training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       training: bool = False, qkv_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
     head_dim = _check_packed("attention", qkv, num_heads)
-    check_kernel_device("attention", qkv)
+    _check_qkv_bias("attention", qkv_bias, qkv)
+    check_kernel_device("attention", qkv, qkv_bias)
     p, seed = _dropout_and_seed("attention", dropout_p, training)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    return AttentionFunction.apply(qkv, num_heads, scale, p, seed)
+    return AttentionFunction.apply(qkv, unit_stride(qkv_bias), num_heads, scale, p, seed)
 
 
 def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-              training: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D)."""
-    return attention_with_lse(qkv, num_heads, scale, dropout_p, training)[0]
+              training: bool = False, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D).
+
+    ``qkv_bias`` (3 * H * D,): the qkv Linear's bias, when ``qkv`` is its GEMM without the bias
+    (x @ W^T). The kernels add it to q, k, v in fp32 and return its gradient from the backward
+    kernels' column partials (no separate sum over d(qkv)); any float dtype, e.g. fp32 under autocast.
+    """
+    return attention_with_lse(qkv, num_heads, scale, dropout_p, training, qkv_bias)[0]
 
 
 def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -638,14 +749,18 @@ def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float | None = None,
-                    rows=None) -> torch.Tensor:
+                    rows=None, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention probabilities (before dropout) recomputed from the forward's lse.
 
     Returns fp32 (B, H, len(rows), N) for the chosen query rows (e.g. rows=[0], the class token),
     or the full (B, H, N, N) map when rows is None. Runs in tiles; nothing but the result is stored.
+    Pass the same ``qkv`` and ``qkv_bias`` as to ``attention_with_lse`` (a biased qkv with no bias is
+    equivalent).
     """
     head_dim = _check_packed("attention_probs", qkv, num_heads)
-    check_kernel_device("attention_probs", qkv, lse)
+    _check_qkv_bias("attention_probs", qkv_bias, qkv)
+    check_kernel_device("attention_probs", qkv, lse, qkv_bias)
+    qkv_bias = unit_stride(qkv_bias)
     B, N, _ = qkv.shape
     if lse.shape != (B, num_heads, N) or lse.dtype != torch.float32:
         raise ValueError(f"attention_probs: expected lse of shape {(B, num_heads, N)} and dtype float32, "
@@ -665,9 +780,9 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
     cfg = attention_config(N, head_dim, qkv.dtype, gpu_arch(qkv.device), precision).dq
     block_m = min(cfg.block_m, max(16, next_power_of_2(R)))
     _attention_probs_kernel[attention_grid(B * num_heads, R, block_m)](
-        probs, q, k, lse, rows, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
+        probs, q, k, lse, rows, qkv_bias, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(head_dim),
-        INPUT_PRECISION=precision, num_warps=cfg.num_warps)
+        INPUT_PRECISION=precision, HAS_BIAS=qkv_bias is not None, num_warps=cfg.num_warps)
     return probs
 
 
@@ -769,9 +884,13 @@ def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-                  training: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D)."""
+                  training: bool = False, qkv_bias: torch.Tensor | None = None,
+                  dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D).
+    A bias is added as the kernels do: in the wider dtype, then rounded to qkv's dtype."""
     B, N, width = qkv.shape
+    if qkv_bias is not None:
+        qkv = (qkv + qkv_bias).to(qkv.dtype)
     q, k, v = qkv.reshape(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
     out = attention_qkv_ref(q, k, v, scale, dropout_p, training, dropout_mask)
     return out.transpose(1, 2).reshape(B, N, width // 3)

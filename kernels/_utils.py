@@ -107,6 +107,16 @@ def gpu_arch(device: torch.device) -> int:
     return 80
 
 
+def input_precision(dtype: torch.dtype) -> str:
+    """tl.dot input_precision for a kernel's dot operands: fp32 operands follow torch's matmul flag
+    (IEEE fp32 unless torch.backends.cuda.matmul.allow_tf32 is True, then tf32 tensor cores), read
+    at launch time like cuBLAS does; fp16/bf16 operands always run on tensor cores ('ieee' is the
+    value that changes nothing for them)."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

@@ -40,7 +40,12 @@ M rows, K = mlp_hidden, N = width, T = ceil(M / BLOCK_M) row tiles of the dh ker
 Per row and MLP, K = 4C, N = C: forward 5C s, backward 15C s (+ weights). The unfused path (bias_gelu between
 two cuBLAS GEMMs) also writes g and reads it back twice (fwd GEMM and dW GEMM) and writes dg and reads it
 back: 16C s more per row, and it keeps g (4C s per row) alive for backward, which this op does not.
-Compiled for sm_80 / sm_90 (aot_specs, every table entry): see gelu_linear_config.
+Compiled for sm_80 / sm_90 (aot_specs: every table entry, both GELU forms, split and not, bf16 / fp16 with
+fp32 or own-dtype parameters, fp32 IEEE and tf32): 0 spill bytes everywhere; 16-bit tiles use mma (sm_80) /
+wgmma (sm_90). Registers (shared memory): sm_80 fwd 128x128x32 w8 128-255 (48 KB), dh 128x64x64 w8
+128-161 (64 KB), dW 128x128x32 w8 128-168 (48 KB); sm_90 fwd 128x256x32 w8 206-250 (97 KB), dh 128x64x64
+w8 103-128 (121 KB), dW 256x128x32 w8 204-240 (97 KB); fp32 IEEE 64x64 tiles 104-245 (<= 25 KB), tf32
+128x64x32 w8 80-176 (<= 73 KB). The exact-erf forward on sm_80 sits at 255 registers: a wider tile spills.
 """
 from __future__ import annotations
 

@@ -1,0 +1,71 @@
+"""pytest-benchmark of kernels/gelu_linear.py: forward+backward of GELU(h + b1) @ W2^T (the MLP's GELU and
+fc2, fc2's bias left to the residual join) at ViT-B and ViT-L MLP shapes, 64 images x 197 tokens, bf16
+activations with fp32 parameters (autocast). Compared in the same run with eager PyTorch
+(F.gelu then F.linear on autocast's bf16 weight copy) and torch.compile of that. GPU-only; no timing
+is asserted. The median of triton.testing.do_bench and the TFLOP/s (3 GEMMs: 6 M N K flops) are
+printed and stored in the benchmark's extra_info next to the dense bf16 tensor-core peak.
+
+    pytest bench/test_bench_gelu_linear.py --benchmark-only -s
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="GPU-only benchmark: needs CUDA (the kernels are tested on CPU in tests/)")
+
+ROWS = 64 * 197
+SHAPES = {"vit_base": (768, 3072), "vit_large": (1024, 4096)}  # (width N, MLP hidden K)
+ROTATE = 4  # input sets cycled through so no timing reads a warm L2
+
+
+def eager_gelu_linear(h, bias, weight, approximate="none"):
+    g = F.gelu(h + bias, approximate=approximate).to(h.dtype)  # bias fp32 under autocast: GELU in fp32
+    return F.linear(g, weight.to(h.dtype))
+
+
+def _impl(name):
+    if name == "triton":
+        from vit_fast.kernels.gelu_linear import gelu_linear
+        return gelu_linear
+    if name == "compile":
+        return torch.compile(eager_gelu_linear)
+    return eager_gelu_linear
+
+
+@pytest.mark.parametrize("impl", ["triton", "eager", "compile"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fwd_bwd(benchmark, shape, impl):
+    import triton
+
+    from vit_fast.bench import environment, peak_tflops
+
+    n, k = SHAPES[shape]
+    fn = _impl(impl)
+    sets = []
+    for _ in range(ROTATE):
+        h = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.randn(k, device="cuda", requires_grad=True)
+        weight = (torch.randn(n, k, device="cuda") * k ** -0.5).requires_grad_()
+        sets.append(((h, bias, weight), torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)))
+    state = {"i": 0}
+
+    def step():
+        (h, bias, weight), dy = sets[state["i"] % ROTATE]
+        state["i"] += 1
+        torch.autograd.grad(fn(h, bias, weight), (h, bias, weight), dy)
+
+    step()  # compile / warm up outside the timings
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
+    tflops = 6 * ROWS * n * k / (ms * 1e-3) / 1e12
+    peak = peak_tflops(torch.cuda.get_device_name(), torch.bfloat16, None)
+    benchmark.extra_info.update(environment(), shape=shape, impl=impl, median_ms=ms, tflops=tflops, peak_tflops=peak)
+    print(f"\ngelu_linear fwd+bwd {shape} M={ROWS} N={n} K={k} {impl}: {ms:.3f} ms, {tflops:.0f} TFLOP/s "
+          f"(dense bf16 peak {peak} TFLOP/s)")
+
+    def timed():
+        step()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(timed, rounds=20, iterations=5, warmup_rounds=2)

@@ -37,9 +37,10 @@ M rows, K = mlp_hidden, N = width, T = ceil(M / BLOCK_M) row tiles of the dh ker
     dh       read dy (M N s), h (M K s), W (N K w), bias; write dh (M K s), dbias partials (T K 4)
     dbias    read T K 4, write K w
     dW       read dy (M N s), h (M K s), bias; write dW (N K w)   [split: write S N K 4, + read S N K 4, write N K w]
-Per row and MLP, K = 4C, N = C: forward 5C s, backward 14C s (+ weights; unfused: 13C s and 22C s). The unfused path (bias_gelu between
-two cuBLAS GEMMs) also writes g and reads it back twice (fwd GEMM and dW GEMM) and writes dg and reads it
-back: 16C s more per row, and it keeps g (4C s per row) alive for backward, which this op does not.
+Per row and MLP, K = 4C, N = C: forward 5C s, backward 14C s (+ weights). The unfused path (bias_gelu
+between two cuBLAS GEMMs: 13C s forward, 22C s backward) also writes g and reads it back twice (fwd GEMM,
+dW GEMM) and writes dg and reads it back: 16C s more per row, and it keeps g (4C s per row) alive for
+backward, which this op does not.
 Compiled for sm_80 / sm_90 (aot_specs: every table entry, both GELU forms, split and not, bf16 / fp16 with
 fp32 or own-dtype parameters, fp32 IEEE and tf32): 0 spill bytes everywhere; 16-bit tiles use mma (sm_80) /
 wgmma (sm_90). Registers (shared memory): sm_80 fwd 128x128x32 w8 128-255 (48 KB), dh 128x64x64 w8

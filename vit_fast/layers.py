@@ -8,12 +8,13 @@ The fused path (GEMMs stay in torch / cuBLAS, every elementwise and normalisatio
   - PatchEmbed: one ``patch_embed`` launch (conv as an im2col GEMM + bias);
   - LayerNorm: ``layer_norm``; ``LayerNorm.join`` = residual join + this norm in one ``add_layer_norm``;
   - Attention: qkv GEMM -> ``attention`` straight on the packed (B, N, 3HD) qkv -> proj GEMM;
-  - Mlp: fc1 GEMM without bias -> ``bias_gelu`` -> fc2 GEMM;
+  - Mlp: fc1 GEMM without bias -> ``gelu_linear`` (fc1's bias + GELU fused into the fc2 GEMM's operand
+    loads, GELU' into its backward's epilogue: the 4C-wide activation and its gradient are never written);
   - Block.forward_pair(normed, residual, next_norm): proj and fc2 GEMMs run WITHOUT their bias; the bias,
     LayerScale, per-sample drop-path scale and dropout ride in the residual-join kernel, which also
     computes the following LayerNorm (norm2, then the next block's norm1 or the final norm).
 Routed through reference ops, also on the fused path (documented, never silently different):
-qk_norm attention (split heads + q/k LayerNorm + SDPA), Mlp drop1 > 0 (F.dropout after bias_gelu),
+qk_norm attention (split heads + q/k LayerNorm + SDPA), Mlp drop1 > 0 (``bias_gelu``, F.dropout, fc2 GEMM),
 a non-Identity Mlp norm, attention maps (``Attention.attention_probs``); at model level pos_drop > 0
 (F.dropout on the tokens), pooling, fc_norm (the layer_norm kernel) and the head.
 Drop-path: the per-sample keep decision is drawn in torch (``DropPath.sample_scale``, B values) and
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 import vit_fast.kernels.attention as attention_kernels
 from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_gelu
+from vit_fast.kernels.gelu_linear import gelu_linear
 from vit_fast.kernels.layer_norm import add_layer_norm
 from vit_fast.kernels.layer_norm import layer_norm as layer_norm_kernel
 from vit_fast.kernels.patch_embed import patch_embed as patch_embed_kernel
@@ -212,7 +214,11 @@ class Mlp(nn.Module):
         return self.norm(x)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
-        """Fused path: fc2 GEMM *without* its bias (the residual join adds it, then drop2)."""
+        """Fused path, fc2 *without* its bias (the residual join adds it, then drop2): fc1 GEMM without
+        bias, then ``gelu_linear`` (fc1 bias + GELU inside the fc2 GEMM). With drop1 active or an MLP
+        norm the hidden activation is materialised: ``hidden`` then the fc2 GEMM."""
+        if isinstance(self.norm, nn.Identity) and not (self.drop1.p > 0 and self.training):
+            return gelu_linear(F.linear(x, self.fc1.weight), self.fc1.bias, self.fc2.weight, self.act.approximate)
         return F.linear(self.hidden(x), self.fc2.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,8 @@ _OTHER = {"_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "lift_fresh_copy", "alias",
               "_local_scalar_dense", "is_same_size", "_has_compatible_shallow_copy_type", "set_", "new_empty",
               "new_empty_strided", "_unsafe_view", "promote_types", "result_type"}
-_TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed"}
+_TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed",
+                    "gelu_linear": "GEMM"}
 
 
 @dataclass

@@ -123,13 +123,15 @@ def _bias(Bias, part, bh, num_heads, head_dim, offs_d, d_ok):
 
 
 @triton.jit
-def _add_bias(x, b, row_ok, d_ok, TRANS: tl.constexpr):
-    """x + b in fp32, back in x's dtype for the dots; still exactly zero outside N and D (as _load)."""
-    if TRANS:
-        y = x.to(tl.float32) + b[:, None]
-    else:
-        y = x.to(tl.float32) + b[None, :]
-    return tl.where(_tile_mask(row_ok, d_ok, TRANS), y, 0.0).to(x.dtype)
+def _add_bias(x, b):
+    """A program's own (rows x D) tile plus its bias, added in fp32 and cast back for the dots."""
+    return (x.to(tl.float32) + b[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _dot_bias(x, b):
+    """Row-wise x . b in fp32: (rows x D) tile, (D,) bias -> (rows,)."""
+    return tl.sum(x.to(tl.float32) * b[None, :], 1)
 
 
 @triton.jit
@@ -146,7 +148,7 @@ def _store_column_sums(P, x, row_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_
 def _attention_fwd_kernel(
     Out, Lse,  # outputs: (B, H, N, D) through strides; lse (B * H, N) fp32, natural log
     Q, K, V,  # inputs: (B, H, N, D) through strides (views of the packed qkv)
-    Bias,  # (3 * H * D,) qkv-Linear bias added to q, k, v in fp32 (None without HAS_BIAS)
+    Bias,  # (3 * H * D,) qkv-Linear bias (None without HAS_BIAS)
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -159,7 +161,7 @@ def _attention_fwd_kernel(
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16)
     DROPOUT: tl.constexpr,  # False skips the Philox draw entirely
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
-    HAS_BIAS: tl.constexpr,  # q, k, v = loaded + bias (fp32 add), else the loads as they are
+    HAS_BIAS: tl.constexpr,  # q, k, v of the math are the loads + Bias (see the module docstring)
 ):
     bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -167,10 +169,12 @@ def _attention_fwd_kernel(
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    if HAS_BIAS:
-        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), row_ok, d_ok, False)
-        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
-        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
+    if HAS_BIAS:  # k and v tiles stream from memory into the dots untouched; their biases act per row:
+        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
+        # b_k shifts score row i by q_i . b_k: P is unchanged, lse moves with it (added at the end)
+        score_shift = _dot_bias(q, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)) * scale
+        if DROPOUT:
+            kept = tl.zeros([BLOCK_M], tl.float32)  # kept probability mass of each row
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
@@ -182,8 +186,6 @@ def _attention_fwd_kernel(
         cols = start_n + offs_n
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
-        if HAS_BIAS:
-            kT = _add_bias(kT, bias_k, col_ok, d_ok, True)
         s = tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))  # padded keys: exactly zero probability
         # The first tile always holds key 0, so m_new is finite from the first step on.
@@ -194,18 +196,26 @@ def _attention_fwd_kernel(
         if DROPOUT:
             offsets = (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
             p = tl.where(dropout_keep_mask(seed, offsets, dropout_p), p, 0.0)
+            if HAS_BIAS:
+                kept = kept * alpha + tl.sum(p, 1)
         v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-        if HAS_BIAS:
-            v = _add_bias(v, bias_v, col_ok, d_ok, False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
     if DROPOUT:
         acc = acc * inv_keep
     acc = acc / l_i[:, None]
+    if HAS_BIAS:  # out_i += (kept mass of row i, 1 without dropout) * b_v. Bias loads here, not live in the loop
+        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
+        if DROPOUT:
+            acc += (kept * inv_keep / l_i)[:, None] * bias_v[None, :]
+        else:
+            acc += bias_v[None, :]
     tl.store(_head(Out, bh, num_heads, stride_ob, stride_oh) + _tile(rows, offs_d, stride_on, stride_od, False),
              acc.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural log
+    if HAS_BIAS:
+        lse += score_shift
     tl.store(Lse + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
 
 
@@ -257,10 +267,11 @@ def _attention_dkdv_kernel(
     d_ok = offs_d < head_dim
     k = _load(_head(K, bh, num_heads, stride_kb, stride_kh), cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
     v = _load(_head(V, bh, num_heads, stride_vb, stride_vh), cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-    if HAS_BIAS:
-        k = _add_bias(k, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok), col_ok, d_ok, False)
-        v = _add_bias(v, _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok), col_ok, d_ok, False)
-        bias_q = _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok)
+    if HAS_BIAS:  # q tiles stream untouched: b_q shifts score column j by k_j . b_q, and dk by rowsum(ds) b_q
+        k = _add_bias(k, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok))
+        v = _add_bias(v, _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok))
+        score_shift = _dot_bias(k, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
+        ds_sum = tl.zeros([BLOCK_N], tl.float32)
     q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
     do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
     row_base = bh.to(tl.int64) * seq_len
@@ -272,13 +283,14 @@ def _attention_dkdv_kernel(
         rows = start_m + offs_m
         row_ok = rows < seq_len
         qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
-        if HAS_BIAS:
-            qT = _add_bias(qT, bias_q, row_ok, d_ok, True)
         do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
         # Padded q rows get lse = +inf, hence probability exactly 0.
         lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
-        pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
+        sT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            sT += score_shift[:, None]
+        pT = tl.exp2(sT * qk_scale - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
         if DROPOUT:
             keep = dropout_keep_mask(seed, (row_base + rows[None, :]) * seq_len + cols[:, None], dropout_p)
@@ -288,13 +300,17 @@ def _attention_dkdv_kernel(
             dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            ds_sum += tl.sum(dsT, 1)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
+    if HAS_BIAS:
+        dk += ds_sum[:, None] * _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok)[None, :]
     dk = dk * scale
     tl.store(_head(DK, bh, num_heads, stride_db, stride_dh) + offsets, dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(_head(DV, bh, num_heads, stride_db, stride_dh) + offsets, dv.to(DV.dtype.element_ty), mask=mask)
-    if HAS_BIAS:  # padded k/v rows hold nonzero junk (p of a zero key), hence the row mask
+    if HAS_BIAS:  # padded k/v rows hold junk (p of a zero key), hence the row mask
         _store_column_sums(PK, dk, col_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_N)
         _store_column_sums(PV, dv, col_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_N)
 
@@ -326,10 +342,6 @@ def _attention_dq_kernel(
     d_ok = offs_d < head_dim
     row_base = bh.to(tl.int64) * seq_len
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    if HAS_BIAS:
-        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), row_ok, d_ok, False)
-        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
-        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
     do = _load(_head(DO, bh, num_heads, stride_gb, stride_gh), rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
     lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
@@ -337,26 +349,35 @@ def _attention_dq_kernel(
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
     qk_scale = scale * 1.4426950408889634
+    if HAS_BIAS:  # k/v tiles stream untouched: b_k shifts score row i by q_i . b_k (folded into lse),
+        # b_v shifts dp row i by dO_i . b_v, and dq gains rowsum(ds) b_k
+        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
+        lse2 -= _dot_bias(q, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)) * qk_scale
+        dp_shift = _dot_bias(do, _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok))
+        ds_sum = tl.zeros([BLOCK_M], tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
         vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
-        if HAS_BIAS:
-            kT = _add_bias(kT, bias_k, col_ok, d_ok, True)
-            vT = _add_bias(vT, bias_v, col_ok, d_ok, True)
         # Padded keys (k loaded as 0) must get p = 0: exp(0 - lse) overflows when every real score of
         # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
         p = tl.where(col_ok[None, :], p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            dp += dp_shift[:, None]
         if DROPOUT:
             offsets = (row_base + rows[:, None]) * seq_len + cols[None, :]
             dp = tl.where(dropout_keep_mask(seed, offsets, dropout_p), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            ds_sum += tl.sum(ds, 1)
 
+    if HAS_BIAS:
+        dq += ds_sum[:, None] * _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)[None, :]
     dq = dq * scale
     tl.store(_head(DQ, bh, num_heads, stride_db, stride_dh) + _tile(rows, offs_d, stride_dn, stride_dd, False),
              dq.to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
@@ -384,18 +405,16 @@ def _attention_probs_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    if HAS_BIAS:
-        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), r_ok, d_ok, False)
-        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
     lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * 1.4426950408889634
+    if HAS_BIAS:  # as in the dQ kernel: b_k's row shift q_i . b_k folded into lse
+        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
+        lse2 -= _dot_bias(q, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)) * (scale * 1.4426950408889634)
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
-        if HAS_BIAS:
-            kT = _add_bias(kT, bias_k, col_ok, d_ok, True)
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * (scale * 1.4426950408889634) - lse2[:, None])
         tl.store(p_rows + cols[None, :], p, mask=r_ok[:, None] & col_ok[None, :])
 
@@ -683,6 +702,7 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, qkv, qkv_bias, num_heads, scale, dropout_p, seed):
         out, lse = attention_fwd(qkv, qkv_bias, num_heads, scale, dropout_p, seed)
         ctx.save_for_backward(qkv, qkv_bias, out, lse, seed)
+        ctx.set_materialize_grads(False)  # no zero-filled grad for the non-differentiable lse
         ctx.args = (num_heads, scale, dropout_p)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -699,6 +719,7 @@ class AttentionQKVFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, dropout_p, seed):
         out, lse = attention_qkv_fwd(q, k, v, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse, seed)
+        ctx.set_materialize_grads(False)  # no zero-filled grad for the non-differentiable lse
         ctx.args = (scale, dropout_p)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -813,21 +834,32 @@ def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]
     return values
 
 
-def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot):
+_BIAS_ARGS = ("Bias", "PQ", "PK", "PV")  # the qkv bias and its gradient partials: None without HAS_BIAS
+
+
+def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_dtype=None):
     """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
-    (lse/delta/probs fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1 and
-    multiples of 16 are listed in divisible_by_16, both as Triton specialises a real launch."""
+    (lse/delta/probs/partials fp32, Rows i64, the qkv bias in ``bias_dtype``), ints i32, floats fp32;
+    unit strides become constexpr 1 and multiples of 16 are listed in divisible_by_16, both as Triton
+    specialises a real launch. Without ``bias_dtype`` the bias arguments are constexpr None."""
     constexprs = dict(constexprs, **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
+    if "HAS_BIAS" in fn.arg_names:
+        constexprs["HAS_BIAS"] = bias_dtype is not None
+        if bias_dtype is None:
+            constexprs.update({a: None for a in _BIAS_ARGS if a in fn.arg_names})
+    width = values["num_heads"] * values["head_dim"]
     elem = torch.empty((), dtype=dtype).element_size()
-    head_offset_aligned = values["num_heads"] * values["head_dim"] * elem % 16 == 0  # k, v inside qkv
+    aligned = {a: width * elem % 16 == 0 for a in ("K", "V", "DK", "DV")}  # k, v inside qkv / dqkv
+    aligned.update(PK=width * 4 % 16 == 0, PV=width * 4 % 16 == 0)  # slabs 1, 2 of the (3, G, H * D) partials
+    pointer_types = dict(Lse="*fp32", Delta="*fp32", P="*fp32", Rows="*i64", PQ="*fp32", PK="*fp32", PV="*fp32",
+                         Bias="*" + TRITON_DTYPE_NAMES[bias_dtype or dtype])
     signature, divisible = {}, []
     for arg in fn.arg_names:
         if arg in constexprs:
             signature[arg] = "constexpr"
         elif arg[0].isupper():  # a pointer
-            signature[arg] = {"Lse": "*fp32", "Delta": "*fp32", "P": "*fp32", "Rows": "*i64"}.get(
-                arg, "*" + TRITON_DTYPE_NAMES[dtype])
-            if arg not in ("K", "V", "DK", "DV") or head_offset_aligned:
+            signature[arg] = pointer_types.get(arg, "*" + TRITON_DTYPE_NAMES[dtype])
+            if aligned.get(arg, True):
                 divisible.append(arg)
         elif arg in _FLOAT_ARGS:
             signature[arg] = "fp32"
@@ -840,10 +872,13 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot):
                    divisible_by_16=tuple(divisible))
 
 
-def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int, **_) -> list[AotSpec]:
+def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int,
+              param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch the config table makes for one ViT attention layer: training with and without
-    attention dropout, the attention-map kernel, and for fp32 both dot precisions (IEEE, the default,
-    runs on FMA units, so only tf32 entries are expected to use tensor cores)."""
+    attention dropout, without and with the qkv bias (in ``param_dtype``: fp32 under autocast), the
+    attention-map kernel, and for fp32 both dot precisions (IEEE, the default, runs on FMA units, so
+    only tf32 entries are expected to use tensor cores). The d(qkv_bias) reduction is bias_gelu's
+    ``sum_partials`` at width 3 * C (the same BLOCK_N=256 build its own specs list for C)."""
     D = width // num_heads
     block_d, values = _block_d(D), _launch_values(tokens, num_heads, D)
     delta = attention_config(tokens, D, dtype, arch, "ieee").delta
@@ -852,18 +887,20 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
         cfg = attention_config(tokens, D, dtype, arch, precision)
         tensor_cores = dtype != torch.float32 or precision == "tf32"
-        for dropout in (False, True):
-            for name, fn, tile in (("attention_fwd", _attention_fwd_kernel, cfg.fwd),
-                                   ("attention_dkdv", _attention_dkdv_kernel, cfg.dkdv),
-                                   ("attention_dq", _attention_dq_kernel, cfg.dq)):
-                constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, DROPOUT=dropout,
-                                  INPUT_PRECISION=precision)
-                specs.append(_aot_spec(name, fn, dtype, constexprs, tile, f"N={tokens} D={D} dropout={dropout}",
-                                       values, has_dot=tensor_cores))
-        specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
-                               dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
-                                    INPUT_PRECISION=precision), cfg.dq, f"N={tokens} D={D} attention maps",
-                               values, has_dot=tensor_cores))
+        for bias_dtype in (None, param_dtype):
+            for dropout in (False, True):
+                for name, fn, tile in (("attention_fwd", _attention_fwd_kernel, cfg.fwd),
+                                       ("attention_dkdv", _attention_dkdv_kernel, cfg.dkdv),
+                                       ("attention_dq", _attention_dq_kernel, cfg.dq)):
+                    constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, DROPOUT=dropout,
+                                      INPUT_PRECISION=precision)
+                    note = f"N={tokens} D={D} dropout={dropout} qkv_bias={bias_dtype is not None}"
+                    specs.append(_aot_spec(name, fn, dtype, constexprs, tile, note, values, tensor_cores, bias_dtype))
+            specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
+                                   dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+                                        INPUT_PRECISION=precision), cfg.dq,
+                                   f"N={tokens} D={D} attention maps qkv_bias={bias_dtype is not None}",
+                                   values, tensor_cores, bias_dtype))
     return specs
 
 

@@ -34,6 +34,11 @@ def make_qkv(B, N, H, D, dtype, seed=0):
     return torch.randn(B, N, 3 * H * D, generator=g).to(device=DEVICE, dtype=dtype)
 
 
+def make_bias(H, D, dtype=torch.float32, seed=5):
+    """A qkv-Linear bias large enough to matter (q, k and v shift by ~half their spread)."""
+    return (0.5 * torch.randn(3 * H * D, generator=torch.Generator().manual_seed(seed))).to(DEVICE, dtype)
+
+
 def run(fn, inputs, grad):
     """fn(*inputs) forward + backward with grad; returns (out, [input grads]). Inputs keep their strides."""
     inputs = [x.detach().requires_grad_() for x in inputs]
@@ -311,7 +316,9 @@ def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
     from tests.test_bias_gelu import check_compiled_dropout
 
     qkv = make_qkv(1, 20, 2, 32, torch.float32).requires_grad_()
-    check_compiled_dropout(lambda x: A.attention(x, 2, dropout_p=0.2, training=True), [qkv], monkeypatch)
+    bias = make_bias(2, 32).requires_grad_()  # with the qkv bias: the (dqkv, dbias) op traces too
+    check_compiled_dropout(lambda x, b: A.attention(x, 2, dropout_p=0.2, training=True, qkv_bias=b), [qkv, bias],
+                           monkeypatch)
 
 
 @pytest.mark.parametrize("make, match", [
@@ -366,3 +373,176 @@ def test_padded_keys_stay_zero_when_every_score_is_very_negative(dtype):
         # input dtype times |k| = level, summed over 17 keys.
         atol = 1e-3 if dtype == torch.float32 else 1e-2  # fp32: scores of -1600 carry ~2e-4 absolute rounding
         assert (got.double() - ref).abs().max() <= atol, f"d{name}"
+
+
+# ---------------------------------------------------------------------------------------------- #
+# The qkv Linear's bias inside the kernels (qkv = x @ W^T without bias)
+# ---------------------------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dtype, B, N, H, D", [
+    (torch.float32, 2, 37, 3, 64),  # fp32 tables: dQ has fewer tiles than dK/dV (zeroed partial rows)
+    (torch.float32, 2, 37, 2, 80),  # wide fp32: dK/dV has fewer tiles than dQ
+    (torch.bfloat16, 2, 37, 3, 64),  # autocast: bf16 qkv from the GEMM, fp32 bias parameter
+    (torch.bfloat16, 2, 71, 2, 80),  # two 64-row tiles, masked last one
+], ids=dtype_id)
+def test_qkv_bias_forward_and_gradients(dtype, B, N, H, D):
+    """out, d(qkv) and d(qkv_bias) against the float64 reference (and 2x eager); the bias stays fp32
+    and its gradient comes back fp32."""
+    qkv, bias = make_qkv(B, N, H, D, dtype), make_bias(H, D)
+    fn = lambda x, b: A.attention(x, H, qkv_bias=b)  # noqa: E731
+    out, (dqkv, dbias) = check_2x_eager(fn, lambda x, b: A.attention_ref(x, H, qkv_bias=b), [qkv, bias],
+                                        ["dqkv", "dbias"])
+    assert dbias.dtype == torch.float32 and dqkv.dtype == dtype
+    # the bias is not a no-op, and d(bias) is the token/batch sum of d(qkv)
+    assert errors(out, A.attention_ref(qkv.double(), H))[0] > 10 * bound(dtype, "dot")
+    assert_close(dbias, dqkv.double().sum((0, 1)), rtol=bound(dtype, "dot"), name="dbias vs sum of dqkv")
+
+
+def test_qkv_bias_strided_and_fp16():
+    """A strided bias view (copied once, gradient flows back through the view) with fp16 qkv and bias."""
+    H, D = 2, 48
+    qkv = make_qkv(1, 29, H, D, torch.float16)
+    base = make_bias(H, 2 * D, torch.float16)  # 2x as long; every other element is the bias
+    check_2x_eager(lambda x, b: A.attention(x, H, qkv_bias=b[::2]), lambda x, b: A.attention_ref(x, H, qkv_bias=b[::2]),
+                   [qkv, base], ["dqkv", "dbias_base"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_qkv_bias_with_dropout(monkeypatch, dtype):
+    """With dropout v's bias adds only the kept probability mass: the kernels (mask regenerated in
+    forward, dK/dV and dQ) equal the reference handed the same mask."""
+    B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
+    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
+    check_2x_eager(lambda x, b: A.attention(x, H, dropout_p=p, training=True, qkv_bias=b),
+                   lambda x, b: A.attention_ref(x, H, dropout_p=p, training=True, qkv_bias=b, dropout_mask=keep),
+                   [make_qkv(B, N, H, D, dtype), make_bias(H, D)], ["dqkv", "dbias"])
+
+
+def test_qkv_bias_sum_backward_and_determinism():
+    """.sum() (stride-0 grad) backward; two runs bitwise equal in d(qkv) and d(qkv_bias)."""
+    B, N, H, D = 2, 41, 2, 64
+    qkv, bias = make_qkv(B, N, H, D, torch.bfloat16), make_bias(H, D)
+    grads = []
+    for _ in range(2):
+        x, b = qkv.clone().requires_grad_(), bias.clone().requires_grad_()
+        A.attention(x, H, qkv_bias=b).sum().backward()
+        grads.append((x.grad, b.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), "not deterministic"
+    x, b = qkv.double().requires_grad_(), bias.double().requires_grad_()
+    A.attention_ref(x, H, qkv_bias=b).sum().backward()
+    assert_close(grads[0][0], x.grad, rtol=bound(torch.bfloat16, "dot"), name="dqkv from .sum()")
+    assert_close(grads[0][1], b.grad, rtol=bound(torch.bfloat16, "dot"), name="dbias from .sum()")
+
+
+def test_qkv_bias_matches_timm_attention():
+    """The lead's wiring: F.linear(x, qkv.weight) -> attention(..., qkv_bias=qkv.bias) -> proj equals
+    timm's Attention (qkv_bias=True) in output and every gradient, the qkv bias's included."""
+    from timm.models.vision_transformer import Attention
+
+    torch.manual_seed(0)
+    module = Attention(dim=96, num_heads=3, qkv_bias=True).to(DEVICE)
+    module.fused_attn = False
+    torch.nn.init.normal_(module.qkv.bias, std=0.5)
+    x = torch.randn(2, 23, 96, device=DEVICE, requires_grad=True)
+    expected = module(x)
+    expected.square().sum().backward()
+    ref_grads = [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+    x.grad = None
+    module.zero_grad()
+    out = module.proj(A.attention(F.linear(x, module.qkv.weight), 3, qkv_bias=module.qkv.bias))
+    out.square().sum().backward()
+    assert_close(out, expected, rtol=bound(torch.float32, "dot"), name="vs timm Attention")
+    names = ["x"] + [n for n, _ in module.named_parameters()]
+    for name, got, ref in zip(names, [x.grad] + [p.grad for p in module.parameters()], ref_grads):
+        assert_close(got, ref, rtol=bound(torch.float32, "dot"), name=f"d{name} vs timm")
+
+
+def test_qkv_bias_attention_probs():
+    """attention_probs with the same (qkv, qkv_bias) as the forward equals the map of the biased qkv."""
+    B, N, H, D = 2, 29, 2, 80
+    qkv, bias = make_qkv(B, N, H, D, torch.float32), make_bias(H, D)
+    out, lse = A.attention_with_lse(qkv, H, qkv_bias=bias)
+    q, k, _ = (qkv + bias).double().reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
+    scores = (q @ k.transpose(-2, -1)) * D**-0.5
+    assert_close(lse, torch.logsumexp(scores, -1), rtol=bound(torch.float32, "dot"), name="lse with bias")
+    probs = A.attention_probs(qkv, lse, H, rows=[0, 28], qkv_bias=bias)
+    assert_close(probs, scores.softmax(-1)[:, :, [0, 28]], rtol=bound(torch.float32, "dot"), name="probs with bias")
+    assert_close(A.attention_probs(qkv + bias, lse, H, rows=[0, 28]), probs, rtol=1e-5, name="biased qkv, no bias")
+
+
+class _Launches:
+    """Counts Triton launches (by kernel name) of the attention kernels and of sum_partials, and the
+    aten ops that run meanwhile."""
+
+    def __init__(self, monkeypatch):
+        import vit_fast.kernels.bias_gelu as G
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.kernels, self.aten = [], []
+        log = self
+
+        class Counted:
+            def __init__(self, name, fn):
+                self.name, self.fn = name, fn
+
+            def __getitem__(self, grid):
+                log.kernels.append(self.name)
+                return self.fn[grid]
+
+        for module, name in [(A, "_attention_fwd_kernel"), (A, "_attention_delta_kernel"), (A, "_attention_dkdv_kernel"),
+                             (A, "_attention_dq_kernel"), (G, "_sum_partials_kernel")]:
+            monkeypatch.setattr(module, name, Counted(name.strip("_").replace("_kernel", ""), getattr(module, name)))
+
+        class Aten(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                log.aten.append(func.__name__.split(".")[0])
+                if func.namespace == "vit_fast":  # run the custom op's body under the mode: see its aten ops
+                    from torch._library.custom_ops import _maybe_get_opdef
+
+                    with self:
+                        return _maybe_get_opdef(func._name)._init_fn(*args, **(kwargs or {}))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Aten
+
+    def run(self, fn):
+        self.kernels, self.aten = [], []
+        with self.mode():
+            fn()
+        return self.kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_qkv_bias_launches(monkeypatch, dtype):
+    """Forward 1 launch; backward delta, dK/dV, dQ + one sum_partials, and no aten sum over d(qkv)
+    (fp32 tables, whose dQ and dK/dV tile counts differ, add one fill of the unowned partial rows).
+    Without a bias: exactly today's 1 + 3 launches."""
+    B, N, H, D = 1, 37, 2, 64
+    launches = _Launches(monkeypatch)
+    for bias in (None, make_bias(H, D).requires_grad_()):
+        x = make_qkv(B, N, H, D, dtype).requires_grad_()
+        out = []
+        assert launches.run(lambda: out.append(A.attention(x, H, qkv_bias=bias))) == ["attention_fwd"]
+        assert not {"add", "sum", "addmm"} & set(launches.aten), launches.aten
+        backward = launches.run(lambda: out[0].backward(torch.ones_like(out[0])))
+        reduction = [] if bias is None else ["sum_partials"]
+        assert backward == ["attention_delta", "attention_dkdv", "attention_dq"] + reduction
+        assert "sum" not in launches.aten, "d(qkv_bias) must not be a separate sum over d(qkv)"
+        # (fill_ is the test's NaN poisoning of every allocation, ones_like the test's grad)
+        fills = [op for op in launches.aten if op in ("zero_", "zeros", "zeros_like", "new_zeros")]
+        assert len(fills) == (1 if bias is not None and dtype == torch.float32 else 0), launches.aten
+
+
+def test_qkv_bias_bad_input_raises_before_launch():
+    qkv = make_qkv(1, 4, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"qkv_bias of shape \(192,\)"):
+        A.attention(qkv, 2, qkv_bias=torch.zeros(64, device=DEVICE))
+    with pytest.raises(ValueError, match="qkv_bias of shape"):
+        A.attention(qkv, 2, qkv_bias=torch.zeros(1, 192, device=DEVICE))
+    for dtype in (torch.int32, torch.float64):
+        with pytest.raises(ValueError, match="qkv_bias with dtype in"):
+            A.attention(qkv, 2, qkv_bias=torch.zeros(192, dtype=dtype, device=DEVICE))
+    with pytest.raises(ValueError, match="qkv_bias on qkv's device"):
+        A.attention(qkv, 2, qkv_bias=torch.zeros(192, device="meta"))
+    with pytest.raises(ValueError, match="qkv_bias of shape"):
+        A.attention_probs(qkv, A.attention_with_lse(qkv, 2)[1], 2, qkv_bias=torch.zeros(96, device=DEVICE))

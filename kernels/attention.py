@@ -7,6 +7,25 @@ Backward (FlashAttention-2; delta_i = sum_d dO_id * out_id, a pre-pass):
     dV = (P * Z / (1 - p))^T dO,   dP = (dO v^T) * Z / (1 - p),   dS = P * (dP - delta),
     dQ = s * dS k,   dK = s * dS^T q,   with P recomputed as exp(S - lse) from the saved lse.
 
+qkv bias. ``attention(qkv, H, qkv_bias=b)`` takes qkv = x @ W^T *without* the Linear's bias and
+b (3 * H * D,) = [b_q | b_k | b_v], so the math above runs on q + b_q, k + b_k, v + b_v, and the
+backward returns d(qkv) (= dq, dk, dv of the biased q, k, v) and d(b) = sum over batch and tokens of
+d(qkv): the eager addmm backward's separate sum over the (B, N, 3C) gradient (a full extra read of
+it per block) is gone. Each kernel adds the bias of the tile it owns in fp32 (q in the forward and
+dQ, k and v in dK/dV; cast back to the input dtype for the dots). The tiles it streams go from
+memory into the dots untouched (an elementwise add there spilled registers); their biases enter
+through per-row terms (x . b of a resident row is a small 16-column dot, see ``_dot_bias``):
+    forward  b_k shifts row i of S by s q_i . b_k: P is unchanged, lse_i gains it;
+             b_v adds (sum_j P_ij Z_ij / (1 - p)) b_v to out_i (= b_v without dropout)
+    dQ       lse shifted by s q_i . b_k, dP_ij += dO_i . b_v (into delta without dropout); dq's
+             b_k term s (sum_j dS_ij) b_k is exactly 0 (rows of dS sum to 0)
+    dK/dV    S^T_ji += k_j . b_q, dk_j += s (sum_i dS_ij) b_q
+(so q + b_q and k + b_k are rounded to the input dtype only where owned: within the input dtype's
+rounding of the eager biased GEMM output.) The dK/dV and dQ programs also write fp32 column sums
+of their final dk, dv, dq tiles (valid rows only) into row b * tiles + tile of a (3, G, C) buffer;
+``sum_partials`` (kernels/bias_gelu.py) adds the G rows in a fixed order and writes d(b) in the
+bias's dtype (fp32 under autocast). ``attention_probs`` takes the same qkv_bias argument.
+
 Layout. ``attention(qkv, H)`` takes the qkv Linear's output (B, N, 3 * H * D) as it leaves the GEMM
 and reads q, k, v through the strides of its (B, N, 3, H, D) view: no permute, chunk or copy. The
 output is written directly as (B, N, H * D), ready for the proj GEMM, and the gradient is one
@@ -21,7 +40,9 @@ Kernels (grid: batch * heads folded onto axis 0 with the tile index, so B * H ma
     _attention_dq_kernel     owns a q tile, loops over k/v tiles: dQ
     _attention_probs_kernel  attention maps: exp(S - lse) for chosen query rows, outside training
 No atomics and no program reads what another writes in the same launch: gradients are bitwise
-reproducible. Launches: 1 forward, 3 backward.
+reproducible. Launches: 1 forward, 3 backward; with a qkv bias (constexpr HAS_BIAS, the same kernels)
+1 forward, 3 + 1 backward (``sum_partials``), plus one small memset of the partial rows the smaller
+grid does not own where the dQ and dK/dV tile counts differ (only some fp32 tables).
 
 Dtypes: fp16 and bf16 dots run on tensor cores with fp32 accumulation; softmax, lse and all
 elementwise math are fp32; P is cast to the input dtype for the P v dot (as FlashAttention does).
@@ -44,6 +65,10 @@ head hit L2 at ViT sizes):
               dK/dV: read q, k, v, dO (4C e) + lse, delta (8H), write dk, dv (2C e)
               dQ:    read q, k, v, dO (4C e) + lse, delta (8H), write dq (C e) = 13C e + 20H (3 launches)
 ViT-B/16 in bf16 (C = 768, H = 12): 6.2 KB per token forward, 20.2 KB backward.
+With a qkv bias: the forward reads 3D bias values per program (O(C * programs / N) per token, a few
+bytes); the backward writes and sum_partials reads the fp32 partials, 2 * 12C * T / N bytes per token
+(T = dQ tiles per sequence; ViT-B bf16: T = 4, 0.37 KB) and writes 3C bias-grad values once, where
+the eager addmm backward read all of d(qkv) again (3C e = 4.6 KB per token).
 """
 from __future__ import annotations
 
@@ -129,9 +154,20 @@ def _add_bias(x, b):
 
 
 @triton.jit
-def _dot_bias(x, b):
-    """Row-wise x . b in fp32: (rows x D) tile, (D,) bias -> (rows,)."""
-    return tl.sum(x.to(tl.float32) * b[None, :], 1)
+def _dot_bias(x, b, INPUT_PRECISION: tl.constexpr, AS_DOT: tl.constexpr):
+    """Row-wise x . b -> (rows,) fp32, for a resident dot operand x (rows x D) and an fp32 bias b (D,).
+
+    AS_DOT (16-bit x only): a small dot, x @ [hi | lo | 0...] with b = hi + lo split into x's dtype
+    (about 16 more bits of b than x's dtype alone), so x keeps only the dot-operand use it has in
+    the main loop. Which form compiles without spills differs per kernel (sm_80/sm_90 AOT builds):
+    the forward and attention-map kernels use the dot, dK/dV and dQ the fp32 row reduction."""
+    if not AS_DOT or x.dtype == tl.float32:
+        return tl.sum(x.to(tl.float32) * b[None, :], 1)
+    hi = b.to(x.dtype)
+    lo = (b - hi.to(tl.float32)).to(x.dtype)
+    col = tl.arange(0, 16)[None, :]
+    split = tl.where(col == 0, hi.to(tl.float32)[:, None], tl.where(col == 1, lo.to(tl.float32)[:, None], 0.0))
+    return tl.sum(tl.dot(x, split.to(x.dtype), input_precision=INPUT_PRECISION), 1)
 
 
 @triton.jit
@@ -172,7 +208,8 @@ def _attention_fwd_kernel(
     if HAS_BIAS:  # k and v tiles stream from memory into the dots untouched; their biases act per row:
         q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
         # b_k shifts score row i by q_i . b_k: P is unchanged, lse moves with it (added at the end)
-        score_shift = _dot_bias(q, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)) * scale
+        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
+        score_shift = _dot_bias(q, bias_k, INPUT_PRECISION, True) * scale
         if DROPOUT:
             kept = tl.zeros([BLOCK_M], tl.float32)  # kept probability mass of each row
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
@@ -270,7 +307,7 @@ def _attention_dkdv_kernel(
     if HAS_BIAS:  # q tiles stream untouched: b_q shifts score column j by k_j . b_q, and dk by rowsum(ds) b_q
         k = _add_bias(k, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok))
         v = _add_bias(v, _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok))
-        score_shift = _dot_bias(k, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
+        score_shift = _dot_bias(k, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), INPUT_PRECISION, False)
         ds_sum = tl.zeros([BLOCK_N], tl.float32)
     q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
     do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
@@ -350,11 +387,15 @@ def _attention_dq_kernel(
 
     qk_scale = scale * 1.4426950408889634
     if HAS_BIAS:  # k/v tiles stream untouched: b_k shifts score row i by q_i . b_k (folded into lse),
-        # b_v shifts dp row i by dO_i . b_v, and dq gains rowsum(ds) b_k
+        # b_v shifts dp row i by dO_i . b_v. (dq's b_k term, s * rowsum(dS) b_k, is exactly 0: rows of
+        # dS sum to sum_j P_ij dP_ij - delta_i = 0, with or without dropout.)
         q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
-        lse2 -= _dot_bias(q, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)) * qk_scale
-        dp_shift = _dot_bias(do, _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok))
-        ds_sum = tl.zeros([BLOCK_M], tl.float32)
+        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
+        lse2 -= _dot_bias(q, bias_k, INPUT_PRECISION, False) * qk_scale
+        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
+        dp_shift = _dot_bias(do, bias_v, INPUT_PRECISION, False)
+        if not DROPOUT:  # a per-row shift of dp: fold it into delta
+            delta -= dp_shift
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
@@ -366,18 +407,14 @@ def _attention_dq_kernel(
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
         p = tl.where(col_ok[None, :], p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
-        if HAS_BIAS:
+        if HAS_BIAS and DROPOUT:
             dp += dp_shift[:, None]
         if DROPOUT:
             offsets = (row_base + rows[:, None]) * seq_len + cols[None, :]
             dp = tl.where(dropout_keep_mask(seed, offsets, dropout_p), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
-        if HAS_BIAS:
-            ds_sum += tl.sum(ds, 1)
 
-    if HAS_BIAS:
-        dq += ds_sum[:, None] * _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)[None, :]
     dq = dq * scale
     tl.store(_head(DQ, bh, num_heads, stride_db, stride_dh) + _tile(rows, offs_d, stride_dn, stride_dd, False),
              dq.to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
@@ -408,7 +445,8 @@ def _attention_probs_kernel(
     lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * 1.4426950408889634
     if HAS_BIAS:  # as in the dQ kernel: b_k's row shift q_i . b_k folded into lse
         q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
-        lse2 -= _dot_bias(q, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)) * (scale * 1.4426950408889634)
+        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
+        lse2 -= _dot_bias(q, bias_k, INPUT_PRECISION, True) * (scale * 1.4426950408889634)
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
@@ -460,10 +498,11 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     stages = 3 if arch >= 90 else 2
     warps = 8 if wide else 4
     if dtype == torch.float32 and (input_precision or _input_precision(dtype)) == "ieee":
-        fwd, dkdv = Tile(32, 32, warps, stages), Tile(16, 32, 8, stages) if wide else Tile(32, 16, 4, stages)
+        # 8 warps also for D <= 64: at 4 the qkv-bias + dropout builds spill (sm_80, 8-16 B)
+        fwd, dkdv = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages) if wide else Tile(32, 16, 4, stages)
         dq = Tile(16, 32, 8, stages) if wide else Tile(64, 32, 8, stages)
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
-        fwd, dkdv, dq = Tile(64, 32, warps, stages), Tile(32, 32, warps, stages), Tile(64, 32, 8, stages)
+        fwd, dkdv, dq = Tile(64, 32, warps, stages), Tile(32, 32, 8, stages), Tile(64, 32, 8, stages)
     else:
         fwd, dkdv, dq = Tile(128, 64, 8, stages), Tile(32, 64, warps, stages), Tile(64, 32, 4, stages)
     cap = max(16, next_power_of_2(seq_len))

@@ -278,6 +278,11 @@ def test_config_table_and_aot_specs():
         assert all(s.signature[k] == "constexpr" for k in s.constexprs)
         assert {"stride_qn", "stride_qh"} & set(s.signature) <= set(s.divisible_by_16), s.name
         assert "seq_len" not in s.divisible_by_16  # 197 is no multiple of 16
+    with_bias = [s for s in specs if s.constexprs.get("HAS_BIAS")]  # the autocast case: bf16 qkv, fp32 bias
+    assert {s.name for s in with_bias} == {"attention_fwd", "attention_dkdv", "attention_dq", "attention_probs"}
+    assert all(s.signature["Bias"] == "*fp32" and "Bias" in s.divisible_by_16 for s in with_bias)
+    assert all({"PK", "PV"} <= set(s.divisible_by_16) for s in with_bias if s.name == "attention_dkdv")
+    assert all(s.constexprs.get("Bias", 0) is None for s in specs if s.constexprs.get("HAS_BIAS") is False)
 
 
 def test_tf32_only_when_allowed(monkeypatch):

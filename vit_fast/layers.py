@@ -7,7 +7,8 @@ vit_fast/backend.py) and keeps it in ``self.backend``; the path is chosen per ca
 The fused path (GEMMs stay in torch / cuBLAS, every elementwise and normalisation step is a kernel):
   - PatchEmbed: one ``patch_embed`` launch (conv as an im2col GEMM + bias);
   - LayerNorm: ``layer_norm``; ``LayerNorm.join`` = residual join + this norm in one ``add_layer_norm``;
-  - Attention: qkv GEMM -> ``attention`` straight on the packed (B, N, 3HD) qkv -> proj GEMM;
+  - Attention: qkv GEMM without bias -> ``attention`` straight on the packed (B, N, 3HD) qkv, adding the
+    qkv bias in-kernel -> proj GEMM;
   - Mlp: fc1 GEMM without bias -> ``gelu_linear`` (fc1's bias + GELU fused into the fc2 GEMM's operand
     loads, GELU' into its backward's epilogue: the 4C-wide activation and its gradient are never written);
   - Block.forward_pair(normed, residual, next_norm): proj and fc2 GEMMs run WITHOUT their bias; the bias,
@@ -160,13 +161,17 @@ class Attention(nn.Module):
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return self.q_norm(q), self.k_norm(k), v
 
-    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D).
+    def attend(self, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v from the packed projection (+ qkv_bias when given); returns (B, N, H*D).
 
-        Fused path: the ``attention`` kernel reads q, k, v through strides of the packed qkv and writes
-        (B, N, H*D). With qk_norm the reference ops run (the kernel has no per-head LayerNorm)."""
+        Fused path: the ``attention`` kernel reads q, k, v through strides of the packed qkv, adds the
+        bias in fp32 (and returns its gradient: no reduction over d(qkv)) and writes (B, N, H*D). With
+        qk_norm the reference ops run (the kernel has no per-head LayerNorm)."""
         if not isinstance(self.q_norm, nn.LayerNorm) and resolve_backend(self.backend, qkv) == "triton":
-            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
+            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training,
+                                               qkv_bias=qkv_bias)
+        if qkv_bias is not None:
+            qkv = qkv + qkv_bias
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
@@ -178,8 +183,9 @@ class Attention(nn.Module):
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
-        """Fused path: attention output through the proj GEMM *without* its bias (the residual join adds it)."""
-        return F.linear(self.attend(self.qkv(x)), self.proj.weight)
+        """Fused path: the qkv GEMM without its bias (the attention kernel adds it), attention, then the
+        proj GEMM *without* its bias (the residual join adds it)."""
+        return F.linear(self.attend(F.linear(x, self.qkv.weight), self.qkv.bias), self.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)

@@ -488,9 +488,11 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
                      input_precision: str | None = None) -> AttentionConfig:
     """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
 
-    Every entry compiles for sm_80 and sm_90 without register spills, with and without dropout
-    (triton.compile + cuobjdump, see aot_specs). fp32 depends on the dot precision (default: the
-    torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller tiles than tf32 ones.
+    Every entry compiles for sm_80 and sm_90 without register spills, with and without dropout and
+    the qkv bias (the table does not know the bias, so each tile is spill-free both ways; checked
+    with triton.compile + cuobjdump over aot_specs, ``vit-fast report``). fp32 depends on the dot
+    precision (default: the torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller
+    tiles than tf32 ones.
     Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
     register use.
     """
@@ -501,10 +503,16 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
         # 8 warps also for D <= 64: at 4 the qkv-bias + dropout builds spill (sm_80, 8-16 B)
         fwd, dkdv = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages) if wide else Tile(32, 16, 4, stages)
         dq = Tile(16, 32, 8, stages) if wide else Tile(64, 32, 8, stages)
+        if wide and arch < 90:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one 120-152 regs
+            fwd = Tile(32, 16, 4, stages)
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
         fwd, dkdv, dq = Tile(64, 32, warps, stages), Tile(32, 32, 8, stages), Tile(64, 32, 8, stages)
+        if wide and arch >= 90:  # 64x32 wgmma at 8 warps: 104-256 B spills with bias; mma, 168-239 regs
+            dq = Tile(32, 32, 4, stages)
     else:
         fwd, dkdv, dq = Tile(128, 64, 8, stages), Tile(32, 64, warps, stages), Tile(64, 32, 4, stages)
+        if wide and arch < 90:  # 128x64: 48-64 B spills with bias; 128x32 with 3 stages: 183-194 regs
+            fwd = Tile(128, 32, 8, 3)
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq), delta=Tile(min(64, cap), 16, 4, 1))

@@ -61,3 +61,12 @@ def test_nan_never_passes(monkeypatch, capsys):
 def test_bad_arguments(capsys):
     assert check.main(["--model", "vit_nope", "--ops", "layer_norm"]) == 2
     assert "vit_nope" in capsys.readouterr().err
+
+
+def test_check_leaves_the_tf32_flags_as_it_found_them(monkeypatch):
+    """check turns TF32 off for its comparison only: a leaked flag changes the fp32 configs that later
+    kernels (and `vit-fast report`) pick."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert check.main([*TINY, "--ops", "layer_norm"]) == 0
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32

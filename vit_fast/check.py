@@ -19,6 +19,7 @@ grid, batch 2 unless given) so the check finishes in about a minute on two cores
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -235,14 +236,29 @@ def main(argv: Sequence[str]) -> int:
         parser.error("--batch must be >= 1")
     _ensure_interpreter(argv)
 
-    import vit_fast
-    from vit_fast.interpreter import install_bf16_shims
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 bounds are for ieee fp32 dots, in eager and kernels
-    torch.backends.cudnn.allow_tf32 = False
+    with ieee_fp32_dots():  # fp32 bounds are for IEEE fp32 dots, in eager and kernels
+        return _run(args, ops, cuda, device, dtype)
+
+
+@contextlib.contextmanager
+def ieee_fp32_dots():
+    """TF32 off for eager and kernels inside, the caller's settings restored after (check.main runs
+    in-process from tests and notebooks: a leaked flag would change later kernels' configs)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _run(args, ops, cuda: bool, device: torch.device, dtype: torch.dtype) -> int:
+    import vit_fast
+    from vit_fast.interpreter import install_bf16_shims
+
     try:
         preset = vit_fast.get_config(args.model)
     except (ValueError, KeyError) as e:

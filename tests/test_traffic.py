@@ -99,27 +99,30 @@ def test_eager_timm_step_is_counted_completely():
 
 @pytest.mark.slow
 def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
-    """vit_tiny, 224 px, bf16 autocast, one training step scaled to batch 256: the fused model against
-    timm eager with SDPA and with fused_attn=False.
+    """vit_tiny, 224 px, bf16 autocast, one training step scaled to batch 256: the fused model (as built,
+    and with residual_in_fp32=False) against timm eager with SDPA and with fused_attn=False.
 
     Counted at batch 2 and 3 (per op: fixed + per_image * batch, so the weight traffic that dominates a
     batch of 2 does not hide the activation traffic) and depth 1 and 2 (extrapolated, exact). The fused
-    path's Triton kernels run in the interpreter, identical launches replayed.
+    paths' Triton kernels run in the interpreter, identical launches replayed.
 
-    The bounds are the measured design level with a small margin (0.56 and 0.73 measured), not the
-    issue's 45% target: the GEMMs alone are ~29% of eager's bytes and identical on both paths, and the
-    fused joins keep timm's fp32 residual stream under autocast (see README, Performance)."""
+    The issue's target, at most 45% of eager's bytes, holds against timm eager with materialised
+    attention (fused_attn=False) for the bf16 residual stream (0.41 measured). The other bounds are the
+    measured levels with a small margin (0.475 / 0.61 / 0.53 measured): against SDPA eager the GEMMs
+    (cuBLAS on both paths) and FlashAttention alone are ~39% of eager's bytes (see README, Performance)."""
     if not traffic.fused_model_available()[0]:
         pytest.skip(traffic.fused_model_available()[1])  # only on a CUDA machine without TRITON_INTERPRET
     eager_sdpa = traffic.measure("timm_eager", TINY, 256)
     eager = traffic.measure("timm_eager_unfused_attn", TINY, 256)
     fused = traffic.measure("vit_fast", TINY, 256)
-    triton_families = {f for (f, _, triton) in fused.groups if triton}
-    assert {"attention", "norm", "elementwise", "embed"} <= triton_families  # every fused kernel family ran
-    f = fused.totals()
-    detail = "\n" + traffic.format_summary([eager_sdpa, eager, fused]) + "\n" + traffic.format_top_ops(fused, 10)
-    for reference, bound in ((eager, 0.60), (eager_sdpa, 0.76)):
-        e = reference.totals()
+    fused_bf16 = traffic.measure("vit_fast_bf16_residual", TINY, 256)
+    for r in (fused, fused_bf16):
+        triton_families = {f for (f, _, triton) in r.groups if triton}
+        assert {"GEMM", "attention", "norm", "elementwise", "embed"} <= triton_families  # every kernel family ran
+    detail = "\n" + traffic.format_summary([eager_sdpa, eager, fused, fused_bf16]) + "\n" + traffic.format_top_ops(fused, 10)
+    bounds = [(fused, eager, 0.49), (fused, eager_sdpa, 0.63), (fused_bf16, eager, 0.45), (fused_bf16, eager_sdpa, 0.55)]
+    for ours, reference, bound in bounds:
+        f, e = ours.totals(), reference.totals()
         ratio = (f["read"] + f["written"]) / (e["read"] + e["written"])
-        assert f["launches"] < e["launches"], f"{reference.path}: launches" + detail
-        assert ratio <= bound, f"fused/{reference.path} bytes = {ratio:.3f} > {bound}" + detail
+        assert f["launches"] < e["launches"], f"{ours.path} vs {reference.path}: launches" + detail
+        assert ratio <= bound, f"{ours.path} / {reference.path} bytes = {ratio:.3f} > {bound}" + detail

@@ -551,3 +551,20 @@ def test_qkv_bias_bad_input_raises_before_launch():
         A.attention(qkv, 2, qkv_bias=torch.zeros(192, device="meta"))
     with pytest.raises(ValueError, match="qkv_bias of shape"):
         A.attention_probs(qkv, A.attention_with_lse(qkv, 2)[1], 2, qkv_bias=torch.zeros(96, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_qkv_bias_lse_shift_keeps_fp32_accuracy(dtype):
+    """The forward's b_k row shift s q'_i . b_k (a 16-bit dot of q' with b_k split hi + lo) is as
+    accurate as fp32: lse equals the kernel's stated math (q' = q + b_q rounded to the input dtype, raw
+    k, fp32 b_k) in float64 to ~1e-6 (bound 5e-6); dropping lo (b_k rounded to the input dtype) errs
+    by 1e-4 (fp16) to 1e-3 (bf16). The other tests pass without lo (mutation-checked).
+    No other test sees this: P is shift-invariant and the dQ kernel recomputes its shift in fp32."""
+    B, N, H, D = 1, 29, 2, 64
+    qkv, bias = make_qkv(B, N, H, D, dtype, seed=3), 4 * make_bias(H, D, seed=6)
+    lse = A.attention_with_lse(qkv, H, qkv_bias=bias)[1]
+    q, k, _ = qkv.double().reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
+    b_q, b_k, _ = bias.double().reshape(3, H, 1, D)
+    q = (q + b_q).to(dtype).double()  # what the kernel rounds: its own tile plus its bias
+    want = torch.logsumexp(q @ k.transpose(-2, -1) * D**-0.5, -1) + (q * b_k).sum(-1) * D**-0.5
+    assert_close(lse, want, rtol=5e-6, name=f"lse with the b_k shift ({dtype})")

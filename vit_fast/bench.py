@@ -1,7 +1,7 @@
 """`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (GUIDE.md 6).
 
-For every preset x batch x dtype, four paths run in one process: timm eager, timm + torch.compile,
-vit_fast (backend='triton'), vit_fast + torch.compile. A step is forward under torch.autocast (fp32
+For every preset x batch x dtype, five paths run in one process: timm eager, timm + torch.compile,
+vit_fast (backend='triton'), vit_fast + torch.compile, vit_fast with residual_in_fp32=False. A step is forward under torch.autocast (fp32
 master weights; no autocast for fp32) + cross-entropy + backward + optimizer step. After warm-up
 (which includes compilation) each step is timed with CUDA events; the report gives the median step
 time and its spread (10th-90th percentile), images/s, MFU (3 x analytic forward FLOPs per image
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile")
+PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_bf16_residual")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense tensor-core peaks (datasheet, SXM) for MFU; fp32 runs as TF32 at half the rate.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -71,7 +71,7 @@ def build(path: str, preset: str) -> torch.nn.Module:
     else:
         import vit_fast
 
-        model = vit_fast.create_model(preset, backend="triton")
+        model = vit_fast.create_model(preset, backend="triton", residual_in_fp32=path != "vit_fast_bf16_residual")
     model = model.cuda().train()
     return torch.compile(model) if path.endswith("compile") else model
 

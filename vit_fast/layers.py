@@ -223,7 +223,8 @@ class Mlp(nn.Module):
         """Fused path, fc2 *without* its bias (the residual join adds it, then drop2): fc1 GEMM without
         bias, then ``gelu_linear`` (fc1 bias + GELU inside the fc2 GEMM). With drop1 active or an MLP
         norm the hidden activation is materialised: ``hidden`` then the fc2 GEMM."""
-        if isinstance(self.norm, nn.Identity) and not (self.drop1.p > 0 and self.training):
+        if (resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
+                and not (self.drop1.p > 0 and self.training)):
             return gelu_linear(F.linear(x, self.fc1.weight), self.fc1.bias, self.fc2.weight, self.act.approximate)
         return F.linear(self.hidden(x), self.fc2.weight)
 

@@ -1,8 +1,9 @@
 """`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (GUIDE.md 6).
 
 For every preset x batch x dtype, five paths run in one process: timm eager, timm + torch.compile,
-vit_fast (backend='triton'), vit_fast + torch.compile, vit_fast with residual_in_fp32=False. A step is forward under torch.autocast (fp32
-master weights; no autocast for fp32) + cross-entropy + backward + optimizer step. After warm-up
+vit_fast (backend='triton'), vit_fast + torch.compile, vit_fast with residual_in_fp32=False. A step is
+forward under torch.autocast (fp32 master weights; no autocast for fp32) + cross-entropy + backward +
+optimizer step. After warm-up
 (which includes compilation) each step is timed with CUDA events; the report gives the median step
 time and its spread (10th-90th percentile), images/s, MFU (3 x analytic forward FLOPs per image
 against the GPU's dense peak) and peak memory. Inputs rotate through several batches larger than L2

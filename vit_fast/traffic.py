@@ -330,9 +330,8 @@ def dw_split_planned_for(rows_factor: float):
 
     The split (and with it an fp32 partial buffer S x N x K and one more launch) is chosen from the
     shape: a small counted batch would not split where the batch counted for does. Counting with the
-    target's split keeps the per-op fit exact: the partials are batch-independent (the fit's fixed part),
-    and splits past the counted rows sum nothing and write zero partials, as the target's would not
-    need to but the bytes are the same."""
+    target's split keeps the per-op fit exact: the partials are batch-independent (the fit's fixed part);
+    splits past the counted rows sum no rows but still write their partial tile, as the target's do."""
     from vit_fast.kernels import gelu_linear
 
     plan = gelu_linear.dw_splits

@@ -28,7 +28,7 @@ accumulators. Other mixes raise ValueError.
 
 Limits: any leading shape (0 rows included), any K, N >= 1 (tiles are masked; ViT widths are multiples
 of 16); offsets of h / dy / dh rows in int64. Launches: forward 1; backward 3 (dh, dbias sum, dW) or 4
-when dW is split (+ its partial sum).
+when dW is split (+ its partial sum); a weight that needs no gradient (frozen) skips the dW launch.
 
 HBM traffic (each distinct address once per launch, as vit_fast.traffic counts it; tile re-reads of
 h, dy and W across programs hit L2). s = bytes of h's dtype, w = bytes of the parameters' dtype;
@@ -274,16 +274,18 @@ def _(h, bias, weight, approximate):
 
 @torch.library.custom_op("vit_fast::gelu_linear_bwd", mutates_args=())
 def gelu_linear_bwd(dy: torch.Tensor, h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
-                    approximate: str, dw_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    approximate: str, dw_split: int, needs_dw: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dy: (M, N), h: (M, K), both h's dtype with contiguous columns. Returns dh (M, K) in h.dtype,
-    dbias (K,) in bias.dtype (empty without bias), dW (N, K) in weight.dtype. ``dw_split`` 0 picks
-    the dW row split from the shape (dw_splits); > 0 asks for that many (tests)."""
+    dbias (K,) in bias.dtype (empty without bias), dW (N, K) in weight.dtype (empty, and its kernel not
+    launched, with needs_dw False: a frozen weight). ``dw_split`` 0 picks the dW row split from the
+    shape (dw_splits); > 0 asks for that many (tests)."""
     m, k = h.shape
     n = weight.shape[0]
     has_bias = bias is not None
     dh = torch.empty((m, k), device=h.device, dtype=h.dtype)
     if m == 0:
-        return dh, (torch.zeros_like(bias) if has_bias else h.new_empty(0)), torch.zeros_like(weight)
+        return dh, (torch.zeros_like(bias) if has_bias else h.new_empty(0)), _no_or_zero_dw(weight, needs_dw)
     precision = input_precision(h.dtype)
     cfg = gelu_linear_config(h.dtype, gpu_arch(h.device), precision)
     common = dict(GROUP_M=GROUP_M, HAS_BIAS=has_bias, APPROX_TANH=approximate == "tanh", INPUT_PRECISION=precision)
@@ -296,6 +298,8 @@ def gelu_linear_bwd(dy: torch.Tensor, h: torch.Tensor, bias: Optional[torch.Tens
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         **common)
     dbias = sum_partials(partial, bias.dtype)[0] if has_bias else h.new_empty(0)
+    if not needs_dw:
+        return dh, dbias, weight.new_empty(0)
 
     t = cfg.dw
     out_tiles = triton.cdiv(n, t.block_m) * triton.cdiv(k, t.block_n)
@@ -315,10 +319,14 @@ def gelu_linear_bwd(dy: torch.Tensor, h: torch.Tensor, bias: Optional[torch.Tens
 
 
 @gelu_linear_bwd.register_fake
-def _(dy, h, bias, weight, approximate, dw_split):
+def _(dy, h, bias, weight, approximate, dw_split, needs_dw=True):
     return (torch.empty_like(h, memory_format=torch.contiguous_format),
             torch.empty_like(bias) if bias is not None else h.new_empty(0),
-            torch.empty_like(weight, memory_format=torch.contiguous_format))
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if needs_dw else weight.new_empty(0))
+
+
+def _no_or_zero_dw(weight: torch.Tensor, needs_dw: bool) -> torch.Tensor:
+    return torch.zeros_like(weight, memory_format=torch.contiguous_format) if needs_dw else weight.new_empty(0)
 
 
 # --------------------------------------------------------------------------- autograd and public API
@@ -334,8 +342,9 @@ class GeluLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         h2, bias, weight = ctx.saved_tensors
         dy2 = as_rows(dy, weight.shape[0]).to(h2.dtype)
-        dh, dbias, dw = gelu_linear_bwd(dy2, h2, bias, weight, ctx.approximate, 0)
-        return dh.view(ctx.shape), (dbias if bias is not None else None), dw, None
+        needs_dw = ctx.needs_input_grad[2]  # a frozen fc2 weight (e.g. LoRA): skip the dW GEMM
+        dh, dbias, dw = gelu_linear_bwd(dy2, h2, bias, weight, ctx.approximate, 0, needs_dw)
+        return dh.view(ctx.shape), (dbias if bias is not None else None), (dw if needs_dw else None), None
 
 
 def check_dtypes(op: str, h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor) -> None:

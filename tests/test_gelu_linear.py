@@ -190,6 +190,23 @@ def test_launches_and_distinct_bytes():
     assert dw_op.bytes_read == dy.nbytes + h.nbytes + bias.nbytes and dw_op.bytes_written == dw.nbytes
 
 
+def test_frozen_weight_skips_the_dw_gemm():
+    """A weight without requires_grad (e.g. a LoRA base weight): no dW launch, the other grads unchanged."""
+    ins = inputs((2, 9), 64, 48, torch.float32)
+    h, bias = ins["h"].requires_grad_(), ins["bias"].requires_grad_()
+    frozen = ins["weight"].detach()
+    with traffic.StepCounter() as c:
+        gelu_linear(h, bias, frozen).sum().backward()
+    names = [o.name for o in c.ops if o.triton]
+    assert "_gelu_linear_dw_kernel" not in names and "_gelu_linear_dh_kernel" in names, names
+    assert frozen.grad is None
+    h2, bias2, w2 = (t.detach().clone().requires_grad_() for t in (h, bias, frozen))
+    gelu_linear(h2, bias2, w2).sum().backward()
+    assert torch.equal(h.grad, h2.grad) and torch.equal(bias.grad, bias2.grad)
+    torch.library.opcheck(gl.gelu_linear_bwd, (torch.randn(18, 48), h.detach().view(18, 64), None, frozen, "none", 0,
+                                               False), test_utils=("test_schema", "test_faketensor"))
+
+
 def test_torch_compile_fullgraph_and_custom_op_schemas():
     torch._dynamo.reset()
     ins = inputs((2, 5), 64, 48, torch.float32)

@@ -166,9 +166,11 @@ def test_pure_bf16_model():
         assert err <= max(2 * err_eager, 2e-3) and err <= bound(torch.bfloat16, "dot"), (name, err, err_eager)
 
 
-@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16_autocast"])
-def test_five_adamw_steps_fused_vs_reference(amp):
-    fused, ref = make_pair(**{**TINY, "depth": 1})  # depth 1: five interpreted steps stay cheap
+@pytest.mark.parametrize("amp,residual_in_fp32", [(False, True), (True, True), (True, False)],
+                         ids=["fp32", "bf16_autocast", "bf16_autocast_bf16_residual"])
+def test_five_adamw_steps_fused_vs_reference(amp, residual_in_fp32):
+    # depth 1: five interpreted steps stay cheap
+    fused, ref = make_pair(**{**TINY, "depth": 1, "residual_in_fp32": residual_in_fp32})
     torch.manual_seed(1)
     batches = [(torch.randn(1, 3, 32, 32), torch.randint(0, 10, (1,)))] * 5  # one batch: the loss must fall
     losses = {}

@@ -88,6 +88,7 @@ from ._utils import (
     check_shape,
     dropout_keep_mask,
     gpu_arch,
+    input_precision as dot_input_precision,
     next_power_of_2,
     next_seed,
     seed_value,
@@ -499,7 +500,7 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     stages = 3 if arch >= 90 else 2
     warps = 8 if wide else 4
-    if dtype == torch.float32 and (input_precision or _input_precision(dtype)) == "ieee":
+    if dtype == torch.float32 and (input_precision or dot_input_precision(dtype)) == "ieee":
         # 8 warps also for D <= 64: at 4 the qkv-bias + dropout builds spill (sm_80, 8-16 B)
         fwd, dkdv = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages) if wide else Tile(32, 16, 4, stages)
         dq = Tile(16, 32, 8, stages) if wide else Tile(64, 32, 8, stages)
@@ -525,12 +526,6 @@ def attention_grid(batch_heads: int, seq_len: int, block: int) -> tuple[int]:
         raise ValueError(f"attention: {programs} programs exceed the CUDA grid limit {MAX_GRID}; "
                          f"split the batch (batch*heads={batch_heads}, seq_len={seq_len})")
     return (programs,)
-
-
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
 
 
 def _block_d(head_dim: int) -> int:
@@ -613,7 +608,7 @@ def _dropout_args(dropout_p: float):
 
 def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int, bias=None) -> None:
     B, H, N, D = q.shape
-    precision = _input_precision(q.dtype)
+    precision = dot_input_precision(q.dtype)
     cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision).fwd
     dropout, inv_keep = _dropout_args(dropout_p)
     _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
@@ -629,7 +624,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     the dK/dV and dQ programs also write fp32 column partials of dk, dv and dq into the three slabs
     of one (3, G, H * D) buffer, and ``sum_partials`` (one launch) returns d(bias) (3 * H * D,)."""
     B, H, N, D = q.shape
-    block_d, precision = _block_d(D), _input_precision(q.dtype)
+    block_d, precision = _block_d(D), dot_input_precision(q.dtype)
     cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision)
     dropout, inv_keep = _dropout_args(dropout_p)
     delta = _empty((B * H, N), torch.float32, q.device)
@@ -844,7 +839,7 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
     probs = _empty((B, num_heads, R, N), torch.float32, qkv.device)
     if R == 0:
         return probs
-    precision = _input_precision(qkv.dtype)
+    precision = dot_input_precision(qkv.dtype)
     cfg = attention_config(N, head_dim, qkv.dtype, gpu_arch(qkv.device), precision).dq
     block_m = min(cfg.block_m, max(16, next_power_of_2(R)))
     _attention_probs_kernel[attention_grid(B * num_heads, R, block_m)](

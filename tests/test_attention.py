@@ -287,10 +287,10 @@ def test_config_table_and_aot_specs():
 
 def test_tf32_only_when_allowed(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert A._input_precision(torch.float32) == "ieee"
+    assert A.dot_input_precision(torch.float32) == "ieee"
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert A._input_precision(torch.float32) == "tf32"
-    assert A._input_precision(torch.bfloat16) == "ieee"  # unused for 16-bit dots
+    assert A.dot_input_precision(torch.float32) == "tf32"
+    assert A.dot_input_precision(torch.bfloat16) == "ieee"  # unused for 16-bit dots
     assert A.attention_config(197, 64, torch.float32, 80) == A.attention_config(197, 64, torch.float32, 80, "tf32")
     # the tf32 tile table (larger tiles than IEEE fp32) computes the same attention; tf32 rounding on a GPU
     qkv = make_qkv(1, 70, 2, 80, torch.float32)

@@ -3,7 +3,7 @@
 Math (per batch b and head h; q, k, v are N x D, scale s = D ** -0.5 unless given):
     S = s * q k^T,   P = softmax(S) row-wise,   Z = dropout keep mask (Bernoulli(1 - p)),
     out = (P * Z / (1 - p)) v,                  lse_i = log sum_j exp(S_ij)   (saved, fp32)
-Backward (FlashAttention-2; delta_i = sum_d dO_id * out_id, a pre-pass):
+Backward (FlashAttention-2; delta_i = sum_d dO_id * out_id, recomputed per tile, no pre-pass):
     dV = (P * Z / (1 - p))^T dO,   dP = (dO v^T) * Z / (1 - p),   dS = P * (dP - delta),
     dQ = s * dS k,   dK = s * dS^T q,   with P recomputed as exp(S - lse) from the saved lse.
 
@@ -29,20 +29,19 @@ bias's dtype (fp32 under autocast). ``attention_probs`` takes the same qkv_bias 
 Layout. ``attention(qkv, H)`` takes the qkv Linear's output (B, N, 3 * H * D) as it leaves the GEMM
 and reads q, k, v through the strides of its (B, N, 3, H, D) view: no permute, chunk or copy. The
 output is written directly as (B, N, H * D), ready for the proj GEMM, and the gradient is one
-(B, N, 3 * H * D) tensor written by the dK/dV and dQ kernels. ``attention_qkv(q, k, v)`` takes
+(B, N, 3 * H * D) tensor written by the backward kernel. ``attention_qkv(q, k, v)`` takes
 (B, H, N, D) tensors of any strides (the F.scaled_dot_product_attention layout).
 
 Kernels (grid: batch * heads folded onto axis 0 with the tile index, so B * H may exceed 65535):
     _attention_fwd_kernel    one program per (b, h, q tile of 128 rows in fp16/bf16); loops over k/v
                              tiles with an online softmax in fp32 and an fp32 accumulator
-    _attention_delta_kernel  backward pre-pass: delta = rowsum(dO * out)
-    _attention_dkdv_kernel   owns a k/v tile, loops over q tiles: dK, dV
-    _attention_dq_kernel     owns a q tile, loops over k/v tiles: dQ
+    _attention_bwd_kernel    one program per (b, h, tile t): dK, dV of k/v tile t looping over q tiles
+                             (``_bwd_dkdv``), then dQ of q tile t looping over k/v tiles (``_bwd_dq``);
+                             delta of each q tile is recomputed from out and dO where it is needed
     _attention_probs_kernel  attention maps: exp(S - lse) for chosen query rows, outside training
 No atomics and no program reads what another writes in the same launch: gradients are bitwise
-reproducible. Launches: 1 forward, 3 backward; with a qkv bias (constexpr HAS_BIAS, the same kernels)
-1 forward, 3 + 1 backward (``sum_partials``), plus one small memset of the partial rows the smaller
-grid does not own where the dQ and dK/dV tile counts differ (only some fp32 tables).
+reproducible. Launches: 1 forward, 1 backward; with a qkv bias (constexpr HAS_BIAS, the same kernels)
+1 forward, 1 + 1 backward (``sum_partials``).
 
 Dtypes: fp16 and bf16 dots run on tensor cores with fp32 accumulation; softmax, lse and all
 elementwise math are fp32; P is cast to the input dtype for the P v dot (as FlashAttention does).
@@ -57,17 +56,17 @@ Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probab
 1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory).
 
 Memory and bytes: the forward allocates only the output and the fp32 lse (B * H * N); nothing grows
-with N^2 (the backward adds only delta, B * H * N fp32). HBM traffic per token and layer, C = H * D,
-e = bytes per element, counting each kernel's first touch (k/v and q/dO re-reads across tiles of one
-head hit L2 at ViT sizes):
+with N^2 (the backward adds nothing but the bias partials). HBM traffic per token and layer,
+C = H * D, e = bytes per element, counting each kernel's first touch (re-reads of one head's rows
+across its tiles hit L2 at ViT sizes: the head's q, k, v, out, dO are 5 * N * D * e, 123 KB for
+ViT-B):
     forward   read q, k, v (3C e), write out (C e) + lse (4H)              = 4C e + 4H   (1 launch)
-    backward  delta: read out, dO (2C e), write delta (4H)
-              dK/dV: read q, k, v, dO (4C e) + lse, delta (8H), write dk, dv (2C e)
-              dQ:    read q, k, v, dO (4C e) + lse, delta (8H), write dq (C e) = 13C e + 20H (3 launches)
-ViT-B/16 in bf16 (C = 768, H = 12): 6.2 KB per token forward, 20.2 KB backward.
+    backward  read q, k, v, out, dO (5C e) + lse (4H), write dq, dk, dv (3C e) = 8C e + 4H (1 launch)
+ViT-B/16 in bf16 (C = 768, H = 12): 6.2 KB per token forward, 12.3 KB backward (FlashAttention-2's
+delta pre-pass, separate dK/dV and dQ kernels: 20.2 KB, 3 launches).
 With a qkv bias: the forward reads 3D bias values per program (O(C * programs / N) per token, a few
 bytes); the backward writes and sum_partials reads the fp32 partials, 2 * 12C * T / N bytes per token
-(T = dQ tiles per sequence; ViT-B bf16: T = 4, 0.37 KB) and writes 3C bias-grad values once, where
+(T = backward tiles per sequence; ViT-B bf16: T = 4, 0.37 KB) and writes 3C bias-grad values once, where
 the eager addmm backward read all of d(qkv) again (3C e = 4.6 KB per token).
 """
 from __future__ import annotations
@@ -172,13 +171,12 @@ def _dot_bias(x, b, INPUT_PRECISION: tl.constexpr, AS_DOT: tl.constexpr):
 
 
 @triton.jit
-def _store_column_sums(P, x, row_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK: tl.constexpr):
-    """Bias-gradient partial: the column sums of this program's fp32 (BLOCK x D) tile x over its valid
-    rows, stored at row b * tiles + tile, columns h * D + d, of a (G, H * D) fp32 buffer. Every
-    (row, column) has exactly one writer: no atomics, and the second stage sums rows in a fixed order."""
-    num_tiles = tl.cdiv(seq_len, BLOCK)
-    row = ((bh // num_heads) * num_tiles + tl.program_id(0) % num_tiles).to(tl.int64) * num_heads + bh % num_heads
-    tl.store(P + row * head_dim + offs_d, tl.sum(tl.where(row_ok[:, None], x, 0.0), 0), mask=d_ok)
+def _store_column_sums(P, x, row_ok, offs_d, d_ok, partial_row, head_dim):
+    """Bias-gradient partial: the column sums of a program's fp32 (rows x D) tile x over its valid
+    rows, stored at row ``partial_row`` of a (G * H, D) fp32 buffer (row (b * tiles + tile) * H + h).
+    Every (row, column) has exactly one writer: no atomics, and the second stage sums rows in a fixed
+    order."""
+    tl.store(P + partial_row * head_dim + offs_d, tl.sum(tl.where(row_ok[:, None], x, 0.0), 0), mask=d_ok)
 
 
 @triton.jit
@@ -258,47 +256,21 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
-def _attention_delta_kernel(
-    Delta,  # output: (B * H, N) fp32
-    O, DO,  # forward output and its gradient, (B, H, N, D) through strides (dO may have stride 0)
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_gb, stride_gh, stride_gn, stride_gd,
-    num_heads, seq_len, head_dim,
-    BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
-):
-    bh, rows = _program_tile(seq_len, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_len
-    d_ok = offs_d < head_dim
-    o = _load(_head(O, bh, num_heads, stride_ob, stride_oh), rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
-    do = _load(_head(DO, bh, num_heads, stride_gb, stride_gh), rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + bh.to(tl.int64) * seq_len + rows, delta, mask=row_ok)
-
-
-@triton.jit
-def _attention_dkdv_kernel(
-    DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
-    PK, PV,  # HAS_BIAS outputs: (G, H * D) fp32 column partials of dk, dv (G >= B * k/v tiles), else None
-    Q, K, V, DO,  # inputs through strides; dO may be non-contiguous
-    Lse, Delta,  # (B * H, N) fp32
-    Bias,  # (3 * H * D,) qkv bias or None
+def _bwd_dkdv(
+    DK, DV, PK, PV, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gb, stride_gh, stride_gn, stride_gd,  # dO
-    stride_db, stride_dh, stride_dn, stride_dd,  # dK and dV (same layout)
-    num_heads, seq_len, head_dim,
-    scale, dropout_p, inv_keep, seed,
-    BLOCK_M: tl.constexpr,  # q rows per loop step
-    BLOCK_N: tl.constexpr,  # k/v rows owned by the program
-    BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_db, stride_dh, stride_dn, stride_dd,
+    num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    bh, cols = _program_tile(seq_len, BLOCK_N)
+    """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles.
+    delta_i = rowsum(dO_i * out_i) is recomputed for each q tile from out and dO (no pre-pass)."""
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = cols < seq_len
@@ -311,6 +283,7 @@ def _attention_dkdv_kernel(
         score_shift = _dot_bias(k, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), INPUT_PRECISION, False)
         ds_sum = tl.zeros([BLOCK_N], tl.float32)
     q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
+    o_head = _head(O, bh, num_heads, stride_ob, stride_oh)
     do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
     row_base = bh.to(tl.int64) * seq_len
 
@@ -322,9 +295,10 @@ def _attention_dkdv_kernel(
         row_ok = rows < seq_len
         qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
         do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+        o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         # Padded q rows get lse = +inf, hence probability exactly 0.
         lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
         sT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
         if HAS_BIAS:
             sT += score_shift[:, None]
@@ -349,31 +323,25 @@ def _attention_dkdv_kernel(
     tl.store(_head(DK, bh, num_heads, stride_db, stride_dh) + offsets, dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(_head(DV, bh, num_heads, stride_db, stride_dh) + offsets, dv.to(DV.dtype.element_ty), mask=mask)
     if HAS_BIAS:  # padded k/v rows hold junk (p of a zero key), hence the row mask
-        _store_column_sums(PK, dk, col_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_N)
-        _store_column_sums(PV, dv, col_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_N)
+        _store_column_sums(PK, dk, col_ok, offs_d, d_ok, partial_row, head_dim)
+        _store_column_sums(PV, dv, col_ok, offs_d, d_ok, partial_row, head_dim)
 
 
 @triton.jit
-def _attention_dq_kernel(
-    DQ,  # output: (B, H, N, D) through the gradient strides
-    PQ,  # HAS_BIAS output: (G, H * D) fp32 column partials of dq (G >= B * q tiles), else None
-    Q, K, V, DO, Lse, Delta,
-    Bias,  # (3 * H * D,) qkv bias or None
+def _bwd_dq(
+    DQ, PQ, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gb, stride_gh, stride_gn, stride_gd,  # dO
-    stride_db, stride_dh, stride_dn, stride_dd,  # dQ
-    num_heads, seq_len, head_dim,
-    scale, dropout_p, inv_keep, seed,
-    BLOCK_M: tl.constexpr,  # q rows owned by the program
-    BLOCK_N: tl.constexpr,  # k/v rows per loop step
-    BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_db, stride_dh, stride_dn, stride_dd,
+    num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    bh, rows = _program_tile(seq_len, BLOCK_M)
+    """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_len
@@ -381,8 +349,9 @@ def _attention_dq_kernel(
     row_base = bh.to(tl.int64) * seq_len
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     do = _load(_head(DO, bh, num_heads, stride_gb, stride_gh), rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+    o = _load(_head(O, bh, num_heads, stride_ob, stride_oh), rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
@@ -420,7 +389,50 @@ def _attention_dq_kernel(
     tl.store(_head(DQ, bh, num_heads, stride_db, stride_dh) + _tile(rows, offs_d, stride_dn, stride_dd, False),
              dq.to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
     if HAS_BIAS:
-        _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, bh, num_heads, head_dim, seq_len, BLOCK_M)
+        _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, partial_row, head_dim)
+
+
+@triton.jit
+def _attention_bwd_kernel(
+    DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
+    PQ, PK, PV,  # HAS_BIAS outputs: (B * tiles * H, D) fp32 column partials of dq, dk, dv, else None
+    Q, K, V, O, DO,  # inputs through strides; dO may be non-contiguous
+    Lse,  # (B * H, N) fp32
+    Bias,  # (3 * H * D,) qkv bias or None
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,  # out
+    stride_gb, stride_gh, stride_gn, stride_gd,  # dO
+    stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
+    num_heads, seq_len, head_dim,
+    scale, dropout_p, inv_keep, seed,
+    BLOCK: tl.constexpr,  # rows owned: k/v rows in the dK/dV phase, q rows in the dQ phase
+    KV_BLOCK_M: tl.constexpr,  # dK/dV phase: q rows per loop step
+    Q_BLOCK_N: tl.constexpr,  # dQ phase: k/v rows per loop step
+    BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
+    pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
+    num_tiles = tl.cdiv(seq_len, BLOCK)
+    pid = tl.program_id(0)
+    bh, tile = pid // num_tiles, pid % num_tiles
+    partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
+    _bwd_dkdv(DK, DV, PK, PV, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
+              stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+              stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd,
+              num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, HAS_BIAS)
+    _bwd_dq(DQ, PQ, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+            stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd,
+            num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, HAS_BIAS)
 
 
 @triton.jit
@@ -480,9 +492,15 @@ class Tile:
 @dataclass(frozen=True)
 class AttentionConfig:
     fwd: Tile
-    dkdv: Tile
-    dq: Tile
-    delta: Tile  # block_m rows per program; block_n unused
+    dkdv: Tile  # backward phase 1: block_n k/v rows owned, block_m q rows per loop step
+    dq: Tile  # backward phase 2: block_m q rows owned, block_n k/v rows per loop step
+
+    def __post_init__(self):
+        dkdv, dq = self.dkdv, self.dq
+        if (dkdv.block_n, dkdv.num_warps, dkdv.num_stages) != (dq.block_m, dq.num_warps, dq.num_stages):
+            raise ValueError(f"attention_config: the dK/dV and dQ phases run in one kernel, each program owning "
+                             f"the same rows in both, so they need one row count, num_warps and num_stages; "
+                             f"got {dkdv} and {dq}")
 
 
 def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
@@ -493,30 +511,36 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     the qkv bias (the table does not know the bias, so each tile is spill-free both ways; checked
     with triton.compile + cuobjdump over aot_specs, ``vit-fast report``). fp32 depends on the dot
     precision (default: the torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller
-    tiles than tf32 ones.
+    tiles than tf32 ones. The backward's two phases share one launch, hence one warp count.
     Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
     register use.
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     stages = 3 if arch >= 90 else 2
     warps = 8 if wide else 4
+    # Backward tiles: (dK/dV: q rows per step, k/v rows owned), (dQ: q rows owned, k/v rows per step).
+    # The merged kernel holds the larger of the two phases' live sets plus an out tile per dK/dV step
+    # (delta), so its tiles are smaller than separate kernels' would be.
     if dtype == torch.float32 and (input_precision or dot_input_precision(dtype)) == "ieee":
         # 8 warps also for D <= 64: at 4 the qkv-bias + dropout builds spill (sm_80, 8-16 B)
-        fwd, dkdv = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages) if wide else Tile(32, 16, 4, stages)
-        dq = Tile(16, 32, 8, stages) if wide else Tile(64, 32, 8, stages)
+        fwd, dkdv, dq = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)
         if wide and arch < 90:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one 120-152 regs
             fwd = Tile(32, 16, 4, stages)
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
-        fwd, dkdv, dq = Tile(64, 32, warps, stages), Tile(32, 32, 8, stages), Tile(64, 32, 8, stages)
-        if wide and arch >= 90:  # 64x32 wgmma at 8 warps: 104-256 B spills with bias; mma, 168-239 regs
-            dq = Tile(32, 32, 4, stages)
+        fwd = Tile(64, 32, warps, stages)
+        # wide 16x32 / 32x16: 48 B spills on sm_90 with bias + dropout
+        dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
+            (Tile(32, 32, 8, stages), Tile(32, 32, 8, stages))
     else:
-        fwd, dkdv, dq = Tile(128, 64, 8, stages), Tile(32, 64, warps, stages), Tile(64, 32, 4, stages)
+        fwd = Tile(128, 64, 8, stages)
+        # narrow 32x64 / 64x32 at 4 warps: 8-40 B spills on sm_80 (at 8 warps: 48 B without bias)
+        dkdv, dq = (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)) if wide else \
+            (Tile(16, 64, 4, stages), Tile(64, 16, 4, stages))
         if wide and arch < 90:  # 128x64: 48-64 B spills with bias; 128x32 with 3 stages: 183-194 regs
             fwd = Tile(128, 32, 8, 3)
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
-    return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq), delta=Tile(min(64, cap), 16, 4, 1))
+    return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))
 
 
 def attention_grid(batch_heads: int, seq_len: int, block: int) -> tuple[int]:
@@ -620,38 +644,21 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int, bi
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
                 bias=None) -> Optional[torch.Tensor]:
-    """Three launches: delta pre-pass, dK/dV, dQ (dq, dk, dv share one stride layout). With a bias,
-    the dK/dV and dQ programs also write fp32 column partials of dk, dv and dq into the three slabs
-    of one (3, G, H * D) buffer, and ``sum_partials`` (one launch) returns d(bias) (3 * H * D,)."""
+    """One launch writes dq, dk, dv (which share one stride layout). With a bias its programs also
+    write fp32 column partials of dk, dv and dq into the three slabs of one (3, G, H * D) buffer
+    (G = B * tiles), and ``sum_partials`` (one launch) returns d(bias) (3 * H * D,)."""
     B, H, N, D = q.shape
-    block_d, precision = _block_d(D), dot_input_precision(q.dtype)
+    precision = dot_input_precision(q.dtype)
     cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision)
     dropout, inv_keep = _dropout_args(dropout_p)
-    delta = _empty((B * H, N), torch.float32, q.device)
-    _attention_delta_kernel[attention_grid(B * H, N, cfg.delta.block_m)](
-        delta, out, do, *out.stride(), *do.stride(), H, N, D,
-        BLOCK_M=cfg.delta.block_m, BLOCK_D=block_d, num_warps=cfg.delta.num_warps)
-    partial = None
-    if bias is not None:
-        # Row b * tiles + tile of a slab belongs to one program. The dQ and dK/dV grids have equal tile
-        # counts in the fp16/bf16 tables; where an fp32 table's differ, the rows the smaller grid does
-        # not own are zeroed (one memset of a few KB).
-        rows_q, rows_kv = B * triton.cdiv(N, cfg.dq.block_m), B * triton.cdiv(N, cfg.dkdv.block_n)
-        partial = _empty((3, max(rows_q, rows_kv), H * D), torch.float32, q.device)
-        if rows_q < rows_kv:
-            partial[0, rows_q:].zero_()
-        elif rows_kv < rows_q:
-            partial[1:, rows_kv:].zero_()
+    partial = None if bias is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D), torch.float32, q.device)
     slabs = (None, None, None) if partial is None else partial.unbind(0)
-    common = (q, k, v, do, lse, delta, bias, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-              H, N, D, scale, dropout_p, inv_keep, seed)
-    _attention_dkdv_kernel[attention_grid(B * H, N, cfg.dkdv.block_n)](
-        dk, dv, slabs[1], slabs[2], *common, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=block_d,
-        DROPOUT=dropout, INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
-        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
-    _attention_dq_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
-        dq, slabs[0], *common, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
-        DROPOUT=dropout, INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
+    _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
+        dq, dk, dv, *slabs, q, k, v, out, do, lse, bias,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
+        H, N, D, scale, dropout_p, inv_keep, seed,
+        BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
+        BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
     return None if partial is None else sum_partials(partial, bias.dtype).view(-1)
 
@@ -923,21 +930,21 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     ``sum_partials`` at width 3 * C (the same BLOCK_N=256 build its own specs list for C)."""
     D = width // num_heads
     block_d, values = _block_d(D), _launch_values(tokens, num_heads, D)
-    delta = attention_config(tokens, D, dtype, arch, "ieee").delta
-    specs = [_aot_spec("attention_delta", _attention_delta_kernel, dtype, dict(BLOCK_M=delta.block_m, BLOCK_D=block_d),
-                       delta, f"N={tokens} D={D}", values, has_dot=False)]
+    specs = []
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
         cfg = attention_config(tokens, D, dtype, arch, precision)
         tensor_cores = dtype != torch.float32 or precision == "tf32"
         for bias_dtype in (None, param_dtype):
             for dropout in (False, True):
-                for name, fn, tile in (("attention_fwd", _attention_fwd_kernel, cfg.fwd),
-                                       ("attention_dkdv", _attention_dkdv_kernel, cfg.dkdv),
-                                       ("attention_dq", _attention_dq_kernel, cfg.dq)):
-                    constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, DROPOUT=dropout,
-                                      INPUT_PRECISION=precision)
-                    note = f"N={tokens} D={D} dropout={dropout} qkv_bias={bias_dtype is not None}"
-                    specs.append(_aot_spec(name, fn, dtype, constexprs, tile, note, values, tensor_cores, bias_dtype))
+                note = f"N={tokens} D={D} dropout={dropout} qkv_bias={bias_dtype is not None}"
+                common = dict(BLOCK_D=block_d, DROPOUT=dropout, INPUT_PRECISION=precision)
+                specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
+                                       dict(common, BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n), cfg.fwd,
+                                       note, values, tensor_cores, bias_dtype))
+                bwd = dict(common, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n)
+                specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
+                                       f"{note} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
+                                       f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores, bias_dtype))
             specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
                                    dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
                                         INPUT_PRECISION=precision), cfg.dq,

@@ -272,16 +272,16 @@ def test_config_table_and_aot_specs():
                     for tile in (cfg.fwd, cfg.dkdv, cfg.dq):
                         assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
     specs = A.aot_specs(tokens=197, width=768, num_heads=12, dtype=torch.bfloat16, arch=90)
-    assert {s.name for s in specs} >= {"attention_fwd", "attention_delta", "attention_dkdv", "attention_dq"}
+    assert {s.name for s in specs} == {"attention_fwd", "attention_bwd", "attention_probs"}
     for s in specs:  # every kernel argument is typed, constexprs given, alignment as a real launch
         assert list(s.signature) == list(s.fn.arg_names), s.name
         assert all(s.signature[k] == "constexpr" for k in s.constexprs)
         assert {"stride_qn", "stride_qh"} & set(s.signature) <= set(s.divisible_by_16), s.name
         assert "seq_len" not in s.divisible_by_16  # 197 is no multiple of 16
     with_bias = [s for s in specs if s.constexprs.get("HAS_BIAS")]  # the autocast case: bf16 qkv, fp32 bias
-    assert {s.name for s in with_bias} == {"attention_fwd", "attention_dkdv", "attention_dq", "attention_probs"}
+    assert {s.name for s in with_bias} == {"attention_fwd", "attention_bwd", "attention_probs"}
     assert all(s.signature["Bias"] == "*fp32" and "Bias" in s.divisible_by_16 for s in with_bias)
-    assert all({"PK", "PV"} <= set(s.divisible_by_16) for s in with_bias if s.name == "attention_dkdv")
+    assert all({"PQ", "PK", "PV"} <= set(s.divisible_by_16) for s in with_bias if s.name == "attention_bwd")
     assert all(s.constexprs.get("Bias", 0) is None for s in specs if s.constexprs.get("HAS_BIAS") is False)
 
 
@@ -384,10 +384,10 @@ def test_padded_keys_stay_zero_when_every_score_is_very_negative(dtype):
 # The qkv Linear's bias inside the kernels (qkv = x @ W^T without bias)
 # ---------------------------------------------------------------------------------------------- #
 @pytest.mark.parametrize("dtype, B, N, H, D", [
-    (torch.float32, 2, 37, 3, 64),  # fp32 tables: dQ has fewer tiles than dK/dV (zeroed partial rows)
-    (torch.float32, 2, 37, 2, 80),  # wide fp32: dK/dV has fewer tiles than dQ
+    (torch.float32, 2, 37, 3, 64),  # fp32 table: two 32-row backward tiles, masked last one
+    (torch.float32, 2, 37, 2, 80),  # wide fp32
     (torch.bfloat16, 2, 37, 3, 64),  # autocast: bf16 qkv from the GEMM, fp32 bias parameter
-    (torch.bfloat16, 2, 71, 2, 80),  # two 64-row tiles, masked last one
+    (torch.bfloat16, 2, 71, 2, 80),  # wide bf16: three 32-row backward tiles, masked last one
 ], ids=dtype_id)
 def test_qkv_bias_forward_and_gradients(dtype, B, N, H, D):
     """out, d(qkv) and d(qkv_bias) against the float64 reference (and 2x eager); the bias stays fp32
@@ -494,8 +494,7 @@ class _Launches:
                 log.kernels.append(self.name)
                 return self.fn[grid]
 
-        for module, name in [(A, "_attention_fwd_kernel"), (A, "_attention_delta_kernel"), (A, "_attention_dkdv_kernel"),
-                             (A, "_attention_dq_kernel"), (G, "_sum_partials_kernel")]:
+        for module, name in [(A, "_attention_fwd_kernel"), (A, "_attention_bwd_kernel"), (G, "_sum_partials_kernel")]:
             monkeypatch.setattr(module, name, Counted(name.strip("_").replace("_kernel", ""), getattr(module, name)))
 
         class Aten(TorchDispatchMode):
@@ -519,9 +518,9 @@ class _Launches:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_qkv_bias_launches(monkeypatch, dtype):
-    """Forward 1 launch; backward delta, dK/dV, dQ + one sum_partials, and no aten sum over d(qkv)
-    (fp32 tables, whose dQ and dK/dV tile counts differ, add one fill of the unowned partial rows).
-    Without a bias: exactly today's 1 + 3 launches."""
+    """Forward 1 launch; backward 1 launch (no delta pre-pass) + one sum_partials, no aten sum over
+    d(qkv) and no fill of partial rows (fp32 tables, whose dQ and dK/dV tile counts differ, write
+    zeros from the idle phase). Without a bias: 1 + 1 launches."""
     B, N, H, D = 1, 37, 2, 64
     launches = _Launches(monkeypatch)
     for bias in (None, make_bias(H, D).requires_grad_()):
@@ -531,11 +530,11 @@ def test_qkv_bias_launches(monkeypatch, dtype):
         assert not {"add", "sum", "addmm"} & set(launches.aten), launches.aten
         backward = launches.run(lambda: out[0].backward(torch.ones_like(out[0])))
         reduction = [] if bias is None else ["sum_partials"]
-        assert backward == ["attention_delta", "attention_dkdv", "attention_dq"] + reduction
+        assert backward == ["attention_bwd"] + reduction
         assert "sum" not in launches.aten, "d(qkv_bias) must not be a separate sum over d(qkv)"
         # (fill_ is the test's NaN poisoning of every allocation, ones_like the test's grad)
         fills = [op for op in launches.aten if op in ("zero_", "zeros", "zeros_like", "new_zeros")]
-        assert len(fills) == (1 if bias is not None and dtype == torch.float32 else 0), launches.aten
+        assert not fills, launches.aten
 
 
 def test_qkv_bias_bad_input_raises_before_launch():

@@ -141,3 +141,11 @@ class AotSpec:
     # them with attrs={(i,): [["tt.divisibility", 16]]}, else the AOT build gets scalar, unvectorised
     # loads and reports registers/spills a real launch does not have.
     divisible_by_16: tuple[str, ...] = ()
+
+
+def compute_dtype_for(t: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for t's device (what the next GEMM computes in), else t's dtype."""
+    device_type = t.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2, seed_value, unit_stride
+from ._utils import (FLOAT_DTYPES, TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2, seed_value,
+                     unit_stride)
 from .bias_gelu import (
     _check_param,
     _check_rows_input,
@@ -208,13 +209,14 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
 def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
                        branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
                        sample_scale: Optional[torch.Tensor], eps: float, p: float,
-                       seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       seed: Optional[torch.Tensor], out_dtype: Optional[torch.dtype] = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual: (M, N) with contiguous columns; seed: a ``next_seed()`` tensor (None without
-    dropout). Returns (normed, h, mean, rstd); without a residual h is an empty placeholder (the
-    plain LayerNorm)."""
+    dropout). Returns (normed in ``out_dtype`` or x.dtype, h, mean, rstd); without a residual h is an
+    empty placeholder (the plain LayerNorm)."""
     m, n = x.shape
     dev = x.device
-    y = torch.empty((m, n), device=dev, dtype=x.dtype)
+    y = torch.empty((m, n), device=dev, dtype=out_dtype or x.dtype)
     has_res = residual is not None
     h = torch.empty((m, n) if has_res else (0,), device=dev,
                     dtype=torch.promote_types(x.dtype, residual.dtype) if has_res else x.dtype)
@@ -234,12 +236,13 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
 
 @add_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed):
+def _(x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed, out_dtype=None):
     m, n = x.shape
     h_shape = (m, n) if residual is not None else (0,)
     h_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
     stats = x.new_empty((m,), dtype=torch.float32)
-    return x.new_empty((m, n)), x.new_empty(h_shape, dtype=h_dtype), stats, torch.empty_like(stats)
+    return x.new_empty((m, n), dtype=out_dtype or x.dtype), x.new_empty(h_shape, dtype=h_dtype), stats, \
+        torch.empty_like(stats)
 
 
 @torch.library.custom_op("vit_fast::add_layer_norm_bwd", mutates_args=())
@@ -278,14 +281,17 @@ def _(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rs
 
 
 class AddLayerNormFunction(torch.autograd.Function):
-    """(normed, h) = add_layer_norm(...); with residual None it is the plain LayerNorm (returns normed)."""
+    """(normed, h) = add_layer_norm(...); with residual None it is the plain LayerNorm (returns normed,
+    or with ``return_input`` (normed, x): x's gradient from its other uses joins dx in the kernel)."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed):
+    def forward(ctx, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed, out_dtype=None,
+                return_input=False):
         shape, n = x.shape, x.shape[-1]
         x2 = as_rows(x, n)
         res2 = as_rows(residual, n) if residual is not None else None
-        y, h, mean, rstd = add_layer_norm_fwd(x2, res2, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed)
+        y, h, mean, rstd = add_layer_norm_fwd(x2, res2, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed,
+                                              out_dtype)
         ctx.has_res = residual is not None
         ctx.res_dtype = residual.dtype if ctx.has_res else None
         ctx.store_dx = ctx.has_res and stores_dx(p, gamma, sample_scale, h.dtype, x.dtype)
@@ -294,7 +300,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         ctx.save_for_backward(h if ctx.has_res else x2, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd,
                               seed)
         if not ctx.has_res:
-            return y.view(shape)
+            return (y.view(shape), x) if return_input else y.view(shape)
         return y.view(shape), h.view(shape)
 
     @staticmethod
@@ -302,6 +308,8 @@ class AddLayerNormFunction(torch.autograd.Function):
         h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, seed = ctx.saved_tensors
         n = h.shape[1]
         dh_out2 = as_rows(dh_out, n) if dh_out is not None else None
+        if dy is None and not ctx.has_res:  # normed of a plain LN unused: x's gradient is dh_out alone
+            return dh_out, None, None, None, None, None, None, None, None, None, None, None
         if dy is None:  # normed unused: only the join's backward (no LN pass over zeros)
             return AddLayerNormFunction._join_backward(ctx, dh_out2, x2, branch_bias, gamma, sample_scale, seed)
         dy2 = as_rows(dy, n)
@@ -313,9 +321,9 @@ class AddLayerNormFunction(torch.autograd.Function):
         dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
         dbranch = next(grads).to(branch_bias.dtype) if branch_bias is not None else None
         if not ctx.has_res:
-            return dh, None, dweight, dbias, None, None, None, None, None, None
+            return dh, None, dweight, dbias, None, None, None, None, None, None, None, None
         dx = dx.view(ctx.shape) if ctx.store_dx else dh
-        return dx, dh.to(ctx.res_dtype), dweight, dbias, dbranch, dgamma, None, None, None, None
+        return dx, dh.to(ctx.res_dtype), dweight, dbias, dbranch, dgamma, None, None, None, None, None, None
 
 
     @staticmethod
@@ -326,7 +334,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
         dh = dh2.view(ctx.shape)
         dx = dx.view(ctx.shape) if ctx.store_dx else dh
-        return dx, dh.to(ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None
+        return dx, dh.to(ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None, None, None
 
 
 def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
@@ -342,12 +350,34 @@ def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
     return n
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """LayerNorm over the last dim of x (..., N); weight, bias (N,). Output in x.dtype."""
+def _check_out_dtype(out_dtype: Optional[torch.dtype]) -> None:
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"layer_norm: expected out_dtype to be one of {FLOAT_DTYPES} or None, got {out_dtype}")
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """LayerNorm over the last dim of x (..., N); weight, bias (N,). Output in ``out_dtype`` (default
+    x.dtype): an fp32 stream feeding a GEMM under autocast gets its bf16 operand straight from the
+    kernel, the same values as LayerNorm in fp32 and autocast's cast, without the fp32 output and the
+    cast (and their backward counterparts) in memory."""
     _check_ln_inputs("layer_norm", x, weight, bias, eps)
     check_kernel_device("layer_norm", x, weight, bias)
+    _check_out_dtype(out_dtype)
     weight, bias = unit_stride(weight), unit_stride(bias)
-    return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None)
+    return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None, out_dtype)
+
+
+def layer_norm_and_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6,
+                         out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x, ...), x): the start of a pre-norm residual stream, x also its first residual. The
+    gradient reaching x through the stream is added to the LayerNorm's dx inside the backward kernel,
+    where autograd would sum the two in a separate add (3 more passes over an fp32 stream)."""
+    _check_ln_inputs("layer_norm", x, weight, bias, eps)
+    check_kernel_device("layer_norm", x, weight, bias)
+    _check_out_dtype(out_dtype)
+    weight, bias = unit_stride(weight), unit_stride(bias)
+    return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None, out_dtype, True)
 
 
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -408,15 +438,20 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
         values = dict(N=width, stride_xm=width, stride_ym=width, stride_dym=width, stride_dhm=width,
                       stride_hm=width if res else 0, stride_rm=width if res else 0,
                       tokens_per_sample=tokens if scale else 1)
-        c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=res, **flags)
-        specs.append(_spec("layer_norm_fwd", _layer_norm_fwd_kernel, types, c, warps, note, values))
-        for dh_out in ((False, True) if res else (False,)):
-            store_dx = res and (gamma or scale or drop)
-            c = dict(BLOCK_M=bwd_block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out, STORE_DX=store_dx, **flags)
-            bwd_values = dict(values, stride_hm=width, stride_dhom=width if dh_out else 0,
-                              stride_dxm=width if store_dx else 0)
-            specs.append(_spec("layer_norm_bwd", _layer_norm_bwd_kernel, types, c, bwd_warps,
-                               note + f" grad_into_h={dh_out}", bwd_values))
+        # the plain LN also as the first norm of an fp32 stream under autocast: fp32 rows, 16-bit output
+        stream_types = [types] if res or dtype == torch.float32 else \
+            [types, dict(types, **{name: "*fp32" for name in ("X", "H", "DH")})]
+        for t in stream_types:
+            stream = "" if t is types else " fp32 stream"
+            c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=res, **flags)
+            specs.append(_spec("layer_norm_fwd", _layer_norm_fwd_kernel, t, c, warps, note + stream, values))
+            for dh_out in ((False, True) if res else (False,)):
+                store_dx = res and (gamma or scale or drop)
+                c = dict(BLOCK_M=bwd_block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out, STORE_DX=store_dx, **flags)
+                bwd_values = dict(values, stride_hm=width, stride_dhom=width if dh_out else 0,
+                                  stride_dxm=width if store_dx else 0)
+                specs.append(_spec("layer_norm_bwd", _layer_norm_bwd_kernel, t, c, bwd_warps,
+                                   note + f" grad_into_h={dh_out}" + stream, bwd_values))
     return specs
 
 

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, AotSpec, TRITON_DTYPE_NAMES, check_float, check_kernel_device, check_ndim, check_shape, gpu_arch
+from ._utils import (FLOAT_DTYPES, AotSpec, TRITON_DTYPE_NAMES, check_float, check_kernel_device, check_ndim, check_shape,
+                     compute_dtype_for, gpu_arch)
 
 OP = "patch_embed"
 
@@ -384,14 +385,6 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
 
 
 # ------------------------------------------------------------------------------------ validation
-def compute_dtype_for(images: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on for the images' device, else the images' dtype."""
-    device_type = images.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return images.dtype
-
-
 def _check_compute_dtype(dtype: torch.dtype) -> None:
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"{OP}: expected a compute dtype in (float32, float16, bfloat16), got {dtype}")

@@ -48,6 +48,70 @@ def test_layer_norm_widths_autocast_params(width):
     assert (dx.dtype, dw.dtype, db.dtype) == (torch.bfloat16, torch.float32, torch.float32)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_layer_norm_out_dtype_for_an_fp32_stream(out_dtype):
+    """The first norm of an fp32 residual stream under autocast: fp32 rows in, 16-bit normed out. Bitwise
+    the fp32 LayerNorm cast to out_dtype (what autocast's cast of an fp32 output gives); the 16-bit dy
+    gives bitwise the fp32 path's dx, dw, db for dy widened; and within the fp32 bound of float64."""
+    torch.manual_seed(9)
+    inputs = ln_inputs((3, 7, 768), torch.float32)
+    x, w, b = (inputs[k].requires_grad_() for k in ("x", "weight", "bias"))
+    y = layer_norm(x, w, b, 1e-6, out_dtype=out_dtype)
+    y32 = layer_norm(x, w, b, 1e-6)
+    assert y.dtype == out_dtype and torch.equal(y, y32.to(out_dtype))
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    grads32 = torch.autograd.grad(y32, (x, w, b), dy.float())
+    for g, g32 in zip(grads, grads32):
+        assert g.dtype == torch.float32 and torch.equal(g, g32)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = layer_norm_ref(x64, w64, b64, 1e-6)
+    assert_close(y.float(), y64, bound(out_dtype), "y")
+    for name, g, g64 in zip(("dx", "dw", "db"), grads, torch.autograd.grad(y64, (x64, w64, b64), dy.double())):
+        assert_close(g, g64, bound(torch.float32), name)
+    with pytest.raises(ValueError, match="out_dtype"):
+        layer_norm(x, w, b, 1e-6, out_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("use", ["both", "normed", "input"])
+def test_layer_norm_and_input_adds_the_streams_gradient_in_the_kernel(monkeypatch, use):
+    """(LN(x), x) with x used again downstream: dx = LN's dx + the other use's gradient, equal to
+    autograd's sum over a plain layer_norm (fp32 bound of float64), with no aten add in the backward;
+    either output alone also works."""
+    torch.manual_seed(11)
+    inputs = ln_inputs((2, 9, 384), torch.float32)
+    x, w, b = (inputs[k].requires_grad_() for k in ("x", "weight", "bias"))
+    dy, dres = torch.randn(2, 9, 384, dtype=torch.bfloat16), torch.randn(2, 9, 384)
+
+    def loss(normed, stream):
+        terms = {"both": [(normed * dy).sum(), (stream * dres).sum()], "normed": [(normed * dy).sum()],
+                 "input": [(stream * dres).sum()]}[use]
+        return sum(t.float() for t in terms)
+
+    normed, stream = ln.layer_norm_and_input(x, w, b, 1e-6, out_dtype=torch.bfloat16)
+    assert stream is x or torch.equal(stream, x)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AtenOps(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    total = loss(normed, stream)
+    with AtenOps() as ops:
+        grads = torch.autograd.grad(total, (x, w, b), allow_unused=True)
+    assert "add" not in ops.names, ops.names
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    want = torch.autograd.grad(loss(layer_norm_ref(x64, w64, b64, 1e-6), x64), (x64, w64, b64), allow_unused=True)
+    for name, g, g64 in zip(("dx", "dw", "db"), grads, want):
+        if g64 is None:
+            assert g is None or not g.any(), name
+        else:
+            assert_close(g, g64, bound(torch.float32), name)
+
+
 @pytest.mark.parametrize("eps", [1e-6, 1e-12])
 @pytest.mark.parametrize("shape", [(0, 768), (1, 384), (2, 3, 4, 320), (37, 192)])
 def test_layer_norm_shapes_and_eps(shape, eps):

@@ -33,10 +33,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vit_fast.kernels.attention as attention_kernels
+from vit_fast.kernels._utils import compute_dtype_for
 from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_gelu
 from vit_fast.kernels.gelu_linear import gelu_linear
 from vit_fast.kernels.layer_norm import add_layer_norm
 from vit_fast.kernels.layer_norm import layer_norm as layer_norm_kernel
+from vit_fast.kernels.layer_norm import layer_norm_and_input
 from vit_fast.kernels.patch_embed import patch_embed as patch_embed_kernel
 
 from .backend import BACKENDS, check_backend, resolve_backend  # noqa: F401  (re-exported)
@@ -300,8 +302,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if resolve_backend(self.backend, x) == "triton":
-            return self.forward_pair(layer_norm_kernel(x, self.norm1.weight, self.norm1.bias, self.norm1.eps),
-                                     x, None)[1]
+            norm1 = self.norm1
+            normed, x = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
+            return self.forward_pair(normed, x, None)[1]
         return self.forward_reference(x)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .backend import check_backend, resolve_backend
-from .layers import (Block, LayerNorm, PatchEmbed, init_weights_vit_timm, layer_norm_kernel, named_apply,
-                     patch_embed_kernel, resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
+from .layers import (Block, LayerNorm, PatchEmbed, compute_dtype_for, init_weights_vit_timm, layer_norm_and_input,
+                     named_apply, patch_embed_kernel, resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
 from .presets import GLOBAL_POOLS, ViTConfig, get_config
 
 
@@ -206,7 +206,7 @@ class VisionTransformer(nn.Module):
         blocks = list(self.blocks)
         final_norm = self.norm if isinstance(self.norm, nn.LayerNorm) else None
         norm1 = blocks[0].norm1
-        normed, residual = layer_norm_kernel(x, norm1.weight, norm1.bias, norm1.eps), x
+        normed, residual = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
         for i, blk in enumerate(blocks):
             next_norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else final_norm
             if self.grad_checkpointing and torch.is_grad_enabled():

@@ -72,6 +72,31 @@ def test_fused_matches_reference_fp32_and_launches_what_the_readme_says():
     assert sorted(fwd.compute_aten()) == sorted(["addmm"] + ["mm"] * (3 * depth))
 
 
+@pytest.mark.parametrize("config", [dict(TINY), dict(TINY, reg_tokens=2, init_values=0.1)], ids=["cls", "cls_reg_ls"])
+def test_class_token_pooling_runs_the_last_block_on_token_0_only(monkeypatch, config):
+    """forward() under class-token pooling: the last block's proj, joins and MLP see B rows, not B * N,
+    and logits and every gradient equal the full-token path's (forward_features + head)."""
+    fused, _ = make_pair(**config)
+    full = copy.deepcopy(fused)
+    x = torch.randn(3, 3, 32, 32)
+    rows = []
+    original = vit_fast.layers.Mlp.branch
+
+    def recording(self, h):
+        rows.append(h.shape[:-1].numel())
+        return original(self, h)
+
+    monkeypatch.setattr(vit_fast.layers.Mlp, "branch", recording)
+    out = fused(x)
+    tokens = 1 + config.get("reg_tokens", 0) + 16
+    assert rows == [3 * tokens, 3], rows
+    out_full = full.forward_head(full.forward_features(x))
+    assert_close(out, out_full, FP32, "logits")
+    loss_of(out).backward()
+    loss_of(out_full).backward()
+    compare_grads(fused, full, FP32)
+
+
 def test_variant_avg_pool_reg_tokens_layerscale_drop_path_train():
     fused, ref = make_pair(**VARIANT)
     fused.train(), ref.train()

@@ -184,10 +184,12 @@ class Attention(nn.Module):
         q, k, _ = self.split_heads(self.qkv(x))
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
 
-    def branch(self, x: torch.Tensor) -> torch.Tensor:
+    def branch(self, x: torch.Tensor, keep_rows: Optional[int] = None) -> torch.Tensor:
         """Fused path: the qkv GEMM without its bias (the attention kernel adds it), attention, then the
-        proj GEMM *without* its bias (the residual join adds it)."""
-        return F.linear(self.attend(F.linear(x, self.qkv.weight), self.qkv.bias), self.proj.weight)
+        proj GEMM *without* its bias (the residual join adds it). ``keep_rows``: only the first tokens'
+        output is wanted; attention still reads every token's k and v, the proj GEMM runs on those rows."""
+        out = self.attend(F.linear(x, self.qkv.weight), self.qkv.bias)
+        return F.linear(out if keep_rows is None else out[:, :keep_rows], self.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -314,17 +316,21 @@ class Block(nn.Module):
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))).to(x.dtype)
         return x
 
-    def forward_pair(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm]
-                     ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def forward_pair(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm],
+                     keep_rows: Optional[int] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """The model-level fused step: (norm1(x), x) -> (next_norm(x'), x') with x' = this block's output.
 
         Two join kernels: proj output + bias, ls1, drop-path, proj dropout, add, norm2 in one
         ``add_layer_norm``; fc2 output + bias, ls2, drop-path, mlp dropout, add and ``next_norm`` in
-        another (``bias_dropout_add`` when next_norm is None, then the first output is None)."""
+        another (``bias_dropout_add`` when next_norm is None, then the first output is None).
+        ``keep_rows``: x' of the first tokens only (the last block under class-token pooling). Every token
+        still enters attention as a key and value; the proj GEMM, both joins and the MLP run on the kept
+        rows. Exact: the dropped rows of x' would only have received zero gradients."""
         if resolve_backend(self.backend, residual) == "torch":
-            x = self.forward_reference(residual)
+            x = self.forward_reference(residual)[:, :keep_rows]
             return (next_norm(x) if next_norm is not None else None), x
-        y = self.attn.branch(normed)
+        y = self.attn.branch(normed, keep_rows)
+        residual = residual if keep_rows is None else residual[:, :keep_rows]
         normed, residual = residual_join(y, residual, self.attn.proj.bias, _gamma(self.ls1),
                                          _sample_scale(self.drop_path1, y), self.attn.proj_drop.p, self.training,
                                          self.norm2)

@@ -201,21 +201,24 @@ class VisionTransformer(nn.Module):
             x = self.blocks(x)
         return self.norm(x)
 
-    def _forward_blocks_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """Blocks + final norm carrying (normed, residual): every join is fused with the next LayerNorm."""
+    def _forward_blocks_fused(self, x: torch.Tensor, last_keep_rows: Optional[int] = None) -> torch.Tensor:
+        """Blocks + final norm carrying (normed, residual): every join is fused with the next LayerNorm.
+        ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``)."""
         blocks = list(self.blocks)
         final_norm = self.norm if isinstance(self.norm, nn.LayerNorm) else None
         norm1 = blocks[0].norm1
         normed, residual = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
         for i, blk in enumerate(blocks):
-            next_norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else final_norm
+            last = i + 1 == len(blocks)
+            next_norm = final_norm if last else blocks[i + 1].norm1
+            keep_rows = last_keep_rows if last else None
             if self.grad_checkpointing and torch.is_grad_enabled():
                 # torch.utils.checkpoint restores the CPU RNG state before recomputing, and the kernels
                 # draw their dropout seeds from it (next_seed), so the recomputed masks are the same.
                 normed, residual = torch.utils.checkpoint.checkpoint(blk.forward_pair, normed, residual, next_norm,
-                                                                     use_reentrant=False)
+                                                                     keep_rows, use_reentrant=False)
             else:
-                normed, residual = blk.forward_pair(normed, residual, next_norm)
+                normed, residual = blk.forward_pair(normed, residual, next_norm, keep_rows)
         return normed if final_norm is not None else self.norm(residual)
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
@@ -236,6 +239,10 @@ class VisionTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.global_pool == "token" and len(self.blocks) and resolve_backend(self.backend, x) == "triton":
+            # Class-token pooling reads token 0 alone: the last block skips the other tokens' proj, MLP
+            # and joins (same logits and gradients; forward_features still returns every token).
+            return self.forward_head(self._forward_blocks_fused(self.embed(x), last_keep_rows=1))
         return self.forward_head(self.forward_features(x))
 
     @torch.no_grad()

@@ -131,9 +131,10 @@ def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
     paths' Triton kernels run in the interpreter, identical launches replayed.
 
     The issue's target, at most 45% of eager's bytes, holds against timm eager with materialised
-    attention (fused_attn=False) for the bf16 residual stream (0.42 measured). The other bounds are the
-    measured levels with a small margin (0.48 / 0.62 / 0.54 measured): against SDPA eager the GEMMs
-    (cuBLAS on both paths) and FlashAttention alone are ~39% of eager's bytes (see README, Performance)."""
+    attention (fused_attn=False) as built (0.43 measured; 0.37 with the bf16 residual stream). Against
+    SDPA eager the bounds are the measured levels with a small margin (0.55 as built, 0.48 bf16 stream):
+    there the GEMMs (cuBLAS on both paths) and FlashAttention alone are ~40% of eager's bytes (see
+    README, Performance)."""
     if not traffic.fused_model_available()[0]:
         pytest.skip(traffic.fused_model_available()[1])  # only on a CUDA machine without TRITON_INTERPRET
     eager_sdpa = traffic.measure("timm_eager", TINY, 256)
@@ -144,7 +145,7 @@ def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
         triton_families = {f for (f, _, triton) in r.groups if triton}
         assert {"GEMM", "attention", "norm", "elementwise", "embed"} <= triton_families  # every kernel family ran
     detail = "\n" + traffic.format_summary([eager_sdpa, eager, fused, fused_bf16]) + "\n" + traffic.format_top_ops(fused, 10)
-    bounds = [(fused, eager, 0.50), (fused, eager_sdpa, 0.64), (fused_bf16, eager, 0.45), (fused_bf16, eager_sdpa, 0.56)]
+    bounds = [(fused, eager, 0.45), (fused, eager_sdpa, 0.57), (fused_bf16, eager, 0.40), (fused_bf16, eager_sdpa, 0.50)]
     for ours, reference, bound in bounds:
         f, e = ours.totals(), reference.totals()
         ratio = (f["read"] + f["written"]) / (e["read"] + e["written"])

@@ -350,9 +350,9 @@ def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
     return n
 
 
-def _check_out_dtype(out_dtype: Optional[torch.dtype]) -> None:
+def _check_out_dtype(name: str, out_dtype: Optional[torch.dtype]) -> None:
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"layer_norm: expected out_dtype to be one of {FLOAT_DTYPES} or None, got {out_dtype}")
+        raise ValueError(f"{name}: expected out_dtype to be one of {FLOAT_DTYPES} or None, got {out_dtype}")
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6,
@@ -363,7 +363,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     cast (and their backward counterparts) in memory."""
     _check_ln_inputs("layer_norm", x, weight, bias, eps)
     check_kernel_device("layer_norm", x, weight, bias)
-    _check_out_dtype(out_dtype)
+    _check_out_dtype("layer_norm", out_dtype)
     weight, bias = unit_stride(weight), unit_stride(bias)
     return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None, out_dtype)
 
@@ -375,7 +375,7 @@ def layer_norm_and_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     where autograd would sum the two in a separate add (3 more passes over an fp32 stream)."""
     _check_ln_inputs("layer_norm", x, weight, bias, eps)
     check_kernel_device("layer_norm", x, weight, bias)
-    _check_out_dtype(out_dtype)
+    _check_out_dtype("layer_norm_and_input", out_dtype)
     weight, bias = unit_stride(weight), unit_stride(bias)
     return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None, out_dtype, True)
 
@@ -418,8 +418,8 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every LayerNorm launch for a ViT of this width: plain LN (final norm / first norm) and the
     residual-join LN with every combination of branch bias, LayerScale, drop-path and dropout,
-    forward and backward (with and without a gradient into h). The partial-sum reduction is listed
-    by ``bias_gelu.aot_specs``."""
+    forward and backward (with and without a gradient into h), with a 16-bit and an fp32 stream. The
+    partial-sum reduction is listed by ``bias_gelu.aot_specs``."""
     act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     types = {name: act for name in ("Y", "H_OUT", "X", "RES", "DH", "DX", "DY", "DH_OUT", "H")}
     types.update({name: par for name in ("W", "B", "BRANCH_BIAS", "GAMMA")})
@@ -438,15 +438,17 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
         values = dict(N=width, stride_xm=width, stride_ym=width, stride_dym=width, stride_dhm=width,
                       stride_hm=width if res else 0, stride_rm=width if res else 0,
                       tokens_per_sample=tokens if scale else 1)
-        # the plain LN also as the first norm of an fp32 stream under autocast: fp32 rows, 16-bit output
-        stream_types = [types] if res or dtype == torch.float32 else \
-            [types, dict(types, **{name: "*fp32" for name in ("X", "H", "DH")})]
+        # under autocast the stream is fp32 (residual_in_fp32) while branch, output and dy are 16-bit:
+        # the residual, h and their gradients fp32 (the plain LN: x, the first norm of the stream)
+        fp32_stream = ("RES", "H_OUT", "H", "DH", "DH_OUT") if res else ("X", "H_OUT", "H", "DH", "DH_OUT")
+        stream_types = [types] if dtype == torch.float32 else \
+            [types, dict(types, **{name: "*fp32" for name in fp32_stream})]
         for t in stream_types:
             stream = "" if t is types else " fp32 stream"
             c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=res, **flags)
             specs.append(_spec("layer_norm_fwd", _layer_norm_fwd_kernel, t, c, warps, note + stream, values))
-            for dh_out in ((False, True) if res else (False,)):
-                store_dx = res and (gamma or scale or drop)
+            for dh_out in (False, True):  # plain LN: layer_norm_and_input adds the stream's gradient
+                store_dx = res and (gamma or scale or drop or t is not types)
                 c = dict(BLOCK_M=bwd_block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out, STORE_DX=store_dx, **flags)
                 bwd_values = dict(values, stride_hm=width, stride_dhom=width if dh_out else 0,
                                   stride_dxm=width if store_dx else 0)

@@ -519,8 +519,8 @@ class _Launches:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_qkv_bias_launches(monkeypatch, dtype):
     """Forward 1 launch; backward 1 launch (no delta pre-pass) + one sum_partials, no aten sum over
-    d(qkv) and no fill of partial rows (fp32 tables, whose dQ and dK/dV tile counts differ, write
-    zeros from the idle phase). Without a bias: 1 + 1 launches."""
+    d(qkv) and no fill of partial rows (every program writes the partial row of its own dK/dV and dQ
+    tile, the same rows). Without a bias: 1 + 1 launches."""
     B, N, H, D = 1, 37, 2, 64
     launches = _Launches(monkeypatch)
     for bias in (None, make_bias(H, D).requires_grad_()):
@@ -550,6 +550,26 @@ def test_qkv_bias_bad_input_raises_before_launch():
         A.attention(qkv, 2, qkv_bias=torch.zeros(192, device="meta"))
     with pytest.raises(ValueError, match="qkv_bias of shape"):
         A.attention_probs(qkv, A.attention_with_lse(qkv, 2)[1], 2, qkv_bias=torch.zeros(96, device=DEVICE))
+
+
+def test_qkv_bias_padded_q_rows_stay_zero_when_the_key_shift_overflows():
+    """b_q shifts score column j by k_j . b_q, padded q rows included (their q loads as 0). Here that
+    shift is 128 for every key (scale 1), so the padded rows' exp2 would overflow to inf and put
+    inf * 0 = NaN into dk, dv and d(bias): their lse must load as +inf, probability exactly 0.
+    N = 17: 15 padded rows in the last tile. k_j[0] = 1 for every key, so for the real rows the shift
+    is the same in every column and softmax ignores it; q[0] = 0 keeps q + b_q exact in bf16. (d(b_k),
+    exactly 0, is left out: it is the token sum of a dk column of ~1000 rounded to bf16.)"""
+    B, N, H, D = 1, 17, 1, 64
+    qkv = make_qkv(B, N, H, D, torch.bfloat16).view(B, N, 3, D)
+    qkv[:, :, 0] *= D ** -0.5
+    qkv[:, :, 0, 0] = 0.0
+    qkv[:, :, 1, 0] = 1.0
+    bias = torch.zeros(3, D, device=DEVICE)
+    bias[0, 0] = 128.0
+    out, (dqkv,) = check_2x_eager(lambda x: A.attention(x, H, scale=1.0, qkv_bias=bias.view(-1)),
+                                  lambda x: A.attention_ref(x, H, scale=1.0, qkv_bias=bias.view(-1)),
+                                  [qkv.view(B, N, -1)], ["dqkv"])
+    assert torch.isfinite(dqkv).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)

@@ -97,6 +97,66 @@ def test_class_token_pooling_runs_the_last_block_on_token_0_only(monkeypatch, co
     compare_grads(fused, full, FP32)
 
 
+def test_class_token_pooling_keeps_every_row_while_the_last_block_draws_dropout_masks(monkeypatch):
+    """Masks are drawn per row: in training with proj dropout the last block runs on every token, and
+    forward() draws the same masks as forward_features + head (bitwise, same seed)."""
+    fused, _ = make_pair(**TINY, proj_drop_rate=0.2)
+    rows = []
+    original = vit_fast.layers.Mlp.branch
+    monkeypatch.setattr(vit_fast.layers.Mlp, "branch", lambda self, h: rows.append(h.shape[:-1].numel()) or
+                        original(self, h))
+    x = torch.randn(3, 3, 32, 32)
+    torch.manual_seed(5)
+    out = fused(x)
+    assert rows == [3 * 17, 3 * 17], rows
+    torch.manual_seed(5)
+    assert torch.equal(out, fused.forward_head(fused.forward_features(x)))
+    fused.eval()
+    rows.clear()
+    fused(x)
+    assert rows == [3 * 17, 3], "eval draws no mask: the last block runs on token 0 again"
+
+
+def test_blocks_with_forward_hooks_run_one_by_one_and_the_hooks_fire():
+    """The fused chain calls Block.forward_pair directly; a block with a hook (FSDP2, feature extraction)
+    makes the model call each block, with the same result."""
+    fused, _ = make_pair(**TINY)
+    hooked = copy.deepcopy(fused)
+    seen = []
+    hooked.blocks[1].register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    x = torch.randn(2, 3, 32, 32)
+    out, out_hooked = fused(x), hooked(x)
+    assert seen == [torch.Size([2, 17, 64])]
+    assert_close(out_hooked, out, FP32, "logits")
+    loss_of(out).backward()
+    loss_of(out_hooked).backward()
+    compare_grads(hooked, fused, FP32)
+
+
+def test_fsdp2_fully_shard_per_block_on_the_triton_backend(tmp_path):
+    """fully_shard gathers parameters in each block's pre-forward hook: one gloo rank, same logits and
+    gradients as the unsharded model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    fused, _ = make_pair(**TINY)
+    sharded = copy.deepcopy(fused)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for blk in sharded.blocks:
+            fully_shard(blk)
+        fully_shard(sharded)
+        x = torch.randn(2, 3, 32, 32)
+        out, out_sharded = fused(x), sharded(x)
+        assert_close(out_sharded, out, FP32, "logits")
+        loss_of(out).backward()
+        loss_of(out_sharded).backward()
+        for (name, p), (_, q) in zip(sharded.named_parameters(), fused.named_parameters()):
+            assert_close(p.grad.full_tensor(), q.grad, FP32, name, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_variant_avg_pool_reg_tokens_layerscale_drop_path_train():
     fused, ref = make_pair(**VARIANT)
     fused.train(), ref.train()
@@ -151,16 +211,22 @@ def test_attention_maps_on_the_fused_model():
 
 
 @pytest.mark.parametrize("residual_in_fp32", [True, False], ids=["fp32_residual", "bf16_residual"])
-def test_autocast_bf16_matches_reference_under_autocast(residual_in_fp32):
+def test_autocast_bf16_matches_reference_under_autocast(monkeypatch, residual_in_fp32):
     """Both paths under autocast, against fp64; with residual_in_fp32=False both keep the residual stream
-    (the tokens entering the blocks and every join) in bf16."""
+    (the tokens entering the blocks and every join) in bf16. The first LayerNorm hands the qkv GEMM bf16
+    straight from its kernel either way."""
     fused, ref = make_pair(**TINY, residual_in_fp32=residual_in_fp32)
     ref64 = copy.deepcopy(ref).double()
     x = torch.randn(2, 3, 32, 32)
+    first_norm = []
+    original = vit_fast.model.layer_norm_and_input
+    monkeypatch.setattr(vit_fast.model, "layer_norm_and_input", lambda *args: first_norm.append(
+        original(*args)) or first_norm[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         stream = torch.float32 if residual_in_fp32 else torch.bfloat16
         assert fused.embed(x).dtype == ref.embed(x).dtype == stream
         out, out_ref = fused(x), ref(x)
+    assert [(normed.dtype, tokens.dtype) for normed, tokens in first_norm] == [(torch.bfloat16, stream)]
     assert out.dtype == out_ref.dtype == torch.bfloat16
     out64 = ref64(x.double())
     err, err_eager = errors(out, out64)[0], errors(out_ref, out64)[0]

@@ -309,6 +309,12 @@ class Block(nn.Module):
             return self.forward_pair(normed, x, None)[1]
         return self.forward_reference(x)
 
+    def draws_dropout_masks(self) -> bool:
+        """True when a forward in the current mode draws random masks (training, some rate above 0)."""
+        return self.training and any(
+            (isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, DropPath) and m.drop_prob > 0)
+            for m in self.modules())
+
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         # .to(x.dtype): the residual stream keeps its dtype (a no-op unless it is half under autocast,
         # residual_in_fp32=False, where the fp32 LayerScale output would promote it)

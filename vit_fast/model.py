@@ -192,7 +192,7 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        if len(self.blocks) and resolve_backend(self.backend, x) == "triton":
+        if self._fuses_across_blocks(x):
             return self._forward_blocks_fused(x)
         if self.grad_checkpointing and torch.is_grad_enabled():
             for blk in self.blocks:
@@ -200,6 +200,23 @@ class VisionTransformer(nn.Module):
         else:
             x = self.blocks(x)
         return self.norm(x)
+
+    def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
+        """Whether the blocks run as one fused chain (``_forward_blocks_fused``). The chain calls
+        ``Block.forward_pair`` directly, so blocks with forward hooks run one by one through ``__call__``
+        instead: FSDP2's fully_shard gathers a block's parameters in its pre-forward hook, and a user's
+        feature hook expects to fire."""
+        return (len(self.blocks) > 0 and resolve_backend(self.backend, x) == "triton"
+                and not any(blk._forward_pre_hooks or blk._forward_hooks for blk in self.blocks))
+
+    def _prunes_to_class_token(self, x: torch.Tensor) -> bool:
+        """Whether forward() may run the last block on token 0 alone (class-token pooling reads nothing
+        else). Exact, same logits and gradients as the full path, when the last block draws no dropout
+        mask: masks are drawn per row, so a pruned block would draw different ones. A subclass that
+        overrides forward_features keeps its own."""
+        return (self.global_pool == "token" and self._fuses_across_blocks(x)
+                and type(self).forward_features is VisionTransformer.forward_features
+                and not self.blocks[-1].draws_dropout_masks())
 
     def _forward_blocks_fused(self, x: torch.Tensor, last_keep_rows: Optional[int] = None) -> torch.Tensor:
         """Blocks + final norm carrying (normed, residual): every join is fused with the next LayerNorm.
@@ -239,9 +256,9 @@ class VisionTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.global_pool == "token" and len(self.blocks) and resolve_backend(self.backend, x) == "triton":
-            # Class-token pooling reads token 0 alone: the last block skips the other tokens' proj, MLP
-            # and joins (same logits and gradients; forward_features still returns every token).
+        if self._prunes_to_class_token(x):
+            # the last block skips the other tokens' proj, MLP and joins; forward_features still
+            # returns every token
             return self.forward_head(self._forward_blocks_fused(self.embed(x), last_keep_rows=1))
         return self.forward_head(self.forward_features(x))
 

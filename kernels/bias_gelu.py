@@ -356,12 +356,17 @@ def _(dy, x, bias, approximate):
 def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                          gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor],
                          p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
-    """x, residual: (M, N); sample_scale (B,) with B dividing M. p > 0 draws dropout with seed
-    (a 1-element int64 CPU tensor from ``next_seed``; None without dropout)."""
-    m, n = x.shape
-    out = torch.empty((m, n), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+    """x, residual: (..., N) of one shape; sample_scale (B,) with B dividing the rows M. p > 0 draws
+    dropout with seed (a 1-element int64 CPU tensor from ``next_seed``; None without dropout). The
+    output is allocated in x's shape, not viewed from a rows tensor (FSDP2 warns on a block returning
+    a view)."""
+    shape, n = x.shape, x.shape[-1]
+    x, residual = as_rows(x, n), as_rows(residual, n)
+    m = x.shape[0]
+    full = torch.empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+    out = full.view(m, n)
     if m == 0:
-        return out
+        return full
     block_m, block_n, warps = tile_config(n)
     tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
@@ -369,7 +374,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
         out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
         seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None,
         HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, num_warps=warps)
-    return out
+    return full
 
 
 @bias_dropout_add_fwd.register_fake
@@ -431,12 +436,12 @@ class BiasGeluFunction(torch.autograd.Function):
 class BiasDropoutAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, gamma, sample_scale, p, seed):
-        n = x.shape[-1]
-        x2 = as_rows(x, n)
+        x2 = as_rows(x, x.shape[-1])
         ctx.save_for_backward(x2, bias, gamma, sample_scale, seed)
         ctx.p, ctx.shape, ctx.res_dtype = p, x.shape, residual.dtype
         ctx.store_dx = stores_dx(p, gamma, sample_scale, torch.promote_types(x.dtype, residual.dtype), x.dtype)
-        return bias_dropout_add_fwd(x2, bias, as_rows(residual, n), gamma, sample_scale, p, seed).view(x.shape)
+        # x2 in x's shape: a view of x (or of the one copy as_rows made), so the op copies nothing again
+        return bias_dropout_add_fwd(x2.view(x.shape), bias, residual, gamma, sample_scale, p, seed)
 
     @staticmethod
     def backward(ctx, dout):

@@ -112,6 +112,29 @@ def test_hf_vit_model_last_hidden_state_and_pooler(backend):
         model(x, labels=torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_output_attentions_match_the_source(backend):
+    """output_attentions: one (B, heads, N, N) map per block, equal to transformers' (eager attention) with
+    the same hidden states and logits, and differentiable; refused in training with attention dropout."""
+    ref = hf_vit(attn_implementation="eager")
+    model = vit_fast.optimize(ref, backend=backend)
+    x = images()
+    want = ref(x, output_attentions=True, output_hidden_states=True)
+    got = model(x, output_attentions=True, output_hidden_states=True)
+    assert len(got.attentions) == len(want.attentions) == 2
+    for i, (a, r) in enumerate(zip(got.attentions, want.attentions)):
+        assert a.shape == r.shape == (2, 2, 5, 5)
+        assert_close(a, r, RTOL, name=f"attentions[{i}]")
+    assert_close(got.logits, want.logits, RTOL, name="logits")
+    assert len(got.hidden_states) == 3 and len(model(x, return_dict=False, output_attentions=True)) == 2
+    assert model(x).attentions is None
+    got.attentions[-1][:, :, 0, 1:].square().sum().backward()  # a class-token attention loss reaches the weights
+    assert model.model.blocks[-1].attn.qkv.weight.grad.abs().sum() > 0
+    dropping = vit_fast.optimize(hf_vit(attention_probs_dropout_prob=0.1), backend=backend).train()
+    with pytest.raises(ValueError, match="before dropout"):
+        dropping(x, output_attentions=True)
+
+
 def test_gradients_flow_like_the_source():
     """Training through the optimized model: every parameter gradient equals the source model's."""
     ref = timm_vit()

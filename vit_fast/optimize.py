@@ -169,11 +169,14 @@ def timm_unsupported(model: nn.Module) -> list[str]:
 class HFViT(nn.Module):
     """A transformers ViTModel / ViTForImageClassification look-alike around a vit_fast model.
 
-    ``forward(pixel_values, labels=None, return_dict=None, output_hidden_states=None)`` returns
-    BaseModelOutputWithPooling (ViTModel: last_hidden_state, pooler_output) or ImageClassifierOutput
-    (loss when labels are given, logits), or their tuples with return_dict=False. Masked-patch
-    pre-training inputs, attention masks, head masks, interpolate_pos_encoding and attention outputs
-    raise a clear error (use ``model.model.get_attention_maps`` for attention maps).
+    ``forward(pixel_values, labels=None, return_dict=None, output_hidden_states=None,
+    output_attentions=None)`` returns BaseModelOutputWithPooling (ViTModel: last_hidden_state,
+    pooler_output) or ImageClassifierOutput (loss when labels are given, logits), or their tuples with
+    return_dict=False. With output_attentions the blocks run one by one and each block's softmax
+    probabilities (B, heads, N, N) are recomputed on the reference path, with gradients (HF's eager
+    attention returns them after dropout: with attention dropout active in training this is refused).
+    Masked-patch pre-training inputs, attention masks, head masks and interpolate_pos_encoding raise a
+    clear error.
     """
 
     def __init__(self, source: nn.Module, fast: VisionTransformer):
@@ -208,7 +211,7 @@ class HFViT(nn.Module):
         from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
         unsupported = [name for name, value in [
-            ("output_attentions", output_attentions), ("interpolate_pos_encoding", interpolate_pos_encoding),
+            ("interpolate_pos_encoding", interpolate_pos_encoding),
             ("bool_masked_pos", bool_masked_pos), ("attention_mask", attention_mask), ("head_mask", head_mask),
         ] + list(kwargs.items()) if value not in (None, False)]
         if unsupported:
@@ -221,23 +224,31 @@ class HFViT(nn.Module):
         model = self.model
         pixel_values = pixel_values.to(model.patch_embed.proj.weight.dtype)  # as transformers does
         want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        if want_hidden:
+        want_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        if want_attentions and self.training and any(blk.attn.attn_drop.p > 0 for blk in model.blocks):
+            raise ValueError("output_attentions: vit_fast returns the probabilities before dropout, transformers "
+                             "after it; with attention dropout in training run the original model, or call eval()")
+        attentions = None
+        if want_hidden or want_attentions:
             x = model.embed(pixel_values)
-            hidden_states = [x]
+            hidden_states, attentions = [x], []
             for blk in model.blocks:
+                if want_attentions:
+                    attentions.append(blk.attn.attention_probs(blk.norm1(x)))
                 x = blk(x)
                 hidden_states.append(x)
             sequence = model.norm(x)
-            hidden_states = tuple(hidden_states)
+            hidden_states = tuple(hidden_states) if want_hidden else None
+            attentions = tuple(attentions) if want_attentions else None
         else:
             sequence, hidden_states = model.forward_features(pixel_values), None
         if self.is_classifier:
             logits = model.forward_head(sequence)
             loss = self._loss_function(labels, logits, self.config) if labels is not None else None
-            out = ImageClassifierOutput(loss=loss, logits=logits, hidden_states=hidden_states)
+            out = ImageClassifierOutput(loss=loss, logits=logits, hidden_states=hidden_states, attentions=attentions)
         else:
             pooled = self.pooler(sequence) if self.pooler is not None else None
             out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled,
-                                             hidden_states=hidden_states)
+                                             hidden_states=hidden_states, attentions=attentions)
         want_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         return out if want_dict else out.to_tuple()

@@ -82,6 +82,16 @@ def test_batch_and_depth_extrapolation_match_direct_counts():
         for k, v in want.items():
             assert modelled.groups[key][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (key, k)
     assert "extrapolated per op to batch 4" in modelled.how and "extrapolated to depth 3" in modelled.how
+    # one block (the depth slope) = depth 3 minus depth 2, counted directly
+    shallower = traffic.measure("timm_eager_unfused_attn", TINY, 4, count_batches=(4,), count_depths=None,
+                                **{**kw, "depth": 2})
+    zero = dict.fromkeys(traffic.TOTAL_KEYS, 0.0)
+    for key, block in modelled.block_groups.items():
+        for k, v in block.items():
+            assert v == pytest.approx(direct.groups[key][k] - shallower.groups.get(key, zero)[k], rel=1e-9, abs=1e-9)
+    per_image = modelled.block_by_family()
+    assert per_image["total"] > 0
+    assert per_image["total"] == pytest.approx(sum(v for f, v in per_image.items() if f != "total"))
 
 
 def test_gelu_linear_dw_split_is_counted_as_at_the_target_batch():

@@ -407,6 +407,14 @@ def extrapolate_depth(shallow: dict, deep: dict, d_shallow: int, d_deep: int, de
     return out
 
 
+def depth_slope(shallow: dict, deep: dict, d_shallow: int, d_deep: int) -> dict:
+    """What one more block adds to each group: one whole block, whatever the last block does
+    differently (under class-token pooling it runs on token 0 only, at every depth)."""
+    zero = dict.fromkeys(TOTAL_KEYS, 0.0)
+    return {key: {k: (deep.get(key, zero)[k] - shallow.get(key, zero)[k]) / (d_deep - d_shallow) for k in TOTAL_KEYS}
+            for key in set(shallow) | set(deep)}
+
+
 def _sum(groups) -> dict:
     total = dict.fromkeys(TOTAL_KEYS, 0.0)
     for g in groups:
@@ -422,6 +430,8 @@ class PathResult:
     batch: int
     how: str = ""
     count_seconds: float = 0.0
+    block_groups: dict | None = None  # one block at `batch`: the depth slope (counted at two depths)
+    activation_bytes: int = 0  # one token sequence N x D in bf16 per image: the unit of the block figures
 
     def totals(self) -> dict:
         return _sum(self.groups.values())
@@ -432,6 +442,14 @@ class PathResult:
 
     def triton_totals(self) -> dict:
         return _sum(g for (_, _, triton), g in self.groups.items() if triton)
+
+    def block_by_family(self) -> dict[str, float]:
+        """Bytes one block moves per image, by family (every family, 0 where a path has none), and 'total'."""
+        if not self.block_groups:
+            return {}
+        out = {fam: _sum(g for (f, _, _), g in self.block_groups.items() if f == fam) for fam in FAMILIES}
+        out = {fam: (t["read"] + t["written"]) / self.batch for fam, t in out.items()}
+        return {**out, "total": sum(out.values())}
 
 
 def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloat16, count_batches=(2, 3),
@@ -457,12 +475,13 @@ def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloa
         ops = counted[0] if len(batches) == 1 else scale_ops(*counted, *batches, batch)
         per_depth.append(aggregate(ops, dtype))
     groups = per_depth[0] if len(depths) == 1 else extrapolate_depth(*per_depth, *depths, cfg.depth)
+    block = depth_slope(*per_depth, *depths) if len(depths) > 1 else None
     how = f"counted at batch {' and '.join(map(str, batches))}"
     if len(batches) > 1:
         how += f", extrapolated per op to batch {batch} as fixed + per_image * batch"
     if len(depths) > 1:
         how += f"; counted at depth {depths[0]} and {depths[1]}, extrapolated to depth {cfg.depth} (blocks are identical)"
-    return PathResult(path, groups, batch, how, time.perf_counter() - t0)
+    return PathResult(path, groups, batch, how, time.perf_counter() - t0, block, cfg.num_tokens * cfg.embed_dim * 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,6 +499,12 @@ def format_path(r: PathResult) -> str:
     for fam, t in list(r.by_family().items()) + [("total", r.totals())]:
         lines.append(_row((fam, round(t["launches"]), f"{t['read'] / 1e9:.3f}", f"{t['written'] / 1e9:.3f}", f"{t['flops'] / 1e9:.0f}",
                            f"{t['H100'] * 1e3:.2f}", f"{t['A100'] * 1e3:.2f}"), widths))
+    block = r.block_by_family()
+    if block:
+        unit = r.activation_bytes
+        parts = ", ".join(f"{fam} {b / 1e6:.2f}" for fam, b in block.items() if fam != "total" and b)
+        lines.append(f"one block (depth slope), per image: {block['total'] / 1e6:.2f} MB = "
+                     f"{block['total'] / unit:.1f} x (N x D bf16 activation); MB by family: {parts}")
     tt = r.triton_totals()
     if tt["launches"]:
         req, uniq = tt["requested"] / 1e9, (tt["read"] + tt["written"]) / 1e9
@@ -500,15 +525,17 @@ def format_top_ops(r: PathResult, n: int = 15) -> str:
 
 
 def format_summary(results: list[PathResult]) -> str:
-    base = results[0].totals()
-    head = ("path", "launches", "GB moved", "H100 ms", "H100 img/s", "A100 ms", "A100 img/s", "bytes/eager", "launches/eager")
-    widths = (32, 8, 9, 8, 10, 8, 10, 11, 14)
+    base, base_block = results[0].totals(), results[0].block_by_family().get("total")
+    head = ("path", "launches", "GB moved", "H100 ms", "H100 img/s", "A100 ms", "A100 img/s", "bytes/eager",
+            "launches/eager", "block/eager")
+    widths = (32, 8, 9, 8, 10, 8, 10, 11, 14, 11)
     lines = [_row(head, widths)]
     for r in results:
-        t = r.totals()
+        t, block = r.totals(), r.block_by_family().get("total")
         lines.append(_row((PATH_LABELS.get(r.path, r.path), round(t["launches"]), f"{(t['read'] + t['written']) / 1e9:.2f}",
                            f"{t['H100'] * 1e3:.1f}", f"{r.batch / t['H100']:.0f}", f"{t['A100'] * 1e3:.1f}", f"{r.batch / t['A100']:.0f}",
-                           f"{(t['read'] + t['written']) / (base['read'] + base['written']):.2f}", f"{t['launches'] / base['launches']:.2f}"), widths))
+                           f"{(t['read'] + t['written']) / (base['read'] + base['written']):.2f}", f"{t['launches'] / base['launches']:.2f}",
+                           f"{block / base_block:.2f}" if block and base_block else "-"), widths))
     return "\n".join(lines)
 
 
@@ -569,7 +596,8 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
 
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, dtype=args.dtype, batch=args.batch, roofline=ROOFLINE,
-                           paths={r.path: dict(how=r.how, totals=r.totals(), families=r.by_family()) for r in results}), f, indent=1)
+                           paths={r.path: dict(how=r.how, totals=r.totals(), families=r.by_family(),
+                                               block_bytes_per_image=r.block_by_family()) for r in results}), f, indent=1)
     return 0
 
 

@@ -72,6 +72,39 @@ def test_from_timm_model_matches_outputs_and_gradients(case):
     check_same(ref, ours, torch.randn(batch, ref.patch_embed.proj.in_channels, *size))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_intermediates_and_pruning_match_timm(backend):
+    """timm's feature-extraction API on a converted model (class + register tokens, non-square grid): every
+    argument combination gives timm's tensors, NCHW maps and NLC tokens, prefix tokens, dict output,
+    stop_early; gradients reach the blocks through the intermediates; pruning keeps timm's blocks."""
+    torch.manual_seed(0)
+    ref = perturb_(timm.create_model("vit_tiny_patch16_224", depth=3, reg_tokens=2, img_size=(32, 48),
+                                     patch_size=8, embed_dim=64, num_heads=2))
+    ours = from_timm(ref, backend=backend)
+    x = torch.randn(2, 3, 32, 48)
+    calls = [dict(), dict(indices=2, norm=True), dict(indices=[0, -1], output_fmt="NLC", return_prefix_tokens=True),
+             dict(indices=[1], stop_early=True, intermediates_only=True),
+             dict(indices=[0, 2], output_dict=True, return_prefix_tokens=True)]
+    for kw in calls:
+        want, got = ref.forward_intermediates(x, **kw), ours.forward_intermediates(x, **kw)
+        flat_want, flat_got = torch.utils._pytree.tree_flatten(want), torch.utils._pytree.tree_flatten(got)
+        assert flat_got[1] == flat_want[1], kw  # same structure (tuple / list / dict, pairs with prefix)
+        for i, (g, w) in enumerate(zip(flat_got[0], flat_want[0])):
+            assert_close(g, w, RTOL, name=f"{kw} leaf {i}")
+    final, maps = ours.forward_intermediates(x, indices=[0])
+    assert maps[0].shape == (2, 64, 4, 6)
+    maps[0].square().sum().backward()
+    assert ours.blocks[0].mlp.fc2.weight.grad.abs().sum() > 0 and ours.blocks[2].mlp.fc2.weight.grad is None
+    with pytest.raises(ValueError, match="block indices"):
+        ours.forward_intermediates(x, indices=[3])
+    with pytest.raises(ValueError, match="output_fmt"):
+        ours.forward_intermediates(x, output_fmt="NHWC")
+    assert ours.prune_intermediate_layers([1]) == ref.prune_intermediate_layers([1]) == [1]
+    assert len(ours.blocks) == len(ref.blocks) == 2 and isinstance(ours.head, torch.nn.Identity)
+    assert_close(ours.forward_intermediates(x, indices=1)[1][0], ref.forward_intermediates(x, indices=1)[1][0], RTOL,
+                 name="after pruning")
+
+
 @pytest.mark.parametrize("kw, overrides", [
     (dict(depth=1, class_token=False, reg_tokens=4, no_embed_class=True, global_pool="avg"), {}),
     (dict(depth=1, init_values=1e-5, qk_norm=True, num_classes=10), {}),

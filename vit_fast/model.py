@@ -218,10 +218,13 @@ class VisionTransformer(nn.Module):
                 and type(self).forward_features is VisionTransformer.forward_features
                 and not self.blocks[-1].draws_dropout_masks())
 
-    def _forward_blocks_fused(self, x: torch.Tensor, last_keep_rows: Optional[int] = None) -> torch.Tensor:
+    def _forward_blocks_fused(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
+                              outputs: Optional[list] = None) -> torch.Tensor:
         """Blocks + final norm carrying (normed, residual): every join is fused with the next LayerNorm.
-        ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``)."""
-        blocks = list(self.blocks)
+        ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``).
+        ``depth``: the first blocks only (the final norm follows the last of them); ``outputs``: a list that
+        receives every block's output tokens (the residual stream after it, nothing extra computed)."""
+        blocks = list(self.blocks)[:depth]
         final_norm = self.norm if isinstance(self.norm, nn.LayerNorm) else None
         norm1 = blocks[0].norm1
         normed, residual = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
@@ -236,7 +239,67 @@ class VisionTransformer(nn.Module):
                                                                      keep_rows, use_reentrant=False)
             else:
                 normed, residual = blk.forward_pair(normed, residual, next_norm, keep_rows)
+            if outputs is not None:
+                outputs.append(residual)
         return normed if final_norm is not None else self.norm(residual)
+
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = "NCHW", intermediates_only: bool = False, output_dict: bool = False,
+                              attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False):
+        """timm's feature-extraction API, same arguments and returns: the outputs of the chosen blocks
+        (``indices``: the last n for an int, all for None, negative from the end) as NCHW maps or NLC
+        tokens, with ``norm`` the final norm applied to each, with ``return_prefix_tokens`` paired with
+        their class/register tokens; and the final normed tokens unless ``intermediates_only``. On the
+        Triton path the fused block chain runs unchanged and hands over each block's residual stream."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        if attn_mask is not None or is_causal:
+            raise ValueError("forward_intermediates: attention masks (attn_mask, is_causal) are not supported")
+        take = block_indices(len(self.blocks), indices)
+        depth = max(take) + 1 if stop_early else len(self.blocks)
+        B = x.shape[0]
+        grid = self.patch_embed.check_input(x)
+        tokens = self.embed(x)
+        outputs: list[torch.Tensor] = []
+        if self._fuses_across_blocks(tokens):
+            final = self._forward_blocks_fused(tokens, depth=depth, outputs=outputs)
+        else:
+            for blk in self.blocks[:depth]:
+                if self.grad_checkpointing and torch.is_grad_enabled():
+                    tokens = torch.utils.checkpoint.checkpoint(blk, tokens, use_reentrant=False)
+                else:
+                    tokens = blk(tokens)
+                outputs.append(tokens)
+            final = self.norm(tokens)
+        intermediates = [self.norm(y) if norm else y for i, y in enumerate(outputs) if i in take]
+        prefix = [y[:, :self.num_prefix_tokens] for y in intermediates] if self.num_prefix_tokens else None
+        intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
+        if output_fmt == "NCHW":
+            intermediates = [y.reshape(B, *grid, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if output_dict:
+            result = {"image_intermediates": intermediates}
+            if prefix is not None and return_prefix_tokens:
+                result["image_intermediates_prefix"] = prefix
+            if not intermediates_only:
+                result["image_features"] = final
+            return result
+        if return_prefix_tokens and prefix is not None:
+            intermediates = list(zip(intermediates, prefix))
+        return intermediates if intermediates_only else (final, intermediates)
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """timm's companion of forward_intermediates: drop the blocks after the last wanted one (and
+        optionally the final norm and the head). Returns the absolute indices kept."""
+        take = block_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:max(take) + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.fc_norm = nn.Identity()
+            self.reset_classifier(0, "")
+        return take
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
         pool_type = self.global_pool if pool_type is None else pool_type
@@ -286,6 +349,22 @@ class VisionTransformer(nn.Module):
                 break
             x = blk(x)
         return {i % depth: maps[i % depth] for i in chosen}
+
+
+def block_indices(depth: int, indices: int | Iterable[int] | None) -> list[int]:
+    """timm's feature_take_indices: None -> every block, n -> the last n, a list -> those (negative
+    counts from the end). Bad indices raise ValueError naming the valid range."""
+    if indices is None:
+        indices = depth
+    if isinstance(indices, int):
+        if not 0 < indices <= depth:
+            raise ValueError(f"indices: last-n must be in 1..{depth} for a model with {depth} blocks, got {indices}")
+        return list(range(depth - indices, depth))
+    take = [depth + i if i < 0 else i for i in indices]
+    bad = [i for i, t in zip(indices, take) if not 0 <= t < depth]
+    if bad or not take:
+        raise ValueError(f"indices: expected block indices in [-{depth}, {depth}), got {list(indices)}")
+    return take
 
 
 def forward_flops(config: ViTConfig, img_size=None) -> int:

@@ -135,6 +135,28 @@ def test_hf_output_attentions_match_the_source(backend):
         dropping(x, output_attentions=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_interpolate_pos_encoding_matches_the_source(backend):
+    """interpolate_pos_encoding=True at other image sizes (non-square, larger and smaller grids) gives
+    transformers' logits, hidden states and gradients; at the model's own size it changes nothing; without it
+    another size is refused by both."""
+    ref = hf_vit(patch_size=8)  # 32 px: a 4x4 grid
+    model = vit_fast.optimize(ref, backend=backend)
+    for size in [(48, 40), (24, 24), (32, 32)]:
+        x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+        want = ref(x, interpolate_pos_encoding=True, output_hidden_states=True)
+        got = model(x, interpolate_pos_encoding=True, output_hidden_states=True)
+        assert_close(got.logits, want.logits, RTOL, name=f"logits {size}")
+        assert_close(got.hidden_states[0], want.hidden_states[0], RTOL, name=f"embeddings {size}")
+    ref.zero_grad()
+    want.logits.square().sum().backward()
+    got.logits.square().sum().backward()
+    assert_close(model.model.pos_embed.grad, ref.vit.embeddings.position_embeddings.grad, RTOL, name="d pos_embed")
+    for m in (ref, model):
+        with pytest.raises(ValueError, match="size"):
+            m(torch.randn(2, 3, 48, 40))
+
+
 def test_gradients_flow_like_the_source():
     """Training through the optimized model: every parameter gradient equals the source model's."""
     ref = timm_vit()
@@ -204,8 +226,8 @@ def test_unsupported_features_are_listed():
         vit_fast.optimize(torch.nn.Linear(3, 3))
     with pytest.raises(ValueError, match="backend must be one of"):
         vit_fast.optimize(timm_vit(), backend="cuda")
-    with pytest.raises(ValueError, match="interpolate_pos_encoding"):
-        vit_fast.optimize(hf_vit())(images(), interpolate_pos_encoding=True)
+    with pytest.raises(ValueError, match="bool_masked_pos"):
+        vit_fast.optimize(hf_vit())(images(), bool_masked_pos=torch.zeros(2, 4, dtype=torch.bool))
 
 
 def test_triton_backend_without_kernels_is_an_error(monkeypatch):

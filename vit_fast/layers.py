@@ -105,8 +105,9 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
         self.norm = nn.Identity()
 
-    def check_input(self, x: torch.Tensor) -> tuple[int, int]:
-        """Validate an image batch; returns its patch grid (H/p, W/p)."""
+    def check_input(self, x: torch.Tensor, any_size: bool = False) -> tuple[int, int]:
+        """Validate an image batch; returns its patch grid (H/p, W/p). ``any_size``: any size divisible
+        by the patch is accepted even with strict_img_size (the caller brings its own position embedding)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor image batch, got {type(x).__name__}")
         if x.dim() != 4:
@@ -121,13 +122,13 @@ class PatchEmbed(nn.Module):
         if H % ph or W % pw:
             raise ValueError(f"expected image height and width divisible by patch size {self.patch_size}, "
                              f"got ({H}, {W})")
-        if self.strict_img_size and (H, W) != self.img_size:
+        if self.strict_img_size and not any_size and (H, W) != self.img_size:
             raise ValueError(f"expected images of size {self.img_size} (H, W), got ({H}, {W}); "
                              f"create the model with img_size=({H}, {W}) or dynamic_img_size=True")
         return H // ph, W // pw
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grid = self.check_input(x)
+    def forward(self, x: torch.Tensor, any_size: bool = False) -> torch.Tensor:
+        grid = self.check_input(x, any_size)
         if resolve_backend(self.backend, x) == "triton":
             # Used alone the kernel adds no tokens and a zero position embedding (the model passes its own).
             zero_pos = x.new_zeros((1, grid[0] * grid[1], self.embed_dim), dtype=self.proj.weight.dtype)

@@ -151,10 +151,17 @@ class VisionTransformer(nn.Module):
                     num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
         return pos_embed
 
-    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    def _check_pos_embed(self, pos_embed: torch.Tensor, grid: tuple[int, int]) -> None:
+        tokens = grid[0] * grid[1] + (0 if self.no_embed_class else self.num_prefix_tokens)
+        if self.pos_embed is None or pos_embed.shape != (1, tokens, self.embed_dim):
+            raise ValueError(f"pos_embed: expected shape {(1, tokens, self.embed_dim)} for a {grid[0]}x{grid[1]} patch "
+                             f"grid{' (the model has no position embedding)' if self.pos_embed is None else ''}, "
+                             f"got {tuple(pos_embed.shape)}")
+
+    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int], pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
         B = x.shape[0]
         prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
-        pos_embed = self._resized_pos_embed(grid)
+        pos_embed = self._resized_pos_embed(grid) if pos_embed is None else pos_embed
         if pos_embed is None:
             x = torch.cat(prefix + [x], dim=1)
         elif self.no_embed_class:  # position embedding covers the patches only: add, then concat
@@ -163,14 +170,18 @@ class VisionTransformer(nn.Module):
             x = torch.cat(prefix + [x], dim=1) + pos_embed
         return self.pos_drop(x)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Images -> token sequence entering the first block (B, prefix + h*w, D)."""
-        grid = self.patch_embed.check_input(x)
+    def embed(self, x: torch.Tensor, pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Images -> token sequence entering the first block (B, prefix + h*w, D). ``pos_embed``: a
+        position embedding the caller made for this input's grid (transformers' interpolate_pos_encoding),
+        in place of the model's; any image size divisible by the patch is then accepted."""
+        grid = self.patch_embed.check_input(x, any_size=pos_embed is not None)
+        if pos_embed is not None:
+            self._check_pos_embed(pos_embed, grid)
         residual_dtype = self._autocast_residual_dtype(x)
         if resolve_backend(self.patch_embed.backend, x) == "torch":
-            tokens = self._pos_embed(self.patch_embed(x), grid)
+            tokens = self._pos_embed(self.patch_embed(x, any_size=pos_embed is not None), grid, pos_embed)
             return tokens if residual_dtype is None else tokens.to(residual_dtype)
-        pos_embed = self._resized_pos_embed(grid)
+        pos_embed = self._resized_pos_embed(grid) if pos_embed is None else pos_embed
         covers_prefix = not self.no_embed_class
         if pos_embed is None:  # pos_embed='none': the kernel adds zeros
             tokens = grid[0] * grid[1] + (self.num_prefix_tokens if covers_prefix else 0)
@@ -190,8 +201,8 @@ class VisionTransformer(nn.Module):
             return None
         return torch.get_autocast_dtype(x.device.type)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
+    def forward_features(self, x: torch.Tensor, pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(x, pos_embed)
         if self._fuses_across_blocks(x):
             return self._forward_blocks_fused(x)
         if self.grad_checkpointing and torch.is_grad_enabled():

@@ -51,12 +51,13 @@ class Row:
 
 
 def measure(op: str, out: torch.Tensor, ref64: torch.Tensor, eager: Optional[torch.Tensor], kind: str,
-            model_rule: bool = False) -> Row:
+            model_rule: bool = False, compute_dtype: Optional[torch.dtype] = None) -> Row:
     """Row for one tensor: error of ``out`` against the float64 ``ref64``; ``eager`` (the same computation
-    in out's dtype, or None in fp32) sets the 2x-eager part of the bound."""
+    in out's dtype, or None in fp32) sets the 2x-eager part of the bound. ``compute_dtype``: the dtype the
+    bound is for when it differs from out's (the fp32 gradient of an fp32 bias in a bf16 computation)."""
     from .numerics import EAGER_SLACK, bound, errors
 
-    dtype = out.dtype
+    dtype = compute_dtype or out.dtype
     rel, max_abs = errors(out, ref64)
     if bool(torch.isnan(out).any()) and not bool(torch.isnan(ref64).any()):
         rel = max_abs = float("nan")
@@ -64,7 +65,7 @@ def measure(op: str, out: torch.Tensor, ref64: torch.Tensor, eager: Optional[tor
     if eager is not None and dtype != torch.float32:
         two_x = 2 * errors(eager, ref64)[0] + EAGER_SLACK[dtype]
         limit = max(limit, two_x) if model_rule else min(limit, two_x)
-    return Row(op, tuple(out.shape), dtype, max_abs, rel, limit)
+    return Row(op, tuple(out.shape), out.dtype, max_abs, rel, limit)
 
 
 def run_op(fn: Callable, inputs: dict[str, torch.Tensor], grad_names: Sequence[str], grad_outs: Sequence[torch.Tensor]):
@@ -88,8 +89,10 @@ def check_op(op: str, fn: Callable, ref_fn: Callable, inputs: dict, grad_names: 
     refs, ref_grads = run_op(ref_fn, as64, grad_names, grad_outs)
     eager_outs, eager_grads = (run_op(ref_fn, inputs, grad_names, grad_outs) if dtype != torch.float32
                                else ([None] * len(outs), [None] * len(grads)))
-    rows = [measure(f"{op} {name}", o, r, e, kind) for name, o, r, e in zip(out_names, outs, refs, eager_outs)]
-    rows += [measure(f"{op} d{name}", g, r, e, kind) for name, g, r, e in zip(grad_names, grads, ref_grads, eager_grads)]
+    rows = [measure(f"{op} {name}", o, r, e, kind, compute_dtype=dtype)
+            for name, o, r, e in zip(out_names, outs, refs, eager_outs)]
+    rows += [measure(f"{op} d{name}", g, r, e, kind, compute_dtype=dtype)
+             for name, g, r, e in zip(grad_names, grads, ref_grads, eager_grads)]
     return rows
 
 
@@ -138,6 +141,10 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
         inputs = dict(qkv=rand(B, N, 3 * D), num_heads=H)
         rows += check_op("attention", lambda **a: A.attention(**a), A.attention_ref, inputs, ["qkv"], ["out"],
                          [(B, N, D)], "dot", dtype, g)
+        # as the model calls it: the qkv GEMM's output without its bias, the (fp32 under AMP) bias in the kernel
+        inputs = dict(qkv=rand(B, N, 3 * D), num_heads=H, qkv_bias=rand(3 * D, scale=0.5, dt=torch.float32))
+        rows += check_op("attention_bias", lambda **a: A.attention(**a), A.attention_ref, inputs, ["qkv", "qkv_bias"],
+                         ["out"], [(B, N, D)], "dot", dtype, g)
     if "patch_embed" in ops:
         (h, w), p, C = cfg.img_size, cfg.patch_size[0], cfg.in_chans
         prefix = cfg.num_prefix_tokens

@@ -440,7 +440,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                       tokens_per_sample=tokens if scale else 1)
         # under autocast the stream is fp32 (residual_in_fp32) while branch, output and dy are 16-bit:
         # the residual, h and their gradients fp32 (the plain LN: x, the first norm of the stream)
-        fp32_stream = ("RES", "H_OUT", "H", "DH", "DH_OUT") if res else ("X", "H_OUT", "H", "DH", "DH_OUT")
+        fp32_stream = ("RES", "H_OUT", "H", "DH", "DH_OUT") if res else ("X", "H_OUT", "H", "DH", "DH_OUT", "DX")
         stream_types = [types] if dtype == torch.float32 else \
             [types, dict(types, **{name: "*fp32" for name in fp32_stream})]
         for t in stream_types:

@@ -148,10 +148,11 @@ def test_hf_interpolate_pos_encoding_matches_the_source(backend):
         got = model(x, interpolate_pos_encoding=True, output_hidden_states=True)
         assert_close(got.logits, want.logits, RTOL, name=f"logits {size}")
         assert_close(got.hidden_states[0], want.hidden_states[0], RTOL, name=f"embeddings {size}")
-    ref.zero_grad()
-    want.logits.square().sum().backward()
-    got.logits.square().sum().backward()
-    assert_close(model.model.pos_embed.grad, ref.vit.embeddings.position_embeddings.grad, RTOL, name="d pos_embed")
+        if size == (48, 40):  # the gradient through the interpolation
+            want.logits.square().sum().backward()
+            got.logits.square().sum().backward()
+            assert_close(model.model.pos_embed.grad, ref.vit.embeddings.position_embeddings.grad, RTOL,
+                         name="d pos_embed")
     for m in (ref, model):
         with pytest.raises(ValueError, match="size"):
             m(torch.randn(2, 3, 48, 40))

@@ -69,6 +69,19 @@ def layer_norm(dim: int, eps: float, backend: str = "auto") -> LayerNorm:
     return LayerNorm(dim, eps=eps, backend=backend)
 
 
+def has_hooks(module: nn.Module, inside: bool = False) -> bool:
+    """Whether forward or backward hooks would fire on ``module`` (with ``inside``: on any module below
+    it, not counting itself), global module hooks included. The fused paths call GEMMs and kernels
+    directly, so modules with hooks (FSDP2's fully_shard registers them) are run through ``__call__``."""
+    from torch.nn.modules import module as torch_module
+
+    if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
+            or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks):
+        return True
+    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+               for m in module.modules() if not (inside and m is module))
+
+
 def residual_join(branch: torch.Tensor, residual: torch.Tensor, bias: Optional[torch.Tensor],
                   gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], dropout_p: float,
                   training: bool, norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -217,7 +230,7 @@ class Mlp(nn.Module):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
         ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
-        if resolve_backend(self.backend, x) == "torch":
+        if resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1) or has_hooks(self.act):
             return self.norm(self.drop1(self.act(self.fc1(x))))
         x = bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias, self.act.approximate)
         if self.drop1.p > 0 and self.training:
@@ -304,17 +317,18 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path, backend=backend) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if resolve_backend(self.backend, x) == "triton":
+        # hooks on a part of the block: run it module by module (each on its kernels) so they fire
+        if resolve_backend(self.backend, x) == "triton" and not has_hooks(self, inside=True):
             norm1 = self.norm1
             normed, x = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
             return self.forward_pair(normed, x, None)[1]
         return self.forward_reference(x)
 
-    def draws_dropout_masks(self) -> bool:
-        """True when a forward in the current mode draws random masks (training, some rate above 0)."""
-        return self.training and any(
-            (isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, DropPath) and m.drop_prob > 0)
-            for m in self.modules())
+    def draws_row_dropout_masks(self) -> bool:
+        """True when a forward in the current mode draws per-token dropout masks after attention (proj
+        and MLP dropout, training, rate above 0): those draws depend on how many rows run. Attention
+        dropout (drawn over every token) and drop-path (one value per image) do not."""
+        return self.training and any(d.p > 0 for d in (self.attn.proj_drop, self.mlp.drop1, self.mlp.drop2))
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         # .to(x.dtype): the residual stream keeps its dtype (a no-op unless it is half under autocast,

@@ -26,8 +26,9 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .backend import check_backend, resolve_backend
-from .layers import (Block, LayerNorm, PatchEmbed, compute_dtype_for, init_weights_vit_timm, layer_norm_and_input,
-                     named_apply, patch_embed_kernel, resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
+from .layers import (Block, LayerNorm, PatchEmbed, compute_dtype_for, has_hooks, init_weights_vit_timm,
+                     layer_norm_and_input, named_apply, patch_embed_kernel, resample_abs_pos_embed, sincos_2d_pos_embed,
+                     trunc_normal_)
 from .presets import GLOBAL_POOLS, ViTConfig, get_config
 
 
@@ -158,7 +159,8 @@ class VisionTransformer(nn.Module):
                              f"grid{' (the model has no position embedding)' if self.pos_embed is None else ''}, "
                              f"got {tuple(pos_embed.shape)}")
 
-    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int], pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int],
+                   pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
         B = x.shape[0]
         prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         pos_embed = self._resized_pos_embed(grid) if pos_embed is None else pos_embed
@@ -214,20 +216,20 @@ class VisionTransformer(nn.Module):
 
     def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
         """Whether the blocks run as one fused chain (``_forward_blocks_fused``). The chain calls
-        ``Block.forward_pair`` directly, so blocks with forward hooks run one by one through ``__call__``
-        instead: FSDP2's fully_shard gathers a block's parameters in its pre-forward hook, and a user's
-        feature hook expects to fire."""
+        ``Block.forward_pair`` directly, so with hooks anywhere in the blocks (forward or backward) they
+        run one by one through ``__call__`` instead: FSDP2's fully_shard gathers parameters in its
+        pre-forward hooks, and a user's feature hook expects to fire."""
         return (len(self.blocks) > 0 and resolve_backend(self.backend, x) == "triton"
-                and not any(blk._forward_pre_hooks or blk._forward_hooks for blk in self.blocks))
+                and not has_hooks(self.blocks))
 
     def _prunes_to_class_token(self, x: torch.Tensor) -> bool:
         """Whether forward() may run the last block on token 0 alone (class-token pooling reads nothing
-        else). Exact, same logits and gradients as the full path, when the last block draws no dropout
-        mask: masks are drawn per row, so a pruned block would draw different ones. A subclass that
-        overrides forward_features keeps its own."""
+        else). Same logits and gradients as the full path, also with drop-path and attention dropout,
+        unless the last block draws per-token masks after attention (proj / MLP dropout in training): a
+        pruned block would draw different ones. A subclass that overrides forward_features keeps its own."""
         return (self.global_pool == "token" and self._fuses_across_blocks(x)
                 and type(self).forward_features is VisionTransformer.forward_features
-                and not self.blocks[-1].draws_dropout_masks())
+                and not self.blocks[-1].draws_row_dropout_masks())
 
     def _forward_blocks_fused(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
                               outputs: Optional[list] = None) -> torch.Tensor:
@@ -262,7 +264,8 @@ class VisionTransformer(nn.Module):
         (``indices``: the last n for an int, all for None, negative from the end) as NCHW maps or NLC
         tokens, with ``norm`` the final norm applied to each, with ``return_prefix_tokens`` paired with
         their class/register tokens; and the final normed tokens unless ``intermediates_only``. On the
-        Triton path the fused block chain runs unchanged and hands over each block's residual stream."""
+        Triton path the fused block chain runs unchanged and hands over each block's residual stream; under
+        autocast its final tokens come in the autocast dtype, as forward_features' (module docstring)."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         if attn_mask is not None or is_causal:

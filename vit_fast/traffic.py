@@ -532,9 +532,10 @@ def format_summary(results: list[PathResult]) -> str:
     lines = [_row(head, widths)]
     for r in results:
         t, block = r.totals(), r.block_by_family().get("total")
-        lines.append(_row((PATH_LABELS.get(r.path, r.path), round(t["launches"]), f"{(t['read'] + t['written']) / 1e9:.2f}",
-                           f"{t['H100'] * 1e3:.1f}", f"{r.batch / t['H100']:.0f}", f"{t['A100'] * 1e3:.1f}", f"{r.batch / t['A100']:.0f}",
-                           f"{(t['read'] + t['written']) / (base['read'] + base['written']):.2f}", f"{t['launches'] / base['launches']:.2f}",
+        moved, base_moved = t["read"] + t["written"], base["read"] + base["written"]
+        lines.append(_row((PATH_LABELS.get(r.path, r.path), round(t["launches"]), f"{moved / 1e9:.2f}",
+                           f"{t['H100'] * 1e3:.1f}", f"{r.batch / t['H100']:.0f}", f"{t['A100'] * 1e3:.1f}",
+                           f"{r.batch / t['A100']:.0f}", f"{moved / base_moved:.2f}", f"{t['launches'] / base['launches']:.2f}",
                            f"{block / base_block:.2f}" if block and base_block else "-"), widths))
     return "\n".join(lines)
 

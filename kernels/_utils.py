@@ -121,6 +121,10 @@ def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+# Triton's CUDA default (CUDAOptions.num_stages): what a launch that passes no num_stages compiles with.
+LAUNCH_DEFAULT_STAGES = 3
+
+
 @dataclass(frozen=True)
 class AotSpec:
     """One kernel launch as the GPU-readiness report compiles it ahead of time (GUIDE.md 3b).
@@ -134,7 +138,7 @@ class AotSpec:
     signature: dict[str, str]
     constexprs: dict[str, Any]
     num_warps: int
-    num_stages: int = 1
+    num_stages: int = LAUNCH_DEFAULT_STAGES
     has_dot: bool = False  # True where the PTX should use tensor-core instructions
     note: str = field(default="")  # which shape/config this entry serves
     # Arguments a real launch specialises as multiples of 16 (aligned pointers, strides): compile

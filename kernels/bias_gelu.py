@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from ._utils import (
+    LAUNCH_DEFAULT_STAGES,
     TRITON_DTYPE_NAMES,
     AotSpec,
     check_float,
@@ -569,12 +570,12 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
              "GAMMA": par, "SCALE": "*fp32", "PARTIAL": "*fp32", "seed": "i32", "p": "fp32"}
     specs = []
 
-    def add(name, fn, n, constexprs, warps, note):
-        signature = kernel_signature(fn, types, constexprs)
+    def add(name, fn, n, constexprs, warps, note, arg_types=None):
+        signature = kernel_signature(fn, arg_types or types, constexprs)
         values = dict(N=n, stride_xm=n, stride_ym=n, stride_dym=n, stride_dom=n, stride_rm=n, stride_om=n,
                       stride_dxm=n if constexprs.get("STORE_DX", True) else 0,
                       tokens_per_sample=tokens if constexprs.get("HAS_SCALE") else 1)
-        specs.append(AotSpec(name, fn, signature, constexprs, warps, 1, False, note,
+        specs.append(AotSpec(name, fn, signature, constexprs, warps, LAUNCH_DEFAULT_STAGES, False, note,
                              divisible_by_16=divisible_args(signature, values)))
 
     bm, bn, warps = tile_config(mlp_hidden, arch)
@@ -583,14 +584,18 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
         add("bias_gelu_fwd", _bias_gelu_fwd_kernel, mlp_hidden, c, warps, f"N={mlp_hidden} tanh={approx}")
         add("bias_gelu_bwd", _bias_gelu_bwd_kernel, mlp_hidden, c, warps, f"N={mlp_hidden} tanh={approx}")
     bm, bn, warps = tile_config(width, arch)
-    for gamma in (False, True):
-        for scale in (False, True):
-            for drop in (False, True):
-                c = dict(BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=True, HAS_GAMMA=gamma, HAS_SCALE=scale, HAS_DROPOUT=drop)
-                note = f"N={width} gamma={gamma} drop_path={scale} dropout={drop}"
-                add("bias_dropout_add_fwd", _bias_dropout_add_fwd_kernel, width, c, warps, note)
-                add("bias_dropout_add_bwd", _bias_dropout_add_bwd_kernel, width,
-                    dict(c, STORE_DX=gamma or scale or drop), warps, note)
+    # the residual stream in the activation dtype, and (16-bit only) fp32 under autocast as in timm
+    streams = [types] if dtype == torch.float32 else [types, dict(types, OUT="*fp32", RES="*fp32", DOUT="*fp32")]
+    for stream in streams:
+        for gamma in (False, True):
+            for scale in (False, True):
+                for drop in (False, True):
+                    c = dict(BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=True, HAS_GAMMA=gamma, HAS_SCALE=scale, HAS_DROPOUT=drop)
+                    note = f"N={width} gamma={gamma} drop_path={scale} dropout={drop}"
+                    note += " fp32 stream" if stream is not types else ""
+                    add("bias_dropout_add_fwd", _bias_dropout_add_fwd_kernel, width, c, warps, note, stream)
+                    add("bias_dropout_add_bwd", _bias_dropout_add_bwd_kernel, width,
+                        dict(c, STORE_DX=gamma or scale or drop or stream is not types), warps, note, stream)
     types = dict(types, OUT=par)  # the reduction writes parameter grads
     for n in sorted({width, mlp_hidden}):
         add("sum_partials", _sum_partials_kernel, n, dict(BLOCK_G=16, BLOCK_N=min(256, next_power_of_2(n))), 4,

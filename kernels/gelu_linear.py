@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ._utils import (
+    LAUNCH_DEFAULT_STAGES,
     TRITON_DTYPE_NAMES,
     AotSpec,
     check_float,
@@ -425,6 +426,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                     dict(types, DW="*fp32") if split else types, tensor_cores, f"{note} split={split}")
     types = dict(OUT=par, PARTIAL="*fp32")
     signature = kernel_signature(_sum_partials_kernel, types, dict(BLOCK_G=16, BLOCK_N=256))
-    specs.append(AotSpec("sum_partials", _sum_partials_kernel, signature, dict(BLOCK_G=16, BLOCK_N=256), 4, 1, False,
+    specs.append(AotSpec("sum_partials", _sum_partials_kernel, signature, dict(BLOCK_G=16, BLOCK_N=256), 4,
+                         LAUNCH_DEFAULT_STAGES, False,
                          f"N={k} (dbias) and N*K (split dW)", divisible_by_16=divisible_args(signature, dict(N=k))))
     return specs

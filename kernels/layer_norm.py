@@ -56,8 +56,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import (FLOAT_DTYPES, TRITON_DTYPE_NAMES, AotSpec, check_kernel_device, next_power_of_2, seed_value,
-                     unit_stride)
+from ._utils import (FLOAT_DTYPES, LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, check_kernel_device,
+                     next_power_of_2, seed_value, unit_stride)
 from .bias_gelu import (
     _check_param,
     _check_rows_input,
@@ -459,5 +459,5 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
 
 def _spec(name, fn, types, constexprs, warps, note, values) -> AotSpec:
     signature = kernel_signature(fn, types, constexprs)
-    return AotSpec(name, fn, signature, constexprs, warps, 1, False, note,
+    return AotSpec(name, fn, signature, constexprs, warps, LAUNCH_DEFAULT_STAGES, False, note,
                    divisible_by_16=divisible_args(signature, values))

@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 
+import vit_fast
 from vit_fast import report
-from vit_fast.kernels._utils import AotSpec
+from vit_fast.kernels._utils import TRITON_DTYPE_NAMES, AotSpec
 
 from . import fixture_kernels as fixture
 
@@ -72,7 +73,7 @@ def test_report_sees_good_spilling_and_broken_kernels(monkeypatch, tmp_path):
     assert spilling.regs == 255 and spilling.shared_bytes > 0 and spilling.tensor_cores == "mma"
     assert spilling.threads == 128 and 0 < spilling.occupancy <= 1
     assert spilling.spill_bytes > 0 and spilling.problems() == [f"spills {spilling.spill_bytes} B/thread"]
-    broken = by_config[("global_scale", "BLOCK=128 w4 s1")]
+    broken = by_config[("global_scale", "BLOCK=128 w4 s3")]
     assert "_NOT_CONSTEXPR" in broken.error and broken.problems()
     assert "2 compiled configs, 2 with problems" in report.summarize(rows)
     # Successful compiles are cached and reused; errors are not cached (they are retried).
@@ -89,3 +90,62 @@ def test_base_preset_compiles_without_spills_for_sm80_and_sm90():
     assert dots and all(r.regs > 0 and r.threads > 0 for r in rows if not r.error)
     bad = [f"{r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}" for r in rows if r.problems()]
     assert not bad, f"{len(bad)} of {len(rows)} configs fail the GPU-readiness gate:\n" + "\n".join(bad)
+
+
+def _recorded_launches(monkeypatch, step):
+    """Every Triton launch `step()` makes in the interpreter: (kernel, {argument: value}, num_warps, num_stages)."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches, run = [], InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        values = {**dict(zip(self.arg_names, args)), **{k: v for k, v in kwargs.items() if k in self.arg_names}}
+        # what a GPU launch compiles with: Triton's CUDA defaults where the launcher passes nothing
+        launches.append((self, values, kwargs.get("num_warps", CUDAOptions.num_warps),
+                         kwargs.get("num_stages", CUDAOptions.num_stages)))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    step()
+    monkeypatch.undo()
+    return launches
+
+
+def _covers(spec: AotSpec, fn, values: dict, warps: int, stages: int) -> bool:
+    return (spec.fn is fn and (spec.num_warps, spec.num_stages) == (warps, stages)
+            and all(values.get(k) == v for k, v in spec.constexprs.items())
+            and all(spec.signature[k] == "*" + TRITON_DTYPE_NAMES[v.dtype]
+                    for k, v in values.items() if isinstance(v, torch.Tensor)))
+
+
+@pytest.mark.parametrize("dtype, overrides", [
+    (torch.bfloat16, dict()),
+    (torch.bfloat16, dict(residual_in_fp32=False)),
+    (torch.bfloat16, dict(init_values=0.1, drop_path_rate=0.2, proj_drop_rate=0.1, attn_drop_rate=0.1, global_pool="avg")),
+    (torch.float32, dict(init_values=0.1, drop_path_rate=0.2)),
+], ids=["bf16", "bf16_stream", "bf16_layerscale_dropout_avg", "fp32_layerscale"])
+def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype, overrides):
+    """The report compiles what the model launches: every Triton launch of a fused training step (forward,
+    backward) matches an aot_specs entry of the model's shape (sm_80, as the interpreter's launchers pick):
+    kernel, constexprs, num_warps, num_stages and the dtype of every tensor argument."""
+    torch.manual_seed(0)
+    model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=64, num_heads=2,
+                                  depth=2, num_classes=10, backend="triton", **overrides).train()
+    x = torch.randn(2, 3, 32, 32)
+
+    def step():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            out = model(x)
+        out.float().square().mean().backward()
+
+    launches = _recorded_launches(monkeypatch, step)
+    # under autocast the patch embedding runs in fp32 (the stream's dtype): the report's fp32 entries
+    specs = [spec for mod in report.kernel_modules() for dt in {dtype, torch.float32}
+             for spec in mod.aot_specs(**report.config_shape(model.config), dtype=dt, arch=80)]
+    assert len(launches) > 10
+    missing = {f"{fn.__name__} warps={w} stages={st} "
+               + ", ".join(f"{k}={'*' + TRITON_DTYPE_NAMES[v.dtype] if isinstance(v, torch.Tensor) else v}"
+                           for k, v in values.items() if isinstance(v, (torch.Tensor, bool)) or k.isupper())
+               for fn, values, w, st in launches if not any(_covers(s, fn, values, w, st) for s in specs)}
+    assert not missing, "launches no aot_specs entry lists:\n" + "\n".join(sorted(missing))

@@ -90,7 +90,11 @@ def preset_shape(name: str) -> dict:
     """The keyword arguments every kernel module's aot_specs takes, for one preset."""
     from vit_fast.presets import get_config
 
-    cfg = get_config(name)
+    return config_shape(get_config(name))
+
+
+def config_shape(cfg) -> dict:
+    """The keyword arguments every kernel module's aot_specs takes, for one ViTConfig."""
     return dict(tokens=cfg.num_tokens, width=cfg.embed_dim, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                 mlp_hidden=cfg.mlp_hidden, patch_size=cfg.patch_size[0], in_chans=cfg.in_chans,
                 img_size=cfg.img_size[0], num_patches=cfg.grid_size[0] * cfg.grid_size[1])

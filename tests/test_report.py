@@ -125,10 +125,16 @@ def _covers(spec: AotSpec, fn, values: dict, warps: int, stages: int) -> bool:
     (torch.bfloat16, dict(init_values=0.1, drop_path_rate=0.2, proj_drop_rate=0.1, attn_drop_rate=0.1, global_pool="avg")),
     (torch.float32, dict(init_values=0.1, drop_path_rate=0.2)),
 ], ids=["bf16", "bf16_stream", "bf16_layerscale_dropout_avg", "fp32_layerscale"])
-def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype, overrides):
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
+def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype, overrides, arch):
     """The report compiles what the model launches: every Triton launch of a fused training step (forward,
-    backward) matches an aot_specs entry of the model's shape (sm_80, as the interpreter's launchers pick):
-    kernel, constexprs, num_warps, num_stages and the dtype of every tensor argument."""
+    backward) matches an aot_specs entry of the model's shape: kernel, constexprs, num_warps, num_stages
+    and the dtype of every tensor argument. The launchers pick their tables for sm_90 too (gpu_arch
+    patched): the interpreter runs whatever tiles an H100 would."""
+    from vit_fast.kernels import attention, gelu_linear, patch_embed
+
+    for module in (attention, gelu_linear, patch_embed):  # the launchers that read the device's arch
+        monkeypatch.setattr(module, "gpu_arch", lambda device: arch)
     torch.manual_seed(0)
     model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=64, num_heads=2,
                                   depth=2, num_classes=10, backend="triton", **overrides).train()
@@ -142,7 +148,7 @@ def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype
     launches = _recorded_launches(monkeypatch, step)
     # under autocast the patch embedding runs in fp32 (the stream's dtype): the report's fp32 entries
     specs = [spec for mod in report.kernel_modules() for dt in {dtype, torch.float32}
-             for spec in mod.aot_specs(**report.config_shape(model.config), dtype=dt, arch=80)]
+             for spec in mod.aot_specs(**report.config_shape(model.config), dtype=dt, arch=arch)]
     assert len(launches) > 10
     missing = {f"{fn.__name__} warps={w} stages={st} "
                + ", ".join(f"{k}={'*' + TRITON_DTYPE_NAMES[v.dtype] if isinstance(v, torch.Tensor) else v}"

@@ -124,7 +124,8 @@ def _covers(spec: AotSpec, fn, values: dict, warps: int, stages: int) -> bool:
     (torch.bfloat16, dict(residual_in_fp32=False)),
     (torch.bfloat16, dict(init_values=0.1, drop_path_rate=0.2, proj_drop_rate=0.1, attn_drop_rate=0.1, global_pool="avg")),
     (torch.float32, dict(init_values=0.1, drop_path_rate=0.2)),
-], ids=["bf16", "bf16_stream", "bf16_layerscale_dropout_avg", "fp32_layerscale"])
+    ("pure_bf16", dict(init_values=0.1)),
+], ids=["bf16", "bf16_stream", "bf16_layerscale_dropout_avg", "fp32_layerscale", "pure_bf16"])
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
 def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype, overrides, arch):
     """The report compiles what the model launches: every Triton launch of a fused training step (forward,
@@ -139,16 +140,22 @@ def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype
     model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=64, num_heads=2,
                                   depth=2, num_classes=10, backend="triton", **overrides).train()
     x = torch.randn(2, 3, 32, 32)
+    pure = dtype == "pure_bf16"  # parameters, images and activations all bf16, no autocast
+    if pure:
+        dtype, model, x = torch.bfloat16, model.bfloat16(), x.bfloat16()
 
     def step():
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32 and not pure):
             out = model(x)
         out.float().square().mean().backward()
 
     launches = _recorded_launches(monkeypatch, step)
+    shape = report.config_shape(model.config)
     # under autocast the patch embedding runs in fp32 (the stream's dtype): the report's fp32 entries
-    specs = [spec for mod in report.kernel_modules() for dt in {dtype, torch.float32}
-             for spec in mod.aot_specs(**report.config_shape(model.config), dtype=dt, arch=arch)]
+    kinds = [dict(dtype=dtype, param_dtype=dtype, images_dtype=dtype)] if pure else \
+        [dict(dtype=dt) for dt in {dtype, torch.float32}]
+    specs = [spec for mod in report.kernel_modules() for kind in kinds
+             for spec in mod.aot_specs(**shape, **kind, arch=arch)]
     assert len(launches) > 10
     missing = {f"{fn.__name__} warps={w} stages={st} "
                + ", ".join(f"{k}={'*' + TRITON_DTYPE_NAMES[v.dtype] if isinstance(v, torch.Tensor) else v}"

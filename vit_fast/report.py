@@ -120,19 +120,22 @@ def _python_fn(fn):
 
 
 def collect_specs(presets, dtypes, archs):
-    """{key: (spec, arch, dtype name, [uses])} over every preset x dtype x arch, duplicates merged."""
+    """{key: (spec, arch, dtype name, [uses])} over every preset x dtype x arch, duplicates merged. A 16-bit
+    dtype is listed as under autocast (fp32 parameters and images) and as a pure 16-bit model."""
     entries: dict[str, list] = {}
     for preset in presets:
         shape = preset_shape(preset)
         for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            kinds = {"": {}} if dtype == torch.float32 else {"": {}, " pure": dict(param_dtype=dtype, images_dtype=dtype)}
             for arch in archs:
                 for mod in kernel_modules():
-                    specs = mod.aot_specs(**shape, dtype=DTYPES[dtype_name], arch=arch)
-                    for spec in specs:
-                        key = spec_key(spec, arch)
-                        if key not in entries:
-                            entries[key] = [spec, arch, dtype_name, []]
-                        entries[key][3].append(f"{preset}/{dtype_name}")
+                    for label, kind in kinds.items():
+                        for spec in mod.aot_specs(**shape, dtype=dtype, arch=arch, **kind):
+                            key = spec_key(spec, arch)
+                            if key not in entries:
+                                entries[key] = [spec, arch, dtype_name, []]
+                            entries[key][3].append(f"{preset}/{dtype_name}{label}")
     return entries
 
 

@@ -7,24 +7,16 @@ Backward (FlashAttention-2; delta_i = sum_d dO_id * out_id, recomputed per tile,
     dV = (P * Z / (1 - p))^T dO,   dP = (dO v^T) * Z / (1 - p),   dS = P * (dP - delta),
     dQ = s * dS k,   dK = s * dS^T q,   with P recomputed as exp(S - lse) from the saved lse.
 
-qkv bias. ``attention(qkv, H, qkv_bias=b)`` takes qkv = x @ W^T *without* the Linear's bias and
-b (3 * H * D,) = [b_q | b_k | b_v], so the math above runs on q + b_q, k + b_k, v + b_v, and the
-backward returns d(qkv) (= dq, dk, dv of the biased q, k, v) and d(b) = sum over batch and tokens of
-d(qkv): the eager addmm backward's separate sum over the (B, N, 3C) gradient (a full extra read of
-it per block) is gone. Each kernel adds the bias of the tile it owns in fp32 (q in the forward and
-dQ, k and v in dK/dV; cast back to the input dtype for the dots). The tiles it streams go from
-memory into the dots untouched (an elementwise add there spilled registers); their biases enter
-through per-row terms (x . b of a resident row is a small 16-column dot, see ``_dot_bias``):
-    forward  b_k shifts row i of S by s q_i . b_k: P is unchanged, lse_i gains it;
-             b_v adds (sum_j P_ij Z_ij / (1 - p)) b_v to out_i (= b_v without dropout)
-    dQ       lse shifted by s q_i . b_k, dP_ij += dO_i . b_v (into delta without dropout); dq's
-             b_k term s (sum_j dS_ij) b_k is exactly 0 (rows of dS sum to 0)
-    dK/dV    S^T_ji += k_j . b_q, dk_j += s (sum_i dS_ij) b_q
-(so q + b_q and k + b_k are rounded to the input dtype only where owned: within the input dtype's
-rounding of the eager biased GEMM output.) The dK/dV and dQ programs also write fp32 column sums
-of their final dk, dv, dq tiles (valid rows only) into row b * tiles + tile of a (3, G, C) buffer;
-``sum_partials`` (kernels/bias_gelu.py) adds the G rows in a fixed order and writes d(b) in the
-bias's dtype (fp32 under autocast). ``attention_probs`` takes the same qkv_bias argument.
+qkv bias. ``attention_linear(x, W, b, H)`` is the qkv Linear followed by attention. The bias rides in
+the qkv GEMM's epilogue (``F.linear(x, W, b)``, one rounding, bitwise the qkv of eager timm, autocast
+included), so the kernels see the biased q, k, v and run the math above unchanged. The Linear gets b
+detached; its gradient d(b) = sum over batch and tokens of d(qkv) comes from the attention backward
+instead: the dK/dV and dQ programs write fp32 column sums of their final dk, dv, dq tiles (valid rows
+only, before rounding) into row b * tiles + tile of a (3, G, C) buffer (constexpr BIAS_GRAD), and
+``sum_partials`` (kernels/bias_gelu.py) adds the G rows in a fixed order and writes d(b) in the bias's
+dtype (fp32 under autocast). So the eager addmm backward's separate sum over the (B, N, 3C) gradient
+(a full extra read of it per block) is gone, with no algebra on the bias: the kernels' rounding is
+exactly that of unbiased attention on eager's qkv, however large the bias is next to x @ W^T.
 
 Layout. ``attention(qkv, H)`` takes the qkv Linear's output (B, N, 3 * H * D) as it leaves the GEMM
 and reads q, k, v through the strides of its (B, N, 3, H, D) view: no permute, chunk or copy. The
@@ -40,8 +32,8 @@ Kernels (grid: batch * heads folded onto axis 0 with the tile index, so B * H ma
                              delta of each q tile is recomputed from out and dO where it is needed
     _attention_probs_kernel  attention maps: exp(S - lse) for chosen query rows, outside training
 No atomics and no program reads what another writes in the same launch: gradients are bitwise
-reproducible. Launches: 1 forward, 1 backward; with a qkv bias (constexpr HAS_BIAS, the same kernels)
-1 forward, 1 + 1 backward (``sum_partials``).
+reproducible. Launches: 1 forward, 1 backward; with the qkv bias's gradient (constexpr BIAS_GRAD,
+the same kernels) 1 forward, 1 + 1 backward (``sum_partials``).
 
 Dtypes: fp16 and bf16 dots run on tensor cores with fp32 accumulation; softmax, lse and all
 elementwise math are fp32; P is cast to the input dtype for the P v dot (as FlashAttention does).
@@ -64,10 +56,10 @@ ViT-B):
     backward  read q, k, v, out, dO (5C e) + lse (4H), write dq, dk, dv (3C e) = 8C e + 4H (1 launch)
 ViT-B/16 in bf16 (C = 768, H = 12): 6.2 KB per token forward, 12.3 KB backward (FlashAttention-2's
 delta pre-pass, separate dK/dV and dQ kernels: 20.2 KB, 3 launches).
-With a qkv bias: the forward reads 3D bias values per program (O(C * programs / N) per token, a few
-bytes); the backward writes and sum_partials reads the fp32 partials, 2 * 12C * T / N bytes per token
-(T = backward tiles per sequence; ViT-B bf16: T = 4, 0.37 KB) and writes 3C bias-grad values once, where
-the eager addmm backward read all of d(qkv) again (3C e = 4.6 KB per token).
+With the qkv bias's gradient: the backward writes and sum_partials reads the fp32 partials,
+2 * 12C * T / N bytes per token (T = backward tiles per sequence; ViT-B bf16: T = 4, 0.37 KB) and writes
+3C bias-grad values once, where the eager addmm backward read all of d(qkv) again (3C e = 4.6 KB per
+token). The forward's bias costs nothing here: it rides in the qkv GEMM's epilogue.
 """
 from __future__ import annotations
 
@@ -76,6 +68,7 @@ from typing import Optional
 
 import torch
 import triton
+import torch.nn.functional as F
 import triton.language as tl
 
 from ._utils import (
@@ -91,7 +84,6 @@ from ._utils import (
     next_power_of_2,
     next_seed,
     seed_value,
-    unit_stride,
 )
 from .bias_gelu import sum_partials
 
@@ -142,35 +134,6 @@ def _load(X, rows, row_ok, offs_d, d_ok, stride_n, stride_d, TRANS: tl.constexpr
 
 
 @triton.jit
-def _bias(Bias, part, bh, num_heads, head_dim, offs_d, d_ok):
-    """fp32 qkv-Linear bias of head bh % H for part 0 (q), 1 (k) or 2 (v): Bias[(part * H + h) * D + d]."""
-    return tl.load(Bias + (part * num_heads + bh % num_heads) * head_dim + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _add_bias(x, b):
-    """A program's own (rows x D) tile plus its bias, added in fp32 and cast back for the dots."""
-    return (x.to(tl.float32) + b[None, :]).to(x.dtype)
-
-
-@triton.jit
-def _dot_bias(x, b, INPUT_PRECISION: tl.constexpr, AS_DOT: tl.constexpr):
-    """Row-wise x . b -> (rows,) fp32, for a resident dot operand x (rows x D) and an fp32 bias b (D,).
-
-    AS_DOT (16-bit x only): a small dot, x @ [hi | lo | 0...] with b = hi + lo split into x's dtype
-    (about 16 more bits of b than x's dtype alone), so x keeps only the dot-operand use it has in
-    the main loop. Which form compiles without spills differs per kernel (sm_80/sm_90 AOT builds):
-    the forward and attention-map kernels use the dot, dK/dV and dQ the fp32 row reduction."""
-    if not AS_DOT or x.dtype == tl.float32:
-        return tl.sum(x.to(tl.float32) * b[None, :], 1)
-    hi = b.to(x.dtype)
-    lo = (b - hi.to(tl.float32)).to(x.dtype)
-    col = tl.arange(0, 16)[None, :]
-    split = tl.where(col == 0, hi.to(tl.float32)[:, None], tl.where(col == 1, lo.to(tl.float32)[:, None], 0.0))
-    return tl.sum(tl.dot(x, split.to(x.dtype), input_precision=INPUT_PRECISION), 1)
-
-
-@triton.jit
 def _store_column_sums(P, x, row_ok, offs_d, d_ok, partial_row, head_dim):
     """Bias-gradient partial: the column sums of a program's fp32 (rows x D) tile x over its valid
     rows, stored at row ``partial_row`` of a (G * H, D) fp32 buffer (row (b * tiles + tile) * H + h).
@@ -183,7 +146,6 @@ def _store_column_sums(P, x, row_ok, offs_d, d_ok, partial_row, head_dim):
 def _attention_fwd_kernel(
     Out, Lse,  # outputs: (B, H, N, D) through strides; lse (B * H, N) fp32, natural log
     Q, K, V,  # inputs: (B, H, N, D) through strides (views of the packed qkv)
-    Bias,  # (3 * H * D,) qkv-Linear bias (None without HAS_BIAS)
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -196,7 +158,6 @@ def _attention_fwd_kernel(
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16)
     DROPOUT: tl.constexpr,  # False skips the Philox draw entirely
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
-    HAS_BIAS: tl.constexpr,  # q, k, v of the math are the loads + Bias (see the module docstring)
 ):
     bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -204,13 +165,6 @@ def _attention_fwd_kernel(
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    if HAS_BIAS:  # k and v tiles stream from memory into the dots untouched; their biases act per row:
-        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
-        # b_k shifts score row i by q_i . b_k: P is unchanged, lse moves with it (added at the end)
-        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
-        score_shift = _dot_bias(q, bias_k, INPUT_PRECISION, True) * scale
-        if DROPOUT:
-            kept = tl.zeros([BLOCK_M], tl.float32)  # kept probability mass of each row
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
@@ -232,8 +186,6 @@ def _attention_fwd_kernel(
         if DROPOUT:
             offsets = (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
             p = tl.where(dropout_keep_mask(seed, offsets, dropout_p), p, 0.0)
-            if HAS_BIAS:
-                kept = kept * alpha + tl.sum(p, 1)
         v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -241,23 +193,15 @@ def _attention_fwd_kernel(
     if DROPOUT:
         acc = acc * inv_keep
     acc = acc / l_i[:, None]
-    if HAS_BIAS:  # out_i += (kept mass of row i, 1 without dropout) * b_v. Bias loads here, not live in the loop
-        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
-        if DROPOUT:
-            acc += (kept * inv_keep / l_i)[:, None] * bias_v[None, :]
-        else:
-            acc += bias_v[None, :]
     tl.store(_head(Out, bh, num_heads, stride_ob, stride_oh) + _tile(rows, offs_d, stride_on, stride_od, False),
              acc.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural log
-    if HAS_BIAS:
-        lse += score_shift
     tl.store(Lse + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
 
 
 @triton.jit
 def _bwd_dkdv(
-    DK, DV, PK, PV, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
+    DK, DV, PK, PV, Q, K, V, O, DO, Lse, bh, tile, partial_row,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -266,7 +210,7 @@ def _bwd_dkdv(
     stride_db, stride_dh, stride_dn, stride_dd,
     num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles.
     delta_i = rowsum(dO_i * out_i) is recomputed for each q tile from out and dO (no pre-pass)."""
@@ -277,11 +221,6 @@ def _bwd_dkdv(
     d_ok = offs_d < head_dim
     k = _load(_head(K, bh, num_heads, stride_kb, stride_kh), cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
     v = _load(_head(V, bh, num_heads, stride_vb, stride_vh), cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-    if HAS_BIAS:  # q tiles stream untouched: b_q shifts score column j by k_j . b_q, and dk by rowsum(ds) b_q
-        k = _add_bias(k, _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok))
-        v = _add_bias(v, _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok))
-        score_shift = _dot_bias(k, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok), INPUT_PRECISION, False)
-        ds_sum = tl.zeros([BLOCK_N], tl.float32)
     q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
     o_head = _head(O, bh, num_heads, stride_ob, stride_oh)
     do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
@@ -299,10 +238,7 @@ def _bwd_dkdv(
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         # Padded q rows get lse = +inf, hence probability exactly 0.
         lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
-        sT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
-        if HAS_BIAS:
-            sT += score_shift[:, None]
-        pT = tl.exp2(sT * qk_scale - lse2[None, :])
+        pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
         if DROPOUT:
             keep = dropout_keep_mask(seed, (row_base + rows[None, :]) * seq_len + cols[:, None], dropout_p)
@@ -312,24 +248,20 @@ def _bwd_dkdv(
             dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
-        if HAS_BIAS:
-            ds_sum += tl.sum(dsT, 1)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
-    if HAS_BIAS:
-        dk += ds_sum[:, None] * _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok)[None, :]
     dk = dk * scale
     tl.store(_head(DK, bh, num_heads, stride_db, stride_dh) + offsets, dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(_head(DV, bh, num_heads, stride_db, stride_dh) + offsets, dv.to(DV.dtype.element_ty), mask=mask)
-    if HAS_BIAS:  # padded k/v rows hold junk (p of a zero key), hence the row mask
+    if BIAS_GRAD:  # padded k/v rows hold junk (p of a zero key), hence the row mask
         _store_column_sums(PK, dk, col_ok, offs_d, d_ok, partial_row, head_dim)
         _store_column_sums(PV, dv, col_ok, offs_d, d_ok, partial_row, head_dim)
 
 
 @triton.jit
 def _bwd_dq(
-    DQ, PQ, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
+    DQ, PQ, Q, K, V, O, DO, Lse, bh, tile, partial_row,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -338,7 +270,7 @@ def _bwd_dq(
     stride_db, stride_dh, stride_dn, stride_dd,
     num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -356,16 +288,6 @@ def _bwd_dq(
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
     qk_scale = scale * 1.4426950408889634
-    if HAS_BIAS:  # k/v tiles stream untouched: b_k shifts score row i by q_i . b_k (folded into lse),
-        # b_v shifts dp row i by dO_i . b_v. (dq's b_k term, s * rowsum(dS) b_k, is exactly 0: rows of
-        # dS sum to sum_j P_ij dP_ij - delta_i = 0, with or without dropout.)
-        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
-        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
-        lse2 -= _dot_bias(q, bias_k, INPUT_PRECISION, False) * qk_scale
-        bias_v = _bias(Bias, 2, bh, num_heads, head_dim, offs_d, d_ok)
-        dp_shift = _dot_bias(do, bias_v, INPUT_PRECISION, False)
-        if not DROPOUT:  # a per-row shift of dp: fold it into delta
-            delta -= dp_shift
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
@@ -377,8 +299,6 @@ def _bwd_dq(
         p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
         p = tl.where(col_ok[None, :], p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
-        if HAS_BIAS and DROPOUT:
-            dp += dp_shift[:, None]
         if DROPOUT:
             offsets = (row_base + rows[:, None]) * seq_len + cols[None, :]
             dp = tl.where(dropout_keep_mask(seed, offsets, dropout_p), dp * inv_keep, 0.0)
@@ -388,17 +308,16 @@ def _bwd_dq(
     dq = dq * scale
     tl.store(_head(DQ, bh, num_heads, stride_db, stride_dh) + _tile(rows, offs_d, stride_dn, stride_dd, False),
              dq.to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
-    if HAS_BIAS:
+    if BIAS_GRAD:
         _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, partial_row, head_dim)
 
 
 @triton.jit
 def _attention_bwd_kernel(
     DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
-    PQ, PK, PV,  # HAS_BIAS outputs: (B * tiles * H, D) fp32 column partials of dq, dk, dv, else None
+    PQ, PK, PV,  # BIAS_GRAD outputs: (B * tiles * H, D) fp32 column partials of dq, dk, dv, else None
     Q, K, V, O, DO,  # inputs through strides; dO may be non-contiguous
     Lse,  # (B * H, N) fp32
-    Bias,  # (3 * H * D,) qkv bias or None
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -413,7 +332,7 @@ def _attention_bwd_kernel(
     BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,  # also write column partials of dq, dk, dv (the qkv bias's gradient)
 ):
     """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
     pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
@@ -421,32 +340,30 @@ def _attention_bwd_kernel(
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
     partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
-    _bwd_dkdv(DK, DV, PK, PV, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
+    _bwd_dkdv(DK, DV, PK, PV, Q, K, V, O, DO, Lse, bh, tile, partial_row,
               stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
               stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd,
               num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
-              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, HAS_BIAS)
-    _bwd_dq(DQ, PQ, Q, K, V, O, DO, Lse, Bias, bh, tile, partial_row,
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
+    _bwd_dq(DQ, PQ, Q, K, V, O, DO, Lse, bh, tile, partial_row,
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
             stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd,
             num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
-            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, HAS_BIAS)
+            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
 
 
 @triton.jit
 def _attention_probs_kernel(
     P,  # output: (B * H, R, N) fp32 probabilities of the selected query rows
     Q, K, Lse, Rows,  # q, k through strides; lse (B * H, N); Rows (R,) int64 query indices
-    Bias,  # (3 * H * D,) qkv bias or None
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     num_heads, seq_len, head_dim, num_rows,
     scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
 ):
     bh, r = _program_tile(num_rows, BLOCK_M)
     r_ok = r < num_rows
@@ -456,10 +373,6 @@ def _attention_probs_kernel(
     d_ok = offs_d < head_dim
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * 1.4426950408889634
-    if HAS_BIAS:  # as in the dQ kernel: b_k's row shift q_i . b_k folded into lse
-        q = _add_bias(q, _bias(Bias, 0, bh, num_heads, head_dim, offs_d, d_ok))
-        bias_k = _bias(Bias, 1, bh, num_heads, head_dim, offs_d, d_ok)
-        lse2 -= _dot_bias(q, bias_k, INPUT_PRECISION, True) * (scale * 1.4426950408889634)
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
@@ -508,8 +421,10 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
 
     Every entry compiles for sm_80 and sm_90 without register spills, with and without dropout and
-    the qkv bias (the table does not know the bias, so each tile is spill-free both ways; checked
-    with triton.compile + cuobjdump over aot_specs, ``vit-fast report``). fp32 depends on the dot
+    the qkv bias's gradient partials (checked with triton.compile + cuobjdump over aot_specs,
+    ``vit-fast report``). The tiles were sized when the kernels still added the qkv bias themselves
+    (the spill notes below are from then); they now hold fewer live values, and larger tiles are worth
+    timing on a GPU before any change. fp32 depends on the dot
     precision (default: the torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller
     tiles than tf32 ones. The backward's two phases share one launch, hence one warp count.
     Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
@@ -522,8 +437,9 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     # The merged kernel holds the larger of the two phases' live sets plus an out tile per dK/dV step
     # (delta), so its tiles are smaller than separate kernels' would be.
     if dtype == torch.float32 and (input_precision or dot_input_precision(dtype)) == "ieee":
-        # 8 warps also for D <= 64: at 4 the qkv-bias + dropout builds spill (sm_80, 8-16 B)
         fwd, dkdv, dq = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)
+        if not wide and arch < 90:  # at 8 warps ptxas caps the bias-gradient builds at 64 regs: 8-16 B spills
+            dkdv, dq = Tile(16, 32, 4, stages), Tile(32, 16, 4, stages)  # 144-150 regs, no spills
         if wide and arch < 90:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one 120-152 regs
             fwd = Tile(32, 16, 4, stages)
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
@@ -592,14 +508,26 @@ def _check_packed(op: str, qkv: torch.Tensor, num_heads: int) -> int:
     return head_dim
 
 
-def _check_qkv_bias(op: str, qkv_bias: torch.Tensor | None, qkv: torch.Tensor) -> None:
-    """An optional (3 * H * D,) float bias of the qkv Linear, on qkv's device (its dtype may differ)."""
-    if qkv_bias is None:
-        return
-    check_float(op, "qkv_bias", qkv_bias)
-    check_shape(op, "qkv_bias", qkv_bias, (qkv.shape[-1],))
-    if qkv_bias.device != qkv.device:
-        raise ValueError(f"{op}: expected qkv_bias on qkv's device {qkv.device}, got {qkv_bias.device}")
+def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> None:
+    """x (B, N, C_in), the qkv Linear's weight (3 * H * D, C_in) and optional bias (3 * H * D,), one device."""
+    check_float(op, "x", x)
+    check_ndim(op, "x", x, 3)
+    check_float(op, "weight", weight)
+    check_ndim(op, "weight", weight, 2)
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: expected weight of shape (3 * H * D, {x.shape[-1]}) for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(weight.shape)}")
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"{op}: expected num_heads to be a positive int, got {num_heads!r}")
+    if weight.shape[0] == 0 or weight.shape[0] % (3 * num_heads):
+        raise ValueError(f"{op}: expected weight rows divisible by 3 * num_heads = {3 * num_heads}, "
+                         f"got weight of shape {tuple(weight.shape)}")
+    if bias is not None:
+        check_float(op, "bias", bias)
+        check_shape(op, "bias", bias, (weight.shape[0],))
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{op}: expected {name} on x's device {x.device}, got {t.device}")
 
 
 def _check_separate(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -630,58 +558,58 @@ def _dropout_args(dropout_p: float):
     return dropout_p > 0.0, inv_keep
 
 
-def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int, bias=None) -> None:
+def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
     B, H, N, D = q.shape
     precision = dot_input_precision(q.dtype)
     cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision).fwd
     dropout, inv_keep = _dropout_args(dropout_p)
     _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
-        out, lse, q, k, v, bias, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, scale, dropout_p, inv_keep, seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
-        INPUT_PRECISION=precision, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
-                bias=None) -> Optional[torch.Tensor]:
-    """One launch writes dq, dk, dv (which share one stride layout). With a bias its programs also
-    write fp32 column partials of dk, dv and dq into the three slabs of one (3, G, H * D) buffer
-    (G = B * tiles), and ``sum_partials`` (one launch) returns d(bias) (3 * H * D,)."""
+                bias_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """One launch writes dq, dk, dv (which share one stride layout). With ``bias_dtype`` (the qkv bias's
+    gradient is wanted) its programs also write fp32 column partials of dk, dv and dq into the three
+    slabs of one (3, G, H * D) buffer (G = B * tiles), and ``sum_partials`` (one launch) returns
+    d(bias) (3 * H * D,) in that dtype."""
     B, H, N, D = q.shape
     precision = dot_input_precision(q.dtype)
     cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision)
     dropout, inv_keep = _dropout_args(dropout_p)
-    partial = None if bias is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D), torch.float32, q.device)
+    partial = None if bias_dtype is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D), torch.float32, q.device)
     slabs = (None, None, None) if partial is None else partial.unbind(0)
     _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
-        dq, dk, dv, *slabs, q, k, v, out, do, lse, bias,
+        dq, dk, dv, *slabs, q, k, v, out, do, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
         H, N, D, scale, dropout_p, inv_keep, seed,
         BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
-        BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, HAS_BIAS=bias is not None,
+        BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, BIAS_GRAD=partial is not None,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
-    return None if partial is None else sum_partials(partial, bias.dtype).view(-1)
+    return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
 
 
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.
 @torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
-def attention_fwd(qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor], num_heads: int, scale: float, dropout_p: float,
+def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed forward: qkv (B, N, 3 * H * D) [+ qkv_bias] -> (out (B, N, H * D), lse (B, H, N) fp32)."""
+    """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32)."""
     D = _check_packed("attention_fwd", qkv, num_heads)
-    _check_qkv_bias("attention_fwd", qkv_bias, qkv)
     _check_dropout("attention_fwd", dropout_p)
-    check_kernel_device("attention_fwd", qkv, qkv_bias)
+    check_kernel_device("attention_fwd", qkv)
     B, N, _ = qkv.shape
     out = _empty((B, N, num_heads * D), qkv.dtype, qkv.device)
     lse = _empty((B, num_heads, N), torch.float32, qkv.device)
     _launch_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p,
-                seed_value(seed), qkv_bias)
+                seed_value(seed))
     return out, lse
 
 
 @attention_fwd.register_fake
-def _(qkv, qkv_bias, num_heads, scale, dropout_p, seed):
+def _(qkv, num_heads, scale, dropout_p, seed):
     B, N, width = qkv.shape
     return qkv.new_empty((B, N, width // 3)), qkv.new_empty((B, num_heads, N), dtype=torch.float32)
 
@@ -691,14 +619,16 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[
                   lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed backward: (dqkv, dbias). dqkv is one (B, N, 3 * H * D) gradient with dQ, dK, dV written
-    into its three slices; dbias (3 * H * D,) in the bias dtype is its sum over batch and tokens, or an
-    empty tensor without a bias (custom ops cannot return None)."""
+    into its three slices; with ``qkv_bias`` (the bias already inside qkv: only its presence and dtype
+    matter here) dbias (3 * H * D,) in the bias dtype is the sum of dqkv over batch and tokens, else an
+    empty tensor (custom ops cannot return None)."""
     check_kernel_device("attention_bwd", grad_out, qkv, qkv_bias, out, lse)
     if grad_out.shape != out.shape:
         raise ValueError(f"attention_bwd: expected grad_out of shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
     dqkv = _empty(qkv.shape, qkv.dtype, qkv.device)
     dbias = _launch_bwd(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads),
-                        lse, *_split_packed(dqkv, num_heads), scale, dropout_p, seed_value(seed), qkv_bias)
+                        lse, *_split_packed(dqkv, num_heads), scale, dropout_p, seed_value(seed),
+                        None if qkv_bias is None else qkv_bias.dtype)
     return dqkv, qkv.new_empty(0) if dbias is None else dbias
 
 
@@ -747,9 +677,12 @@ def _(grad_out, q, k, v, out, lse, scale, dropout_p, seed):
 # Autograd and public functionals
 # --------------------------------------------------------------------------------------------- #
 class AttentionFunction(torch.autograd.Function):
+    """qkv_bias: the qkv Linear's bias already inside qkv (added by the GEMM with the bias detached), or
+    None. It is an input only so that the backward returns its gradient, from the kernel's partials."""
+
     @staticmethod
     def forward(ctx, qkv, qkv_bias, num_heads, scale, dropout_p, seed):
-        out, lse = attention_fwd(qkv, qkv_bias, num_heads, scale, dropout_p, seed)
+        out, lse = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
         ctx.save_for_backward(qkv, qkv_bias, out, lse, seed)
         ctx.set_materialize_grads(False)  # no zero-filled grad for the non-differentiable lse
         ctx.args = (num_heads, scale, dropout_p)
@@ -786,26 +719,42 @@ def _dropout_and_seed(op: str, dropout_p: float, training: bool) -> tuple[float,
     return p, (next_seed() if p > 0.0 else None)
 
 
-def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-                       training: bool = False, qkv_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
+def _attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None, dropout_p: float,
+                        training: bool, qkv_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     head_dim = _check_packed("attention", qkv, num_heads)
-    _check_qkv_bias("attention", qkv_bias, qkv)
-    check_kernel_device("attention", qkv, qkv_bias)
+    check_kernel_device("attention", qkv)
     p, seed = _dropout_and_seed("attention", dropout_p, training)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    return AttentionFunction.apply(qkv, unit_stride(qkv_bias), num_heads, scale, p, seed)
+    return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed)
+
+
+def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
+                       training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
+    return _attention_with_lse(qkv, num_heads, scale, dropout_p, training)
 
 
 def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-              training: bool = False, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D).
+              training: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D)."""
+    return _attention_with_lse(qkv, num_heads, scale, dropout_p, training)[0]
 
-    ``qkv_bias`` (3 * H * D,): the qkv Linear's bias, when ``qkv`` is its GEMM without the bias
-    (x @ W^T). The kernels add it to q, k, v in fp32 and return its gradient from the backward
-    kernels' column partials (no separate sum over d(qkv)); any float dtype, e.g. fp32 under autocast.
-    """
-    return attention_with_lse(qkv, num_heads, scale, dropout_p, training, qkv_bias)[0]
+
+def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                     scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
+                     return_lse: bool = False):
+    """The qkv Linear then ``attention``: attention(F.linear(x, weight, bias), num_heads) -> (B, N, H * D).
+
+    The bias rides in the GEMM's epilogue (cuBLAS; under autocast cast like eager's, so qkv is bitwise
+    eager timm's) and its gradient comes from the attention backward's column partials, not from a
+    separate sum over d(qkv): the Linear sees the bias detached, the attention Function returns d(bias).
+    ``return_lse``: also return the fp32 log-sum-exp (B, H, N) for ``attention_probs`` (which then takes
+    the biased qkv, F.linear(x, weight, bias))."""
+    _check_linear("attention_linear", x, weight, bias, num_heads)
+    qkv = F.linear(x, weight, None if bias is None else bias.detach())
+    grad_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
+    out, lse = _attention_with_lse(qkv, num_heads, scale, dropout_p, training, grad_bias)
+    return (out, lse) if return_lse else out
 
 
 def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -819,18 +768,16 @@ def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float | None = None,
-                    rows=None, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+                    rows=None) -> torch.Tensor:
     """Exact attention probabilities (before dropout) recomputed from the forward's lse.
 
     Returns fp32 (B, H, len(rows), N) for the chosen query rows (e.g. rows=[0], the class token),
     or the full (B, H, N, N) map when rows is None. Runs in tiles; nothing but the result is stored.
-    Pass the same ``qkv`` and ``qkv_bias`` as to ``attention_with_lse`` (a biased qkv with no bias is
-    equivalent).
+    Pass the same ``qkv`` as to ``attention_with_lse`` (for ``attention_linear``: the biased
+    F.linear(x, weight, bias)).
     """
     head_dim = _check_packed("attention_probs", qkv, num_heads)
-    _check_qkv_bias("attention_probs", qkv_bias, qkv)
-    check_kernel_device("attention_probs", qkv, lse, qkv_bias)
-    qkv_bias = unit_stride(qkv_bias)
+    check_kernel_device("attention_probs", qkv, lse)
     B, N, _ = qkv.shape
     if lse.shape != (B, num_heads, N) or lse.dtype != torch.float32:
         raise ValueError(f"attention_probs: expected lse of shape {(B, num_heads, N)} and dtype float32, "
@@ -850,9 +797,9 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
     cfg = attention_config(N, head_dim, qkv.dtype, gpu_arch(qkv.device), precision).dq
     block_m = min(cfg.block_m, max(16, next_power_of_2(R)))
     _attention_probs_kernel[attention_grid(B * num_heads, R, block_m)](
-        probs, q, k, lse, rows, qkv_bias, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
+        probs, q, k, lse, rows, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(head_dim),
-        INPUT_PRECISION=precision, HAS_BIAS=qkv_bias is not None, num_warps=cfg.num_warps)
+        INPUT_PRECISION=precision, num_warps=cfg.num_warps)
     return probs
 
 
@@ -883,25 +830,24 @@ def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]
     return values
 
 
-_BIAS_ARGS = ("Bias", "PQ", "PK", "PV")  # the qkv bias and its gradient partials: None without HAS_BIAS
+_BIAS_GRAD_ARGS = ("PQ", "PK", "PV")  # the qkv bias's gradient partials: None without BIAS_GRAD
 
 
-def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_dtype=None):
+def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_grad=False):
     """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
-    (lse/delta/probs/partials fp32, Rows i64, the qkv bias in ``bias_dtype``), ints i32, floats fp32;
-    unit strides become constexpr 1 and multiples of 16 are listed in divisible_by_16, both as Triton
-    specialises a real launch. Without ``bias_dtype`` the bias arguments are constexpr None."""
+    (lse/delta/probs/partials fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1
+    and multiples of 16 are listed in divisible_by_16, both as Triton specialises a real launch.
+    Without ``bias_grad`` the partials are constexpr None."""
     constexprs = dict(constexprs, **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
-    if "HAS_BIAS" in fn.arg_names:
-        constexprs["HAS_BIAS"] = bias_dtype is not None
-        if bias_dtype is None:
-            constexprs.update({a: None for a in _BIAS_ARGS if a in fn.arg_names})
+    if "BIAS_GRAD" in fn.arg_names:
+        constexprs["BIAS_GRAD"] = bias_grad
+        if not bias_grad:
+            constexprs.update({a: None for a in _BIAS_GRAD_ARGS})
     width = values["num_heads"] * values["head_dim"]
     elem = torch.empty((), dtype=dtype).element_size()
     aligned = {a: width * elem % 16 == 0 for a in ("K", "V", "DK", "DV")}  # k, v inside qkv / dqkv
     aligned.update(PK=width * 4 % 16 == 0, PV=width * 4 % 16 == 0)  # slabs 1, 2 of the (3, G, H * D) partials
-    pointer_types = dict(Lse="*fp32", Delta="*fp32", P="*fp32", Rows="*i64", PQ="*fp32", PK="*fp32", PV="*fp32",
-                         Bias="*" + TRITON_DTYPE_NAMES[bias_dtype or dtype])
+    pointer_types = dict(Lse="*fp32", Delta="*fp32", P="*fp32", Rows="*i64", PQ="*fp32", PK="*fp32", PV="*fp32")
     signature, divisible = {}, []
     for arg in fn.arg_names:
         if arg in constexprs:
@@ -921,10 +867,9 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_dty
                    divisible_by_16=tuple(divisible))
 
 
-def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int,
-              param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
+def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int, **_) -> list[AotSpec]:
     """Every launch the config table makes for one ViT attention layer: training with and without
-    attention dropout, without and with the qkv bias (in ``param_dtype``: fp32 under autocast), the
+    attention dropout, the backward with and without the qkv bias's gradient partials, the
     attention-map kernel, and for fp32 both dot precisions (IEEE, the default, runs on FMA units, so
     only tf32 entries are expected to use tensor cores). The d(qkv_bias) reduction is bias_gelu's
     ``sum_partials`` at width 3 * C (the same BLOCK_N=256 build its own specs list for C)."""
@@ -934,22 +879,21 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
         cfg = attention_config(tokens, D, dtype, arch, precision)
         tensor_cores = dtype != torch.float32 or precision == "tf32"
-        for bias_dtype in (None, param_dtype):
-            for dropout in (False, True):
-                note = f"N={tokens} D={D} dropout={dropout} qkv_bias={bias_dtype is not None}"
-                common = dict(BLOCK_D=block_d, DROPOUT=dropout, INPUT_PRECISION=precision)
-                specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
-                                       dict(common, BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n), cfg.fwd,
-                                       note, values, tensor_cores, bias_dtype))
-                bwd = dict(common, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n)
+        for dropout in (False, True):
+            note = f"N={tokens} D={D} dropout={dropout}"
+            common = dict(BLOCK_D=block_d, DROPOUT=dropout, INPUT_PRECISION=precision)
+            specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
+                                   dict(common, BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n), cfg.fwd,
+                                   note, values, tensor_cores))
+            bwd = dict(common, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n)
+            for bias_grad in (False, True):
                 specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
-                                       f"{note} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
-                                       f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores, bias_dtype))
-            specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
-                                   dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
-                                        INPUT_PRECISION=precision), cfg.dq,
-                                   f"N={tokens} D={D} attention maps qkv_bias={bias_dtype is not None}",
-                                   values, tensor_cores, bias_dtype))
+                                       f"{note} qkv_bias_grad={bias_grad} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
+                                       f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores, bias_grad))
+        specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
+                               dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+                                    INPUT_PRECISION=precision), cfg.dq,
+                               f"N={tokens} D={D} attention maps", values, tensor_cores))
     return specs
 
 
@@ -970,13 +914,16 @@ def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-                  training: bool = False, qkv_bias: torch.Tensor | None = None,
-                  dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D).
-    A bias is added as the kernels do: in the wider dtype, then rounded to qkv's dtype."""
+                  training: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D)."""
     B, N, width = qkv.shape
-    if qkv_bias is not None:
-        qkv = (qkv + qkv_bias).to(qkv.dtype)
     q, k, v = qkv.reshape(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
     out = attention_qkv_ref(q, k, v, scale, dropout_p, training, dropout_mask)
     return out.transpose(1, 2).reshape(B, N, width // 3)
+
+
+def attention_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                         scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
+                         dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention_linear``: timm's qkv Linear, then ``attention_ref``."""
+    return attention_ref(F.linear(x, weight, bias), num_heads, scale, dropout_p, training, dropout_mask)

@@ -34,9 +34,15 @@ def make_qkv(B, N, H, D, dtype, seed=0):
     return torch.randn(B, N, 3 * H * D, generator=g).to(device=DEVICE, dtype=dtype)
 
 
-def make_bias(H, D, dtype=torch.float32, seed=5):
-    """A qkv-Linear bias large enough to matter (q, k and v shift by ~half their spread)."""
-    return (0.5 * torch.randn(3 * H * D, generator=torch.Generator().manual_seed(seed))).to(DEVICE, dtype)
+def make_linear(B, N, H, D, dtype, bias_std=0.5, seed=5):
+    """x (B, N, C), the qkv Linear's weight (3C, C) and a bias large enough to matter (q, k and v shift
+    by ~half their spread), C = H * D."""
+    g = torch.Generator().manual_seed(seed)
+    C = H * D
+    x = torch.randn(B, N, C, generator=g)
+    weight = torch.randn(3 * C, C, generator=g) * C**-0.5
+    bias = bias_std * torch.randn(3 * C, generator=g)
+    return [t.to(DEVICE, dtype) for t in (x, weight, bias)]
 
 
 def run(fn, inputs, grad):
@@ -278,11 +284,11 @@ def test_config_table_and_aot_specs():
         assert all(s.signature[k] == "constexpr" for k in s.constexprs)
         assert {"stride_qn", "stride_qh"} & set(s.signature) <= set(s.divisible_by_16), s.name
         assert "seq_len" not in s.divisible_by_16  # 197 is no multiple of 16
-    with_bias = [s for s in specs if s.constexprs.get("HAS_BIAS")]  # the autocast case: bf16 qkv, fp32 bias
-    assert {s.name for s in with_bias} == {"attention_fwd", "attention_bwd", "attention_probs"}
-    assert all(s.signature["Bias"] == "*fp32" and "Bias" in s.divisible_by_16 for s in with_bias)
-    assert all({"PQ", "PK", "PV"} <= set(s.divisible_by_16) for s in with_bias if s.name == "attention_bwd")
-    assert all(s.constexprs.get("Bias", 0) is None for s in specs if s.constexprs.get("HAS_BIAS") is False)
+    bwd = [s for s in specs if s.name == "attention_bwd"]
+    assert sorted(s.constexprs["BIAS_GRAD"] for s in bwd) == [False, False, True, True]  # x dropout on/off
+    assert all({"PQ", "PK", "PV"} <= set(s.divisible_by_16) for s in bwd if s.constexprs["BIAS_GRAD"])
+    assert all(s.signature[p] == "*fp32" for s in bwd if s.constexprs["BIAS_GRAD"] for p in ("PQ", "PK", "PV"))
+    assert all(s.constexprs[p] is None for s in bwd if not s.constexprs["BIAS_GRAD"] for p in ("PQ", "PK", "PV"))
 
 
 def test_tf32_only_when_allowed(monkeypatch):
@@ -320,9 +326,9 @@ def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
     for the same torch.manual_seed."""
     from tests.test_bias_gelu import check_compiled_dropout
 
-    qkv = make_qkv(1, 20, 2, 32, torch.float32).requires_grad_()
-    bias = make_bias(2, 32).requires_grad_()  # with the qkv bias: the (dqkv, dbias) op traces too
-    check_compiled_dropout(lambda x, b: A.attention(x, 2, dropout_p=0.2, training=True, qkv_bias=b), [qkv, bias],
+    # through attention_linear: the qkv GEMM and the (dqkv, dbias) op trace too
+    inputs = [t.requires_grad_() for t in make_linear(1, 20, 2, 32, torch.float32)]
+    check_compiled_dropout(lambda x, w, b: A.attention_linear(x, w, b, 2, dropout_p=0.2, training=True), inputs,
                            monkeypatch)
 
 
@@ -381,67 +387,100 @@ def test_padded_keys_stay_zero_when_every_score_is_very_negative(dtype):
 
 
 # ---------------------------------------------------------------------------------------------- #
-# The qkv Linear's bias inside the kernels (qkv = x @ W^T without bias)
+# attention_linear: the qkv Linear (bias in its GEMM) + attention, the bias's gradient from the kernel
 # ---------------------------------------------------------------------------------------------- #
+LINEAR_GRADS = ["dx", "dweight", "dbias"]
+
+
 @pytest.mark.parametrize("dtype, B, N, H, D", [
     (torch.float32, 2, 37, 3, 64),  # fp32 table: two 32-row backward tiles, masked last one
     (torch.float32, 2, 37, 2, 80),  # wide fp32
-    (torch.bfloat16, 2, 37, 3, 64),  # autocast: bf16 qkv from the GEMM, fp32 bias parameter
+    (torch.float16, 1, 29, 2, 48),
+    (torch.bfloat16, 2, 37, 3, 64),
     (torch.bfloat16, 2, 71, 2, 80),  # wide bf16: three 32-row backward tiles, masked last one
 ], ids=dtype_id)
-def test_qkv_bias_forward_and_gradients(dtype, B, N, H, D):
-    """out, d(qkv) and d(qkv_bias) against the float64 reference (and 2x eager); the bias stays fp32
-    and its gradient comes back fp32."""
-    qkv, bias = make_qkv(B, N, H, D, dtype), make_bias(H, D)
-    fn = lambda x, b: A.attention(x, H, qkv_bias=b)  # noqa: E731
-    out, (dqkv, dbias) = check_2x_eager(fn, lambda x, b: A.attention_ref(x, H, qkv_bias=b), [qkv, bias],
-                                        ["dqkv", "dbias"])
-    assert dbias.dtype == torch.float32 and dqkv.dtype == dtype
-    # the bias is not a no-op, and d(bias) is the token/batch sum of d(qkv)
-    assert errors(out, A.attention_ref(qkv.double(), H))[0] > 10 * bound(dtype, "dot")
-    assert_close(dbias, dqkv.double().sum((0, 1)), rtol=bound(dtype, "dot"), name="dbias vs sum of dqkv")
-
-
-def test_qkv_bias_strided_and_fp16():
-    """A strided bias view (copied once, gradient flows back through the view) with fp16 qkv and bias."""
-    H, D = 2, 48
-    qkv = make_qkv(1, 29, H, D, torch.float16)
-    base = make_bias(H, 2 * D, torch.float16)  # 2x as long; every other element is the bias
-    check_2x_eager(lambda x, b: A.attention(x, H, qkv_bias=b[::2]), lambda x, b: A.attention_ref(x, H, qkv_bias=b[::2]),
-                   [qkv, base], ["dqkv", "dbias_base"])
+def test_attention_linear_forward_and_gradients(dtype, B, N, H, D):
+    """out, dx, dweight and dbias against the float64 reference and within 2x eager."""
+    inputs = make_linear(B, N, H, D, dtype)
+    fn = lambda x, w, b: A.attention_linear(x, w, b, H)  # noqa: E731
+    out, grads = check_2x_eager(fn, lambda x, w, b: A.attention_linear_ref(x, w, b, H), inputs, LINEAR_GRADS)
+    assert [g.dtype for g in grads] == [dtype] * 3
+    x, w, b = (t.double() for t in inputs)
+    assert errors(out, A.attention_linear_ref(x, w, None, H))[0] > 10 * bound(dtype, "dot"), "the bias is a no-op"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_qkv_bias_with_dropout(monkeypatch, dtype):
-    """With dropout v's bias adds only the kept probability mass: the kernels (mask regenerated in
-    forward, dK/dV and dQ) equal the reference handed the same mask."""
+def test_attention_linear_bias_large_next_to_the_projection(dtype):
+    """x @ W^T ~ -b (|b| ~ 16) and q, k, v = x @ W^T + b ~ 1: every rounding must be that of eager, on
+    the biased q, k, v. (When the kernels took x @ W^T and folded the bias into the tiles they stream
+    algebraically, this erred 8-23x eager in fp32 and 11-36x in bf16, in every output.)"""
+    B, N, H, D = 2, 37, 2, 64
+    x, weight, bias = make_linear(B, N, H, D, torch.float32, bias_std=16.0)
+    x[..., 0] = 1.0  # a constant input channel whose weights cancel the bias
+    weight[:, 0] = -bias
+    fn = lambda x, w, b: A.attention_linear(x, w, b, H)  # noqa: E731
+    check_2x_eager(fn, lambda x, w, b: A.attention_linear_ref(x, w, b, H), [t.to(dtype) for t in (x, weight, bias)],
+                   LINEAR_GRADS)
+
+
+def test_attention_linear_under_autocast():
+    """As the model runs it: bf16 x and qkv, fp32 weight and bias; their gradients come back fp32 and
+    within 2x eager timm's (the same ops under the same autocast) of float64."""
+    B, N, H, D = 2, 37, 2, 64
+    inputs = make_linear(B, N, H, D, torch.float32)
+    inputs[0] = inputs[0].to(torch.bfloat16)
+    grad = torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        mine = run(lambda x, w, b: A.attention_linear(x, w, b, H), inputs, grad)
+        eager = run(lambda x, w, b: A.attention_linear_ref(x, w, b, H), inputs, grad)
+    ref = run(lambda x, w, b: A.attention_linear_ref(x, w, b, H), [t.double() for t in inputs], grad.double())
+    assert [t.dtype for t in mine[1]] == [torch.bfloat16, torch.float32, torch.float32]
+    for name, m, e, r in zip(["out"] + LINEAR_GRADS, [mine[0], *mine[1]], [eager[0], *eager[1]], [ref[0], *ref[1]]):
+        eager_rel = errors(e, r)[0]
+        assert_close(m, r, rtol=2 * eager_rel + SLACK[torch.bfloat16], name=f"{name} vs 2x eager ({eager_rel:.2e})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_attention_linear_with_dropout(monkeypatch, dtype):
+    """The mask regenerated in forward, dK/dV and dQ equals the reference handed the same mask."""
     B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
     monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
-    check_2x_eager(lambda x, b: A.attention(x, H, dropout_p=p, training=True, qkv_bias=b),
-                   lambda x, b: A.attention_ref(x, H, dropout_p=p, training=True, qkv_bias=b, dropout_mask=keep),
-                   [make_qkv(B, N, H, D, dtype), make_bias(H, D)], ["dqkv", "dbias"])
+    check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True),
+                   lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True, dropout_mask=keep),
+                   make_linear(B, N, H, D, dtype), LINEAR_GRADS)
 
 
-def test_qkv_bias_sum_backward_and_determinism():
-    """.sum() (stride-0 grad) backward; two runs bitwise equal in d(qkv) and d(qkv_bias)."""
+def test_attention_linear_sum_backward_and_determinism():
+    """.sum() (stride-0 grad) backward; two runs bitwise equal in every gradient."""
     B, N, H, D = 2, 41, 2, 64
-    qkv, bias = make_qkv(B, N, H, D, torch.bfloat16), make_bias(H, D)
+    inputs = make_linear(B, N, H, D, torch.bfloat16)
     grads = []
     for _ in range(2):
-        x, b = qkv.clone().requires_grad_(), bias.clone().requires_grad_()
-        A.attention(x, H, qkv_bias=b).sum().backward()
-        grads.append((x.grad, b.grad))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), "not deterministic"
-    x, b = qkv.double().requires_grad_(), bias.double().requires_grad_()
-    A.attention_ref(x, H, qkv_bias=b).sum().backward()
-    assert_close(grads[0][0], x.grad, rtol=bound(torch.bfloat16, "dot"), name="dqkv from .sum()")
-    assert_close(grads[0][1], b.grad, rtol=bound(torch.bfloat16, "dot"), name="dbias from .sum()")
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        A.attention_linear(*leaves, H).sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads)), "not deterministic"
+    leaves = [t.double().requires_grad_() for t in inputs]
+    A.attention_linear_ref(*leaves, H).sum().backward()
+    for name, got, leaf in zip(LINEAR_GRADS, grads[0], leaves):
+        assert_close(got, leaf.grad, rtol=bound(torch.bfloat16, "dot"), name=f"{name} from .sum()")
 
 
-def test_qkv_bias_matches_timm_attention():
-    """The lead's wiring: F.linear(x, qkv.weight) -> attention(..., qkv_bias=qkv.bias) -> proj equals
-    timm's Attention (qkv_bias=True) in output and every gradient, the qkv bias's included."""
+def test_attention_linear_frozen_or_no_bias():
+    """A frozen bias gets no gradient (and no partials are written); no bias at all works too."""
+    B, N, H, D = 1, 19, 2, 32
+    x, weight, bias = make_linear(B, N, H, D, torch.float32)
+    x.requires_grad_()
+    A.attention_linear(x, weight, bias, H).sum().backward()
+    assert bias.grad is None and x.grad is not None
+    ref = A.attention_linear_ref(x.double(), weight.double(), None, H)
+    assert_close(A.attention_linear(x, weight, None, H), ref, rtol=bound(torch.float32, "dot"), name="no bias")
+
+
+def test_attention_linear_matches_timm_attention():
+    """The model's wiring: attention_linear(x, qkv.weight, qkv.bias) -> proj equals timm's Attention
+    (qkv_bias=True) in output and every gradient, the qkv bias's included."""
     from timm.models.vision_transformer import Attention
 
     torch.manual_seed(0)
@@ -454,7 +493,7 @@ def test_qkv_bias_matches_timm_attention():
     ref_grads = [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
     x.grad = None
     module.zero_grad()
-    out = module.proj(A.attention(F.linear(x, module.qkv.weight), 3, qkv_bias=module.qkv.bias))
+    out = module.proj(A.attention_linear(x, module.qkv.weight, module.qkv.bias, 3))
     out.square().sum().backward()
     assert_close(out, expected, rtol=bound(torch.float32, "dot"), name="vs timm Attention")
     names = ["x"] + [n for n, _ in module.named_parameters()]
@@ -462,17 +501,18 @@ def test_qkv_bias_matches_timm_attention():
         assert_close(got, ref, rtol=bound(torch.float32, "dot"), name=f"d{name} vs timm")
 
 
-def test_qkv_bias_attention_probs():
-    """attention_probs with the same (qkv, qkv_bias) as the forward equals the map of the biased qkv."""
+def test_attention_linear_lse_and_probs():
+    """return_lse gives the lse of the biased scores; attention_probs on the biased qkv with it
+    recomputes the softmax map."""
     B, N, H, D = 2, 29, 2, 80
-    qkv, bias = make_qkv(B, N, H, D, torch.float32), make_bias(H, D)
-    out, lse = A.attention_with_lse(qkv, H, qkv_bias=bias)
-    q, k, _ = (qkv + bias).double().reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
+    x, weight, bias = make_linear(B, N, H, D, torch.float32)
+    out, lse = A.attention_linear(x, weight, bias, H, return_lse=True)
+    qkv = F.linear(x, weight, bias)
+    q, k, _ = qkv.double().reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
     scores = (q @ k.transpose(-2, -1)) * D**-0.5
     assert_close(lse, torch.logsumexp(scores, -1), rtol=bound(torch.float32, "dot"), name="lse with bias")
-    probs = A.attention_probs(qkv, lse, H, rows=[0, 28], qkv_bias=bias)
+    probs = A.attention_probs(qkv, lse, H, rows=[0, 28])
     assert_close(probs, scores.softmax(-1)[:, :, [0, 28]], rtol=bound(torch.float32, "dot"), name="probs with bias")
-    assert_close(A.attention_probs(qkv + bias, lse, H, rows=[0, 28]), probs, rtol=1e-5, name="biased qkv, no bias")
 
 
 class _Launches:
@@ -517,73 +557,36 @@ class _Launches:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_qkv_bias_launches(monkeypatch, dtype):
-    """Forward 1 launch; backward 1 launch (no delta pre-pass) + one sum_partials, no aten sum over
-    d(qkv) and no fill of partial rows (every program writes the partial row of its own dK/dV and dQ
-    tile, the same rows). Without a bias: 1 + 1 launches."""
+def test_attention_linear_launches(monkeypatch, dtype):
+    """Forward: the qkv GEMM with its bias (no separate add) and 1 launch; backward 1 launch (no delta
+    pre-pass) + one sum_partials, no aten sum over d(qkv) and no fill of partial rows (every program
+    writes the partial row of its own dK/dV and dQ tile, the same rows). Without a bias: 1 + 1."""
     B, N, H, D = 1, 37, 2, 64
     launches = _Launches(monkeypatch)
-    for bias in (None, make_bias(H, D).requires_grad_()):
-        x = make_qkv(B, N, H, D, dtype).requires_grad_()
+    for with_bias in (False, True):
+        x, weight, bias = (t.requires_grad_() for t in make_linear(B, N, H, D, dtype))
         out = []
-        assert launches.run(lambda: out.append(A.attention(x, H, qkv_bias=bias))) == ["attention_fwd"]
-        assert not {"add", "sum", "addmm"} & set(launches.aten), launches.aten
+        fwd = launches.run(lambda: out.append(A.attention_linear(x, weight, bias if with_bias else None, H)))
+        assert fwd == ["attention_fwd"]
+        assert not {"add", "add_"} & set(launches.aten), launches.aten
         backward = launches.run(lambda: out[0].backward(torch.ones_like(out[0])))
-        reduction = [] if bias is None else ["sum_partials"]
-        assert backward == ["attention_bwd"] + reduction
-        assert "sum" not in launches.aten, "d(qkv_bias) must not be a separate sum over d(qkv)"
+        assert backward == ["attention_bwd"] + (["sum_partials"] if with_bias else [])
+        assert "sum" not in launches.aten, "d(bias) must not be a separate sum over d(qkv)"
         # (fill_ is the test's NaN poisoning of every allocation, ones_like the test's grad)
         fills = [op for op in launches.aten if op in ("zero_", "zeros", "zeros_like", "new_zeros")]
         assert not fills, launches.aten
 
 
-def test_qkv_bias_bad_input_raises_before_launch():
-    qkv = make_qkv(1, 4, 2, 32, torch.float32)
-    with pytest.raises(ValueError, match=r"qkv_bias of shape \(192,\)"):
-        A.attention(qkv, 2, qkv_bias=torch.zeros(64, device=DEVICE))
-    with pytest.raises(ValueError, match="qkv_bias of shape"):
-        A.attention(qkv, 2, qkv_bias=torch.zeros(1, 192, device=DEVICE))
-    for dtype in (torch.int32, torch.float64):
-        with pytest.raises(ValueError, match="qkv_bias with dtype in"):
-            A.attention(qkv, 2, qkv_bias=torch.zeros(192, dtype=dtype, device=DEVICE))
-    with pytest.raises(ValueError, match="qkv_bias on qkv's device"):
-        A.attention(qkv, 2, qkv_bias=torch.zeros(192, device="meta"))
-    with pytest.raises(ValueError, match="qkv_bias of shape"):
-        A.attention_probs(qkv, A.attention_with_lse(qkv, 2)[1], 2, qkv_bias=torch.zeros(96, device=DEVICE))
-
-
-def test_qkv_bias_padded_q_rows_stay_zero_when_the_key_shift_overflows():
-    """b_q shifts score column j by k_j . b_q, padded q rows included (their q loads as 0). Here that
-    shift is 128 for every key (scale 1), so the padded rows' exp2 would overflow to inf and put
-    inf * 0 = NaN into dk, dv and d(bias): their lse must load as +inf, probability exactly 0.
-    N = 17: 15 padded rows in the last tile. k_j[0] = 1 for every key, so for the real rows the shift
-    is the same in every column and softmax ignores it; q[0] = 0 keeps q + b_q exact in bf16. (d(b_k),
-    exactly 0, is left out: it is the token sum of a dk column of ~1000 rounded to bf16.)"""
-    B, N, H, D = 1, 17, 1, 64
-    qkv = make_qkv(B, N, H, D, torch.bfloat16).view(B, N, 3, D)
-    qkv[:, :, 0] *= D ** -0.5
-    qkv[:, :, 0, 0] = 0.0
-    qkv[:, :, 1, 0] = 1.0
-    bias = torch.zeros(3, D, device=DEVICE)
-    bias[0, 0] = 128.0
-    out, (dqkv,) = check_2x_eager(lambda x: A.attention(x, H, scale=1.0, qkv_bias=bias.view(-1)),
-                                  lambda x: A.attention_ref(x, H, scale=1.0, qkv_bias=bias.view(-1)),
-                                  [qkv.view(B, N, -1)], ["dqkv"])
-    assert torch.isfinite(dqkv).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
-def test_qkv_bias_lse_shift_keeps_fp32_accuracy(dtype):
-    """The forward's b_k row shift s q'_i . b_k (a 16-bit dot of q' with b_k split hi + lo) is as
-    accurate as fp32: lse equals the kernel's stated math (q' = q + b_q rounded to the input dtype, raw
-    k, fp32 b_k) in float64 to ~1e-6 (bound 5e-6); dropping lo (b_k rounded to the input dtype) errs
-    by 1e-4 (fp16) to 1e-3 (bf16). The other tests pass without lo (mutation-checked).
-    No other test sees this: P is shift-invariant and the dQ kernel recomputes its shift in fp32."""
-    B, N, H, D = 1, 29, 2, 64
-    qkv, bias = make_qkv(B, N, H, D, dtype, seed=3), 4 * make_bias(H, D, seed=6)
-    lse = A.attention_with_lse(qkv, H, qkv_bias=bias)[1]
-    q, k, _ = qkv.double().reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
-    b_q, b_k, _ = bias.double().reshape(3, H, 1, D)
-    q = (q + b_q).to(dtype).double()  # what the kernel rounds: its own tile plus its bias
-    want = torch.logsumexp(q @ k.transpose(-2, -1) * D**-0.5, -1) + (q * b_k).sum(-1) * D**-0.5
-    assert_close(lse, want, rtol=5e-6, name=f"lse with the b_k shift ({dtype})")
+@pytest.mark.parametrize("args, match", [
+    (lambda x, w, b: (x[0], w, b, 2), "3 dims"),
+    (lambda x, w, b: (x.int(), w, b, 2), "x with dtype"),
+    (lambda x, w, b: (x, w[:, :-1], b, 2), r"weight of shape \(3 \* H \* D, 64\)"),
+    (lambda x, w, b: (x, w[:-2, :], b[:-2], 2), r"divisible by 3 \* num_heads"),
+    (lambda x, w, b: (x, w, b[:-1], 2), r"bias of shape \(192,\)"),
+    (lambda x, w, b: (x, w, b.double(), 2), "bias with dtype in"),
+    (lambda x, w, b: (x, w, b.to("meta"), 2), "bias on x's device"),
+    (lambda x, w, b: (x, w, b, 0), "positive int"),
+])
+def test_attention_linear_bad_input_raises_before_launch(args, match):
+    with pytest.raises(ValueError, match=match):
+        A.attention_linear(*args(*make_linear(1, 4, 2, 32, torch.float32)))

@@ -26,7 +26,7 @@ def test_cli_passes_in_a_fresh_process():
     rows = ROW.findall(out)
     ops = {name.split(" ")[0] for name, *_ in rows}
     assert ops == {"layer_norm", "add_layer_norm", "bias_gelu", "gelu_linear", "bias_dropout_add", "attention",
-                   "attention_bias", "patch_embed", "model"}, out
+                   "attention_linear", "patch_embed", "model"}, out
     assert all(r[-1] == "PASS" for r in rows) and "FAIL" not in out
     assert any(name == "model logits" for name, *_ in rows) and any(name.startswith("model dblocks.*.") for name, *_ in rows)
     assert f"{len(rows)}/{len(rows)} passed" in out
@@ -35,8 +35,13 @@ def test_cli_passes_in_a_fresh_process():
 def test_broken_kernel_is_reported(monkeypatch, capsys):
     """A 1% error in the attention kernel fails its rows and the model's (the model runs the kernel too);
     the untouched bias_gelu rows still pass."""
-    attention = A.attention
-    monkeypatch.setattr(A, "attention", lambda *args, **kw: attention(*args, **kw) * 1.01)
+    attention = A._attention_with_lse  # behind attention and attention_linear (which the model calls)
+
+    def off_by_one_percent(*args, **kw):
+        out, lse = attention(*args, **kw)
+        return out * 1.01, lse
+
+    monkeypatch.setattr(A, "_attention_with_lse", off_by_one_percent)
     assert check.main([*TINY, "--ops", "attention,bias_gelu,model"]) == 1
     out = capsys.readouterr().out
     status = {name: result for name, *_, result in ROW.findall(out)}

@@ -141,10 +141,10 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
         inputs = dict(qkv=rand(B, N, 3 * D), num_heads=H)
         rows += check_op("attention", lambda **a: A.attention(**a), A.attention_ref, inputs, ["qkv"], ["out"],
                          [(B, N, D)], "dot", dtype, g)
-        # as the model calls it: the qkv GEMM's output without its bias, the (fp32 under AMP) bias in the kernel
-        inputs = dict(qkv=rand(B, N, 3 * D), num_heads=H, qkv_bias=rand(3 * D, scale=0.5, dt=torch.float32))
-        rows += check_op("attention_bias", lambda **a: A.attention(**a), A.attention_ref, inputs, ["qkv", "qkv_bias"],
-                         ["out"], [(B, N, D)], "dot", dtype, g)
+        # as the model calls it: the qkv Linear (bias in its GEMM, the bias's gradient from the attention backward)
+        inputs = dict(x=rand(B, N, D), weight=rand(3 * D, D, scale=D ** -0.5), bias=rand(3 * D, scale=0.5), num_heads=H)
+        rows += check_op("attention_linear", lambda **a: A.attention_linear(**a), A.attention_linear_ref, inputs,
+                         ["x", "weight", "bias"], ["out"], [(B, N, D)], "dot", dtype, g)
     if "patch_embed" in ops:
         (h, w), p, C = cfg.img_size, cfg.patch_size[0], cfg.in_chans
         prefix = cfg.num_prefix_tokens

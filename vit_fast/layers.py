@@ -7,8 +7,8 @@ vit_fast/backend.py) and keeps it in ``self.backend``; the path is chosen per ca
 The fused path (GEMMs stay in torch / cuBLAS, every elementwise and normalisation step is a kernel):
   - PatchEmbed: one ``patch_embed`` launch (conv as an im2col GEMM + bias);
   - LayerNorm: ``layer_norm``; ``LayerNorm.join`` = residual join + this norm in one ``add_layer_norm``;
-  - Attention: qkv GEMM without bias -> ``attention`` straight on the packed (B, N, 3HD) qkv, adding the
-    qkv bias in-kernel -> proj GEMM;
+  - Attention: ``attention_linear``: the qkv GEMM (its bias in cuBLAS's epilogue) -> ``attention`` straight
+    on the packed (B, N, 3HD) qkv, whose backward also returns the qkv bias's gradient -> proj GEMM;
   - Mlp: fc1 GEMM without bias -> ``gelu_linear`` (fc1's bias + GELU fused into the fc2 GEMM's operand
     loads, GELU' into its backward's epilogue: the 4C-wide activation and its gradient are never written);
   - Block.forward_pair(normed, residual, next_norm): proj and fc2 GEMMs run WITHOUT their bias; the bias,
@@ -177,17 +177,15 @@ class Attention(nn.Module):
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return self.q_norm(q), self.k_norm(k), v
 
-    def attend(self, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(D)) v from the packed projection (+ qkv_bias when given); returns (B, N, H*D).
+    def fused(self, x: torch.Tensor) -> bool:
+        """The attention kernel runs (it has no per-head LayerNorm: with qk_norm the reference ops do)."""
+        return not isinstance(self.q_norm, nn.LayerNorm) and resolve_backend(self.backend, x) == "triton"
 
-        Fused path: the ``attention`` kernel reads q, k, v through strides of the packed qkv, adds the
-        bias in fp32 (and returns its gradient: no reduction over d(qkv)) and writes (B, N, H*D). With
-        qk_norm the reference ops run (the kernel has no per-head LayerNorm)."""
-        if not isinstance(self.q_norm, nn.LayerNorm) and resolve_backend(self.backend, qkv) == "triton":
-            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training,
-                                               qkv_bias=qkv_bias)
-        if qkv_bias is not None:
-            qkv = qkv + qkv_bias
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D). Fused path: the
+        ``attention`` kernel reads q, k, v through strides of the packed qkv and writes (B, N, H*D)."""
+        if self.fused(qkv):
+            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
@@ -199,10 +197,15 @@ class Attention(nn.Module):
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
 
     def branch(self, x: torch.Tensor, keep_rows: Optional[int] = None) -> torch.Tensor:
-        """Fused path: the qkv GEMM without its bias (the attention kernel adds it), attention, then the
-        proj GEMM *without* its bias (the residual join adds it). ``keep_rows``: only the first tokens'
-        output is wanted; attention still reads every token's k and v, the proj GEMM runs on those rows."""
-        out = self.attend(F.linear(x, self.qkv.weight), self.qkv.bias)
+        """Fused path: ``attention_linear`` (the qkv GEMM with its bias, attention; the bias's gradient
+        from the attention backward, no separate reduction over d(qkv)), then the proj GEMM *without*
+        its bias (the residual join adds it). ``keep_rows``: only the first tokens' output is wanted;
+        attention still reads every token's k and v, the proj GEMM runs on those rows."""
+        if self.fused(x):
+            out = attention_kernels.attention_linear(x, self.qkv.weight, self.qkv.bias, self.num_heads, self.scale,
+                                                     self.attn_drop.p, self.training)
+        else:
+            out = self.attend(self.qkv(x))
         return F.linear(out if keep_rows is None else out[:, :keep_rows], self.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

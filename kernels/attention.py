@@ -509,9 +509,12 @@ def _check_packed(op: str, qkv: torch.Tensor, num_heads: int) -> int:
 
 
 def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> None:
-    """x (B, N, C_in), the qkv Linear's weight (3 * H * D, C_in) and optional bias (3 * H * D,), one device."""
+    """x (B, N, C_in), the qkv Linear's weight (3 * H * D, C_in) and optional bias (3 * H * D,), on one
+    device that runs the kernels, of one dtype unless autocast picks the GEMM's: checked before the GEMM."""
     check_float(op, "x", x)
     check_ndim(op, "x", x, 3)
+    if x.shape[1] < 1:
+        raise ValueError(f"{op}: expected at least one token, got x of shape {tuple(x.shape)}")
     check_float(op, "weight", weight)
     check_ndim(op, "weight", weight, 2)
     if weight.shape[1] != x.shape[-1]:
@@ -528,6 +531,9 @@ def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{op}: expected {name} on x's device {x.device}, got {t.device}")
+        if t is not None and t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"{op}: expected {name} with x's dtype {x.dtype} (outside autocast), got {t.dtype}")
+    check_kernel_device(op, x)
 
 
 def _check_separate(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -467,15 +467,21 @@ def test_attention_linear_sum_backward_and_determinism():
         assert_close(got, leaf.grad, rtol=bound(torch.bfloat16, "dot"), name=f"{name} from .sum()")
 
 
-def test_attention_linear_frozen_or_no_bias():
-    """A frozen bias gets no gradient (and no partials are written); no bias at all works too."""
-    B, N, H, D = 1, 19, 2, 32
+def test_attention_linear_partial_gradients_and_non_contiguous_x():
+    """Only the bias trainable (x, W frozen); no bias at all; a non-contiguous (transposed) x."""
+    B, N, H, D = 2, 19, 2, 32
     x, weight, bias = make_linear(B, N, H, D, torch.float32)
-    x.requires_grad_()
-    A.attention_linear(x, weight, bias, H).sum().backward()
-    assert bias.grad is None and x.grad is not None
-    ref = A.attention_linear_ref(x.double(), weight.double(), None, H)
-    assert_close(A.attention_linear(x, weight, None, H), ref, rtol=bound(torch.float32, "dot"), name="no bias")
+    b = bias.clone().requires_grad_()
+    A.attention_linear(x, weight, b, H).square().sum().backward()
+    ref = bias.double().requires_grad_()
+    A.attention_linear_ref(x.double(), weight.double(), ref, H).square().sum().backward()
+    assert_close(b.grad, ref.grad, rtol=bound(torch.float32, "dot"), name="dbias alone")
+    no_bias = A.attention_linear_ref(x.double(), weight.double(), None, H)
+    assert_close(A.attention_linear(x, weight, None, H), no_bias, rtol=bound(torch.float32, "dot"), name="no bias")
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)  # (B, N, C) with batch stride C
+    assert not strided.is_contiguous()
+    check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H), lambda x, w, b: A.attention_linear_ref(x, w, b, H),
+                   [strided, weight, bias], LINEAR_GRADS)
 
 
 def test_attention_linear_matches_timm_attention():
@@ -560,17 +566,20 @@ class _Launches:
 def test_attention_linear_launches(monkeypatch, dtype):
     """Forward: the qkv GEMM with its bias (no separate add) and 1 launch; backward 1 launch (no delta
     pre-pass) + one sum_partials, no aten sum over d(qkv) and no fill of partial rows (every program
-    writes the partial row of its own dK/dV and dQ tile, the same rows). Without a bias: 1 + 1."""
+    writes the partial row of its own dK/dV and dQ tile, the same rows). Without a bias or with a frozen
+    one: 1 + 1, no partials."""
     B, N, H, D = 1, 37, 2, 64
     launches = _Launches(monkeypatch)
-    for with_bias in (False, True):
+    for case in ("none", "frozen", "trained"):
         x, weight, bias = (t.requires_grad_() for t in make_linear(B, N, H, D, dtype))
+        bias.requires_grad_(case != "frozen")
         out = []
-        fwd = launches.run(lambda: out.append(A.attention_linear(x, weight, bias if with_bias else None, H)))
+        fwd = launches.run(lambda: out.append(A.attention_linear(x, weight, None if case == "none" else bias, H)))
         assert fwd == ["attention_fwd"]
         assert not {"add", "add_"} & set(launches.aten), launches.aten
-        backward = launches.run(lambda: out[0].backward(torch.ones_like(out[0])))
-        assert backward == ["attention_bwd"] + (["sum_partials"] if with_bias else [])
+        grad = torch.ones_like(out[0])
+        backward = launches.run(lambda: out[0].backward(grad))
+        assert backward == ["attention_bwd"] + (["sum_partials"] if case == "trained" else []), case
         assert "sum" not in launches.aten, "d(bias) must not be a separate sum over d(qkv)"
         # (fill_ is the test's NaN poisoning of every allocation, ones_like the test's grad)
         fills = [op for op in launches.aten if op in ("zero_", "zeros", "zeros_like", "new_zeros")]
@@ -586,6 +595,10 @@ def test_attention_linear_launches(monkeypatch, dtype):
     (lambda x, w, b: (x, w, b.double(), 2), "bias with dtype in"),
     (lambda x, w, b: (x, w, b.to("meta"), 2), "bias on x's device"),
     (lambda x, w, b: (x, w, b, 0), "positive int"),
+    (lambda x, w, b: (x[:, :0], w, b, 2), "at least one token"),
+    (lambda x, w, b: (x, w.double(), b, 2), "weight with dtype in"),
+    (lambda x, w, b: (x, w.half(), b, 2), "weight with x's dtype"),
+    (lambda x, w, b: (x, w, b.half(), 2), "bias with x's dtype"),
 ])
 def test_attention_linear_bad_input_raises_before_launch(args, match):
     with pytest.raises(ValueError, match=match):

@@ -141,9 +141,19 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
         inputs = dict(qkv=rand(B, N, 3 * D), num_heads=H)
         rows += check_op("attention", lambda **a: A.attention(**a), A.attention_ref, inputs, ["qkv"], ["out"],
                          [(B, N, D)], "dot", dtype, g)
-        # as the model calls it: the qkv Linear (bias in its GEMM, the bias's gradient from the attention backward)
-        inputs = dict(x=rand(B, N, D), weight=rand(3 * D, D, scale=D ** -0.5), bias=rand(3 * D, scale=0.5), num_heads=H)
-        rows += check_op("attention_linear", lambda **a: A.attention_linear(**a), A.attention_linear_ref, inputs,
+        # as the model calls it: the qkv Linear (bias in its GEMM, the bias's gradient from the attention
+        # backward); in 16 bits under autocast, with fp32 weight and bias (fp32 gradients from fp32 partials)
+        inputs = dict(x=rand(B, N, D), weight=rand(3 * D, D, scale=D ** -0.5, dt=torch.float32),
+                      bias=rand(3 * D, scale=0.5, dt=torch.float32), num_heads=H)
+
+        def attention_linear_amp(x, weight, bias, num_heads):
+            with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+                return A.attention_linear(x, weight, bias, num_heads)
+
+        def attention_linear_ref(x, weight, bias, num_heads):  # autocast's casts by hand (float64 stays float64)
+            return A.attention_linear_ref(x, weight.to(x.dtype), bias.to(x.dtype), num_heads)
+
+        rows += check_op("attention_linear", attention_linear_amp, attention_linear_ref, inputs,
                          ["x", "weight", "bias"], ["out"], [(B, N, D)], "dot", dtype, g)
     if "patch_embed" in ops:
         (h, w), p, C = cfg.img_size, cfg.patch_size[0], cfg.in_chans

@@ -490,12 +490,16 @@ def _check_dropout(op: str, dropout_p: float) -> None:
         raise ValueError(f"{op}: expected dropout_p in [0, 1], got {dropout_p}")
 
 
+def _check_num_heads(op: str, num_heads: int) -> None:
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"{op}: expected num_heads to be a positive int, got {num_heads!r}")
+
+
 def _check_packed(op: str, qkv: torch.Tensor, num_heads: int) -> int:
     """Validate a packed (B, N, 3 * H * D) qkv; returns head_dim."""
     check_float(op, "qkv", qkv)
     check_ndim(op, "qkv", qkv, 3)
-    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
-        raise ValueError(f"{op}: expected num_heads to be a positive int, got {num_heads!r}")
+    _check_num_heads(op, num_heads)
     width = qkv.shape[-1]
     if width == 0 or width % (3 * num_heads):
         raise ValueError(f"{op}: expected qkv last dim divisible by 3 * num_heads = {3 * num_heads}, got {width}")
@@ -520,8 +524,7 @@ def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"{op}: expected weight of shape (3 * H * D, {x.shape[-1]}) for x of shape "
                          f"{tuple(x.shape)}, got {tuple(weight.shape)}")
-    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
-        raise ValueError(f"{op}: expected num_heads to be a positive int, got {num_heads!r}")
+    _check_num_heads(op, num_heads)
     if weight.shape[0] == 0 or weight.shape[0] % (3 * num_heads):
         raise ValueError(f"{op}: expected weight rows divisible by 3 * num_heads = {3 * num_heads}, "
                          f"got weight of shape {tuple(weight.shape)}")

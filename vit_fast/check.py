@@ -150,10 +150,10 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
             with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
                 return A.attention_linear(x, weight, bias, num_heads)
 
-        def attention_linear_ref(x, weight, bias, num_heads):  # autocast's casts by hand (float64 stays float64)
+        def attention_linear_cast_ref(x, weight, bias, num_heads):  # autocast's casts by hand (float64 stays float64)
             return A.attention_linear_ref(x, weight.to(x.dtype), bias.to(x.dtype), num_heads)
 
-        rows += check_op("attention_linear", attention_linear_amp, attention_linear_ref, inputs,
+        rows += check_op("attention_linear", attention_linear_amp, attention_linear_cast_ref, inputs,
                          ["x", "weight", "bias"], ["out"], [(B, N, D)], "dot", dtype, g)
     if "patch_embed" in ops:
         (h, w), p, C = cfg.img_size, cfg.patch_size[0], cfg.in_chans

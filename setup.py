@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="vit-fast",
@@ -6,9 +6,9 @@ setup(
     description="A drop-in faster Vision Transformer for GPU training: fused Triton kernels for "
     "patch embedding, LayerNorm, attention and bias-GELU.",
     python_requires=">=3.10",
-    # kernels/ ships as vit_fast.kernels so it can never clash with the unrelated `kernels` package.
-    packages=["vit_fast", "vit_fast.kernels"],
-    package_dir={"vit_fast": "vit_fast", "vit_fast.kernels": "kernels"},
+    # The kernels live in vit_fast/kernels (the top-level kernels/ is a relative symlink to it), so every
+    # import resolves by ordinary path lookup inside the checkout it runs from: no package_dir mapping.
+    packages=find_packages(include=["vit_fast", "vit_fast.*"]),
     install_requires=[
         "torch",
         "triton; platform_system == 'Linux'",
@@ -29,5 +29,5 @@ setup(
             "scikit-learn",
         ],
     },
-    entry_points={"console_scripts": ["vit-fast = vit_fast.cli:main"]},
+    entry_points={"console_scripts": ["vit-fast = vit_fast.tools.cli:main"]},
 )

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from vit_fast.bench import PEAK_TFLOPS, environment, write_csv  # dense bf16/fp16 peaks, result tagging
+from vit_fast.tools.bench import PEAK_TFLOPS, environment, write_csv  # dense bf16/fp16 peaks, result tagging
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int):

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from vit_fast.bench import environment, write_csv
+from vit_fast.tools.bench import environment, write_csv
 
 PEAK = {"A100": (312.0, 2.0), "H100": (989.0, 3.35), "H200": (989.0, 4.8)}  # bf16 TFLOP/s, HBM TB/s
 

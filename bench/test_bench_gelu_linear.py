@@ -38,7 +38,7 @@ def _impl(name):
 def test_fwd_bwd(benchmark, shape, impl):
     import triton
 
-    from vit_fast.bench import environment, peak_tflops
+    from vit_fast.tools.bench import environment, peak_tflops
 
     n, k = SHAPES[shape]
     fn = _impl(impl)

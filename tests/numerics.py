@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vit_fast.numerics import BOUNDS, EAGER_SLACK, bound, errors  # noqa: F401  (one source of truth)
+from vit_fast.tools.numerics import BOUNDS, EAGER_SLACK, bound, errors  # noqa: F401  (one source of truth)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float, name: str = "output", atol: float | None = None):

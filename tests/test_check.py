@@ -9,7 +9,7 @@ import torch
 
 import vit_fast.kernels.attention as A
 import vit_fast.kernels.bias_gelu as G
-from vit_fast import check
+from vit_fast.tools import check
 
 TINY = ["--model", "vit_tiny_patch16_224", "--batch", "1", "--depth", "1"]
 ROW = re.compile(r"^(\S+(?: \S+)?)\s+([\dx]+)\s+(fp32|fp16|bf16)\s+(\S+)\s+(\S+)\s+(\S+)\s+(PASS|FAIL)$", re.M)
@@ -17,7 +17,7 @@ ROW = re.compile(r"^(\S+(?: \S+)?)\s+([\dx]+)\s+(fp32|fp16|bf16)\s+(\S+)\s+(\S+)
 
 def test_cli_passes_in_a_fresh_process():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user's shell: check sets it
-    result = subprocess.run([sys.executable, "-m", "vit_fast.cli", "check", *TINY], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "vit_fast.tools.cli", "check", *TINY], capture_output=True, text=True,
                             timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout

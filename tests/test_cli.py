@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import vit_fast
-from vit_fast import cli
+from vit_fast.tools import cli
 
 
 def test_every_registered_subcommand_resolves():
@@ -39,7 +39,7 @@ def test_info_list_and_errors(capsys):
 
 
 def test_module_entry_point_runs_in_a_fresh_process():
-    result = subprocess.run([sys.executable, "-m", "vit_fast.cli", "info", "--model", "vit_tiny_patch16_224",
+    result = subprocess.run([sys.executable, "-m", "vit_fast.tools.cli", "info", "--model", "vit_tiny_patch16_224",
                              "--batch", "1", "--img-size", "32"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "logits (1, 1000)" in result.stdout

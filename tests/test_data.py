@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vit_fast import data
+from vit_fast.training import data
 
 
 def test_digits_fixed_split_shapes_and_channels():
@@ -88,7 +88,7 @@ def test_imagefolder_skips_and_reports_unreadable_images(tmp_path, caplog):
     info = data.build_datasets("imagefolder", img_size=16, data_dir=str(tmp_path))
     assert (info.num_classes, info.in_chans, len(info.train), len(info.test)) == (2, 3, 7, 7)
     broken = str(tmp_path / "train" / "cat" / "1_broken.png")
-    with caplog.at_level(logging.WARNING, logger="vit_fast.data"):
+    with caplog.at_level(logging.WARNING, logger="vit_fast.training.data"):
         items = [info.train[i] for i in range(len(info.train))]
     assert all(image.shape == (3, 16, 16) for image, _ in items)         # replaced, batch size kept
     assert broken in caplog.text and "skipping unreadable image" in caplog.text

@@ -1,6 +1,6 @@
 """kernels/gelu_linear.py: GELU(h + bias) @ W^T against float64, forward and the three gradients, in
 fp32 / fp16 / bf16 and autocast's mix (half h, fp32 parameters), plus split dW, determinism, launches
-and distinct bytes per launch (vit_fast.traffic.StepCounter), torch.compile and bad input."""
+and distinct bytes per launch (vit_fast.tools.traffic.StepCounter), torch.compile and bad input."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tests.numerics import assert_close, bound, errors
 from tests.test_bias_gelu import check_matches_reference, poisoned_outputs, randn  # noqa: F401  (autouse NaN outputs)
-from vit_fast import traffic
+from vit_fast.tools import traffic
 from vit_fast.kernels import gelu_linear as gl
 from vit_fast.kernels._utils import interpreter_active
 from vit_fast.kernels.gelu_linear import gelu_linear, gelu_linear_ref

@@ -11,7 +11,7 @@ import transformers
 
 import vit_fast
 from vit_fast import CheckpointError, from_hf, from_timm, from_torchvision, load_checkpoint, save_checkpoint
-from vit_fast.convert import hf_to_timm_state_dict, torchvision_to_timm_state_dict
+from vit_fast.interop.convert import hf_to_timm_state_dict, torchvision_to_timm_state_dict
 
 from .numerics import assert_close, bound
 
@@ -186,7 +186,7 @@ def test_from_torchvision_matches_outputs_and_gradients(patch_size):
 def test_torchvision_vit_b_16_config_is_the_timm_preset():
     with torch.device("meta"):
         tv = torchvision.models.vit_b_16()
-    cfg = vit_fast.convert._timm_config_from_state_dict(torchvision_to_timm_state_dict(tv.state_dict()))
+    cfg = vit_fast.interop.convert._timm_config_from_state_dict(torchvision_to_timm_state_dict(tv.state_dict()))
     preset = vit_fast.presets.get_config("vit_base_patch16_224")
     assert vit_fast.ViTConfig(**cfg) == preset
 

@@ -8,7 +8,7 @@ import torchvision
 import transformers
 
 import vit_fast
-from vit_fast.optimize import HFViT
+from vit_fast.interop.hf import HFViT
 
 from .numerics import assert_close, bound, errors
 

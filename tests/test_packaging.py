@@ -46,7 +46,7 @@ def test_wheel_holds_vit_fast_kernels_and_no_top_level_kernels(wheel):
     assert "vit_fast/model.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "vit-fast = vit_fast.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "vit-fast = vit_fast.tools.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_unzipped_wheel_imports_vit_fast_kernels_without_the_repo(wheel, tmp_path):

@@ -305,7 +305,7 @@ def test_small_patches_compile_for_gpu(monkeypatch):
     """P = 1 and 2 (one channel's patch is under tl.dot's 16 K-columns; the interpreter does not check it):
     every GEMM kernel of aot_specs compiles for sm_80 and sm_90 with tensor cores and no spills, in the
     report's compile workers (a real Triton build, not the interpreter)."""
-    from vit_fast.report import _compile_all, _python_fn
+    from vit_fast.tools.report import _compile_all, _python_fn
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # PyTorch's default: fp32 dots on TF32 cores
 

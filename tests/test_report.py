@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import vit_fast
-from vit_fast import report
+from vit_fast.tools import report
 from vit_fast.kernels._utils import TRITON_DTYPE_NAMES, AotSpec
 
 from . import fixture_kernels as fixture

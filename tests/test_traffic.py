@@ -4,7 +4,7 @@ import pytest
 import torch
 import triton
 
-from vit_fast import traffic
+from vit_fast.tools import traffic
 
 from . import fixture_kernels as fixture
 

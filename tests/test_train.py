@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.numerics import assert_close
-from vit_fast import checkpoint as ckpt
-from vit_fast import train as vt
+from vit_fast.training import checkpoint as ckpt
+from vit_fast.training import train as vt
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "2", "--embed-dim", "32",
@@ -111,7 +111,7 @@ def test_ddp_two_processes_match_single_and_resume_in_one_process(reference, tmp
     """torchrun, 2 gloo ranks x 2 accumulated micro-batches of 8 (no_sync on the first) == 1 process with
     batch 32; the DDP checkpoint then resumes in one process without accumulation."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           "-m", "vit_fast.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30", "--ckpt-every", "1000",
+           "-m", "vit_fast.training.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30", "--ckpt-every", "1000",
            "--accum-steps", "2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -129,7 +129,7 @@ def test_fsdp2_resumes_a_single_process_checkpoint_and_matches(reference, tmp_pa
     """torchrun --fsdp (fully_shard per block, 2 gloo ranks) continues the single run's step-30 checkpoint to
     the end of epoch 1 (evaluation included), saving a gathered full checkpoint equal to the single run's."""
     plain = ckpt.list_checkpoints(reference / "plain" / "checkpoints")
-    cmd = [sys.executable, "-m", "vit_fast.train", *TINY, "--fsdp", "--output-dir", str(tmp_path),
+    cmd = [sys.executable, "-m", "vit_fast.training.train", *TINY, "--fsdp", "--output-dir", str(tmp_path),
            "--resume", str(plain[0]), "--stop-at-step", "45", "--ckpt-every", "1000"]
     # the two ranks are started with torchrun's environment directly (the DDP test goes through torchrun):
     # one Python start-up less
@@ -168,7 +168,7 @@ def compare_weights(got, ref, rtol, what):
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path):
-    cmd = [sys.executable, "-m", "vit_fast.train", *TINY, "--epochs", "100", "--output-dir", str(tmp_path),
+    cmd = [sys.executable, "-m", "vit_fast.training.train", *TINY, "--epochs", "100", "--output-dir", str(tmp_path),
            "--ckpt-every", "100000"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -242,7 +242,7 @@ def test_imagefolder_run_skips_a_corrupt_image(tmp_path, caplog):
     args = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--img-size", "16", "--patch-size", "8",
             "--depth", "1", "--embed-dim", "32", "--num-heads", "2", "--batch-size", "6", "--epochs", "1",
             "--workers", "0", "--backend", "torch", "--no-progress", "--output-dir", str(tmp_path / "run")]
-    with caplog.at_level(logging.WARNING, logger="vit_fast.data"):
+    with caplog.at_level(logging.WARNING, logger="vit_fast.training.data"):
         summary = vt.main(args)
     assert summary["steps"] == 1 and not summary["stopped_early"]
     assert str(tmp_path / "data" / "val" / "cat" / "1_broken.png") in caplog.text

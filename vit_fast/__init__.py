@@ -4,10 +4,10 @@ A timm-compatible ViT (same parameter names, same numbers) whose building blocks
 pure-PyTorch reference path (backend='torch') and fused Triton kernels (backend='triton' / 'auto').
 """
 from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
-from .convert import (CheckpointError, from_hf, from_timm, from_torchvision, load_checkpoint,
+from .interop.convert import (CheckpointError, from_hf, from_timm, from_torchvision, load_checkpoint,
                       save_checkpoint)
 from .model import VisionTransformer, count_params, create_model, forward_flops
-from .optimize import optimize
+from .interop.optimize import optimize
 from .presets import PRESETS, ViTConfig, get_config, list_models
 
 __version__ = "0.1.0"

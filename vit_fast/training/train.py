@@ -2,7 +2,7 @@
 
     vit-fast train --dataset digits                                   # CPU demo, >= 95% test accuracy
     vit-fast train --dataset imagefolder --data-dir DATA --model vit_base_patch16_224 --amp bf16
-    torchrun --nproc_per_node 8 -m vit_fast.train --dataset imagefolder --data-dir DATA [--fsdp]
+    torchrun --nproc_per_node 8 -m vit_fast.training.train --dataset imagefolder --data-dir DATA [--fsdp]
     vit-fast train ... --resume auto          # continue the newest checkpoint of --output-dir, bit for bit
 
 --batch-size is the GLOBAL batch per optimizer step (all ranks and accumulation steps together); each
@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from . import checkpoint as ckpt
-from .convert import load_state_dict
+from ..interop.convert import load_state_dict
 from .data import DATASETS, DataInfo, build_datasets, build_loaders
 from .metrics import MetricsLog, plot_curves
 
-log = logging.getLogger("vit_fast.train")
+log = logging.getLogger("vit_fast.training.train")
 
 # Per-dataset defaults; any flag given on the command line wins. The digits recipe is ViT-Tiny cut down to
 # 4 blocks of width 64 (4 heads of 16) with 8x8 patches on 32x32 images (16 tokens + class token) and
@@ -235,7 +235,7 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
 
 def wrap_model(model: nn.Module, args: argparse.Namespace, world: Dist) -> nn.Module:
     """Move to the device; DDP or FSDP2 under torchrun; torch.compile last. Returns the module to call."""
-    from .backend import kernels_can_run_on
+    from ..backend import kernels_can_run_on
 
     if args.backend == "triton" and not kernels_can_run_on(world.device):
         raise ValueError(f"--backend triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU, very slow); this run is "
@@ -243,7 +243,7 @@ def wrap_model(model: nn.Module, args: argparse.Namespace, world: Dist) -> nn.Mo
     model.to(world.device)
     if args.fsdp:
         if not world.enabled:
-            raise SystemExit("--fsdp needs torch.distributed: launch with torchrun --nproc_per_node N -m vit_fast.train")
+            raise SystemExit("--fsdp needs torch.distributed: launch with torchrun --nproc_per_node N -m vit_fast.training.train")
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:

@@ -30,7 +30,7 @@ Limits: any leading shape (0 rows included), any K, N >= 1 (tiles are masked; Vi
 of 16); offsets of h / dy / dh rows in int64. Launches: forward 1; backward 3 (dh, dbias sum, dW) or 4
 when dW is split (+ its partial sum); a weight that needs no gradient (frozen) skips the dW launch.
 
-HBM traffic (each distinct address once per launch, as vit_fast.traffic counts it; tile re-reads of
+HBM traffic (each distinct address once per launch, as vit_fast.tools.traffic counts it; tile re-reads of
 h, dy and W across programs hit L2). s = bytes of h's dtype, w = bytes of the parameters' dtype;
 M rows, K = mlp_hidden, N = width, T = ceil(M / BLOCK_M) row tiles of the dh kernel:
     forward  read h (M K s), W (N K w), bias; write y (M N s)

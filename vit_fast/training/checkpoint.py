@@ -28,7 +28,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-FORMAT = "vit_fast.train/1"
+FORMAT = "vit_fast.training.train/1"
 WEIGHTS, STATE, LATEST = "model.safetensors", "state.pt", "latest"
 # ViTConfig fields that do not change the parameters: a checkpoint may be resumed with other values.
 NON_ARCH_FIELDS = {"backend", "weight_init", "drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate",
@@ -192,7 +192,7 @@ def pretrained_state_dict(spec: str) -> dict[str, torch.Tensor]:
     Hub names are looked up in the local Hugging Face cache only (offline mode): a name that is not
     there fails immediately with a message saying how to provide the file, instead of hanging on the network.
     """
-    from . import convert
+    from ..interop import convert
 
     kind, sep, name = spec.partition(":")
     if not sep or not name or kind not in ("timm", "hf", "file"):
@@ -227,8 +227,8 @@ def load_pretrained(model, spec: str) -> list[str]:
     (1 channel) or tiled (timm's adapt_input_conv), the final norm moves between ``norm`` and ``fc_norm``
     when the pooling differs. Everything else must match exactly.
     """
-    from .convert import load_state_dict
-    from .layers import resample_abs_pos_embed
+    from ..interop.convert import load_state_dict
+    from ..layers import resample_abs_pos_embed
 
     sd = pretrained_state_dict(spec)
     own = model.state_dict()

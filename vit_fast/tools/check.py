@@ -6,7 +6,7 @@ backend 'triton', are compared on random inputs with the same computation in flo
 functions / the model on backend 'torch'). One table: op, shape, dtype, max abs error, relative error
 ||out - ref|| / ||ref||, bound, PASS/FAIL; exit status 1 on any failure.
 
-Bounds (GUIDE.md 4, vit_fast.numerics): fp32 1e-6 elementwise / 1e-5 with a dot (TF32 is switched off
+Bounds (GUIDE.md 4, vit_fast.tools.numerics): fp32 1e-6 elementwise / 1e-5 with a dot (TF32 is switched off
 for the check); fp16 1e-3; bf16 1e-2. In fp16/bf16 a kernel must also stay within 2x the error of eager
 PyTorch in the same dtype (+ a small slack), so the bound printed is the smaller of the two. The model
 rows use the 2x-eager rule alone, floored at the per-op bound: rounding errors grow with depth for eager
@@ -97,11 +97,11 @@ def check_op(op: str, fn: Callable, ref_fn: Callable, inputs: dict, grad_names: 
 
 
 def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: Sequence[str], seed: int) -> list[Row]:
-    from .kernels import attention as A
-    from .kernels import bias_gelu as G
-    from .kernels import gelu_linear as GL
-    from .kernels import layer_norm as L
-    from .kernels import patch_embed as P
+    from ..kernels import attention as A
+    from ..kernels import bias_gelu as G
+    from ..kernels import gelu_linear as GL
+    from ..kernels import layer_norm as L
+    from ..kernels import patch_embed as P
 
     g = torch.Generator().manual_seed(seed)
 
@@ -229,7 +229,7 @@ def _ensure_interpreter(argv: Sequence[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton" in sys.modules:
         sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "vit_fast.cli", "check", *argv])
+        os.execv(sys.executable, [sys.executable, "-m", "vit_fast.tools.cli", "check", *argv])
 
 
 def main(argv: Sequence[str]) -> int:
@@ -274,7 +274,7 @@ def ieee_fp32_dots():
 
 def _run(args, ops, cuda: bool, device: torch.device, dtype: torch.dtype) -> int:
     import vit_fast
-    from vit_fast.interpreter import install_bf16_shims
+    from vit_fast.tools.interpreter import install_bf16_shims
 
     try:
         preset = vit_fast.get_config(args.model)

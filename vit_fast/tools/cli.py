@@ -13,12 +13,12 @@ import time
 from typing import Callable, Optional, Sequence
 
 COMMANDS: dict[str, str] = {
-    "info": "vit_fast.cli:info_main",
-    "report": "vit_fast.report:main",
-    "traffic": "vit_fast.traffic:main",
-    "bench": "vit_fast.bench:main",
-    "check": "vit_fast.check:main",
-    "train": "vit_fast.train:cli_main",
+    "info": "vit_fast.tools.cli:info_main",
+    "report": "vit_fast.tools.report:main",
+    "traffic": "vit_fast.tools.traffic:main",
+    "bench": "vit_fast.tools.bench:main",
+    "check": "vit_fast.tools.check:main",
+    "train": "vit_fast.training.train:cli_main",
 }
 
 

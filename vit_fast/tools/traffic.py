@@ -570,7 +570,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         if "triton" in sys.modules:
             argv = sys.argv[1:] if argv is None else list(argv)
             env = dict(os.environ, TRITON_INTERPRET="1")
-            return subprocess.run([sys.executable, "-m", "vit_fast.traffic", *argv], env=env).returncode
+            return subprocess.run([sys.executable, "-m", "vit_fast.tools.traffic", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"vit-fast traffic: {args.model}, {args.dtype}, batch {args.batch}: one training step "

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, DistributedSampler
 
-log = logging.getLogger("vit_fast.data")
+log = logging.getLogger("vit_fast.training.data")
 
 DATASETS = ("digits", "imagefolder", "synthetic")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -15,9 +15,9 @@ from typing import Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .model import VisionTransformer
-from .layers import to_2tuple
-from .presets import ViTConfig, check_fields
+from ..model import VisionTransformer
+from ..layers import to_2tuple
+from ..presets import ViTConfig, check_fields
 
 # Head count of the standard widths (shapes alone cannot tell it); other widths assume 64-wide heads.
 STANDARD_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}

@@ -308,7 +308,7 @@ def _compile_all(todo, workers: int, progress):
     results: queue.Queue = queue.Queue()
 
     def drive(chunk):
-        proc = subprocess.Popen([sys.executable, "-c", "from vit_fast.report import _worker; _worker()"],
+        proc = subprocess.Popen([sys.executable, "-c", "from vit_fast.tools.report import _worker; _worker()"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         proc.stdin.write(pickle.dumps([args for _, args in chunk]))
         proc.stdin.close()

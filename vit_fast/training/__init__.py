@@ -1,0 +1,1 @@
+"""Training: the ``vit-fast train`` loop, data sets, metrics and resumable checkpoints."""

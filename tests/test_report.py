@@ -12,7 +12,7 @@ import torch
 
 import vit_fast
 from vit_fast.tools import report
-from vit_fast.kernels._utils import TRITON_DTYPE_NAMES, AotSpec
+from vit_fast.kernels._aot import TRITON_DTYPE_NAMES, AotSpec
 
 from . import fixture_kernels as fixture
 

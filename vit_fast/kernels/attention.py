@@ -13,7 +13,7 @@ included), so the kernels see the biased q, k, v and run the math above unchange
 detached; its gradient d(b) = sum over batch and tokens of d(qkv) comes from the attention backward
 instead: the dK/dV and dQ programs write fp32 column sums of their final dk, dv, dq tiles (valid rows
 only, before rounding) into row b * tiles + tile of a (3, G, C) buffer (constexpr BIAS_GRAD), and
-``sum_partials`` (kernels/bias_gelu.py) adds the G rows in a fixed order and writes d(b) in the bias's
+``sum_partials`` (kernels/_rows.py) adds the G rows in a fixed order and writes d(b) in the bias's
 dtype (fp32 under autocast). So the eager addmm backward's separate sum over the (B, N, 3C) gradient
 (a full extra read of it per block) is gone, with no algebra on the bias: the kernels' rounding is
 exactly that of unbiased attention on eager's qkv, however large the bias is next to x @ W^T.
@@ -71,9 +71,9 @@ import triton
 import torch.nn.functional as F
 import triton.language as tl
 
+from ._aot import TRITON_DTYPE_NAMES, AotSpec
+from ._rows import sum_partials
 from ._utils import (
-    TRITON_DTYPE_NAMES,
-    AotSpec,
     check_float,
     check_kernel_device,
     check_ndim,
@@ -85,7 +85,6 @@ from ._utils import (
     next_seed,
     seed_value,
 )
-from .bias_gelu import sum_partials
 
 MAX_HEAD_DIM = 128
 MAX_GRID = 2**31 - 1

@@ -12,7 +12,7 @@ Math, u = h + bias, g = GELU(u) (exact erf form, or approximate='tanh'):
     dh    = (dy @ W) * GELU'(u)       _gelu_linear_dh_kernel: GEMM M x K x N; GELU' in the epilogue,
                                       which loads the h tile of the output tile
     dbias = sum_rows dh               the dh epilogue writes fp32 column sums per row tile, reduced in a
-                                      fixed order by bias_gelu.sum_partials (no atomics)
+                                      fixed order by _rows.sum_partials (no atomics)
     dW    = dy^T @ g                  _gelu_linear_dw_kernel: GEMM N x K over the rows, g recomputed from h
                                       as the operand is loaded. One program per output tile; when there are
                                       too few output tiles to fill a GPU (ViT-Ti: 192 x 768) the rows are
@@ -58,18 +58,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import (
-    LAUNCH_DEFAULT_STAGES,
-    TRITON_DTYPE_NAMES,
-    AotSpec,
-    check_float,
-    check_kernel_device,
-    check_ndim,
-    gpu_arch,
-    input_precision,
-    unit_stride,
-)
-from .bias_gelu import _gelu_fwd_bwd, _sum_partials_kernel, as_rows, divisible_args, kernel_signature, sum_partials
+from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._math import gelu_fwd_bwd
+from ._rows import SUM_PARTIALS_BLOCK_G, SUM_PARTIALS_WARPS, as_rows, sum_partials, sum_partials_kernel
+from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, unit_stride
 
 OP = "gelu_linear"
 
@@ -106,7 +98,7 @@ def _gelu_linear_fwd_kernel(
         u = tl.load(h_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0).to(tl.float32)
         if HAS_BIAS:
             u += tl.load(BIAS + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        g, _ = _gelu_fwd_bwd(u, APPROX_TANH)  # padded k columns: GELU(0) = 0
+        g, _ = gelu_fwd_bwd(u, APPROX_TANH)  # padded k columns: GELU(0) = 0
         w = tl.load(w_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
         acc = tl.dot(g.to(H.dtype.element_ty), w.to(H.dtype.element_ty), acc, input_precision=INPUT_PRECISION)
         h_ptrs += BLOCK_K
@@ -144,7 +136,7 @@ def _gelu_linear_dh_kernel(
     u = tl.load(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         u += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    _, dgelu = _gelu_fwd_bwd(u, APPROX_TANH)
+    _, dgelu = gelu_fwd_bwd(u, APPROX_TANH)
     dh = tl.where(mask, acc * dgelu, 0.0)
     tl.store(DH + rows.to(tl.int64)[:, None] * stride_dhm + cols[None, :], dh.to(DH.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -180,7 +172,7 @@ def _gelu_linear_dw_kernel(
                     other=0.0).to(tl.float32)
         if HAS_BIAS:
             u += bias
-        g, _ = _gelu_fwd_bwd(u, APPROX_TANH)  # padded rows meet zero columns of dy^T
+        g, _ = gelu_fwd_bwd(u, APPROX_TANH)  # padded rows meet zero columns of dy^T
         acc = tl.dot(dy_t.to(H.dtype.element_ty), g.to(H.dtype.element_ty), acc, input_precision=INPUT_PRECISION)
     mask = out_ok[:, None] & col_ok[None, :]
     if SPLIT:
@@ -425,8 +417,9 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                 add("gelu_linear_dw", _gelu_linear_dw_kernel, cfg.dw, dict(c, SPLIT=split),
                     dict(types, DW="*fp32") if split else types, tensor_cores, f"{note} split={split}")
     types = dict(OUT=par, PARTIAL="*fp32")
-    signature = kernel_signature(_sum_partials_kernel, types, dict(BLOCK_G=16, BLOCK_N=256))
-    specs.append(AotSpec("sum_partials", _sum_partials_kernel, signature, dict(BLOCK_G=16, BLOCK_N=256), 4,
+    reduce = dict(BLOCK_G=SUM_PARTIALS_BLOCK_G, BLOCK_N=256)
+    signature = kernel_signature(sum_partials_kernel, types, reduce)
+    specs.append(AotSpec("sum_partials", sum_partials_kernel, signature, reduce, SUM_PARTIALS_WARPS,
                          LAUNCH_DEFAULT_STAGES, False,
                          f"N={k} (dbias) and N*K (split dW)", divisible_by_16=divisible_args(signature, dict(N=k))))
     return specs

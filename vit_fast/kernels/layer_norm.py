@@ -14,7 +14,7 @@ Math, x viewed as M rows of width N, statistics in fp32:
   ``dresidual = dh``; ``dx = dh * s * gamma * mask/(1-p)`` (``residual_join_bwd``);
   ``dw = sum_rows dy * xhat``, ``db = sum_rows dy``, ``dgamma = sum_rows dh * s * dropout(x + bb)``,
   ``dbranch_bias = sum_rows dx``. Parameter grads are per-program fp32 partial rows (each
-  program walks a fixed set of row tiles) summed by ``bias_gelu.sum_partials`` in a fixed order:
+  program walks a fixed set of row tiles) summed by ``_rows.sum_partials`` in a fixed order:
   no atomics, bitwise reproducible. No gradient for sample_scale.
 
 Dtypes: x fp32/fp16/bf16; weight, bias, branch_bias, gamma may be fp32 while x is half (autocast;
@@ -56,24 +56,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import (FLOAT_DTYPES, LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, check_kernel_device,
-                     next_power_of_2, seed_value, unit_stride)
-from .bias_gelu import (
-    _check_param,
-    _check_rows_input,
-    as_rows,
-    bias_dropout_add_bwd,
-    bias_dropout_add_ref,
-    divisible_args,
-    kernel_signature,
-    num_partials,
-    param_grad_dtype,
-    prepare_join,
-    residual_join_bwd,
-    residual_join_fwd,
-    stores_dx,
-    sum_partials,
-)
+from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
+from ._rows import as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
+from ._utils import FLOAT_DTYPES, check_kernel_device, next_power_of_2, seed_value, unit_stride
+from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
 
@@ -338,11 +325,11 @@ class AddLayerNormFunction(torch.autograd.Function):
 
 
 def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
-    n = _check_rows_input(op, x)
+    n = check_rows_input(op, x)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
             raise ValueError(f"{op}: expected {name} as a tensor of shape ({n},), got None")
-        _check_param(op, name, t, n)
+        check_param(op, name, t, n)
     if n > MAX_WIDTH:
         raise ValueError(f"{op}: expected a hidden size of at most {MAX_WIDTH}, got {n}")
     if not eps > 0:

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import (FLOAT_DTYPES, AotSpec, TRITON_DTYPE_NAMES, check_float, check_kernel_device, check_ndim, check_shape,
-                     compute_dtype_for, gpu_arch)
+from ._aot import TRITON_DTYPE_NAMES, AotSpec
+from ._utils import FLOAT_DTYPES, check_float, check_kernel_device, check_ndim, check_shape, compute_dtype_for, gpu_arch
 
 OP = "patch_embed"
 

@@ -13,14 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ._aot import LAUNCH_DEFAULT_STAGES, AotSpec, divisible_args, kernel_signature
 from ._utils import check_float, check_shape, next_power_of_2, programs_to_fill
 
-SUM_PARTIALS_BLOCK_G = 16  # partial rows per loop step of the reduction
-SUM_PARTIALS_WARPS = 4
+_BLOCK_G = 16  # partial rows per loop step of the reduction
+_WARPS = 4
 
 
 @triton.jit
-def sum_partials_kernel(
+def _sum_partials_kernel(
     OUT,  # (K, N) column sums, in the parameters' dtype
     PARTIAL,  # (K, G, N) fp32 per-program partial sums, contiguous
     G, N,  # programs that wrote partials, width
@@ -47,9 +48,19 @@ def sum_partials(partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     k, g, n = partial.shape
     out = torch.empty((k, n), device=partial.device, dtype=out_dtype)
     block_n = sum_partials_block_n(n)
-    sum_partials_kernel[(k, triton.cdiv(n, block_n))](out, partial, g, n, BLOCK_G=SUM_PARTIALS_BLOCK_G,
-                                                      BLOCK_N=block_n, num_warps=SUM_PARTIALS_WARPS)
+    _sum_partials_kernel[(k, triton.cdiv(n, block_n))](out, partial, g, n, BLOCK_G=_BLOCK_G,
+                                                       BLOCK_N=block_n, num_warps=_WARPS)
     return out
+
+
+def sum_partials_spec(out_type: str, block_n: int, note: str, width: int | None = None) -> AotSpec:
+    """The AOT spec of one ``sum_partials`` launch writing ``out_type`` ('*fp32', '*bf16', ...) with
+    ``block_n`` columns per program; ``width`` (the launch's N) is claimed 16-divisible when it is."""
+    constexprs = dict(BLOCK_G=_BLOCK_G, BLOCK_N=block_n)
+    signature = kernel_signature(_sum_partials_kernel, dict(OUT=out_type, PARTIAL="*fp32"), constexprs)
+    values = {} if width is None else dict(N=width)
+    return AotSpec("sum_partials", _sum_partials_kernel, signature, constexprs, _WARPS, LAUNCH_DEFAULT_STAGES, False,
+                   note, divisible_by_16=divisible_args(signature, values))
 
 
 def num_partials(row_tiles: int, col_tiles: int, device: torch.device) -> int:

@@ -60,8 +60,6 @@ from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._math import gelu_fwd_bwd
 from ._rows import (
-    SUM_PARTIALS_BLOCK_G,
-    SUM_PARTIALS_WARPS,
     as_rows,
     check_param,
     check_rows_input,
@@ -69,7 +67,7 @@ from ._rows import (
     param_grad_dtype,
     sum_partials,
     sum_partials_block_n,
-    sum_partials_kernel,
+    sum_partials_spec,
 )
 from ._utils import check_kernel_device, next_power_of_2, seed_value, unit_stride
 
@@ -421,8 +419,6 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                     add("bias_dropout_add_fwd", _bias_dropout_add_fwd_kernel, width, c, warps, note, stream)
                     add("bias_dropout_add_bwd", _bias_dropout_add_bwd_kernel, width,
                         dict(c, STORE_DX=gamma or scale or drop or stream is not types), warps, note, stream)
-    types = dict(types, OUT=par)  # the reduction writes parameter grads
-    for n in sorted({width, mlp_hidden}):
-        add("sum_partials", sum_partials_kernel, n, dict(BLOCK_G=SUM_PARTIALS_BLOCK_G, BLOCK_N=sum_partials_block_n(n)),
-            SUM_PARTIALS_WARPS, f"N={n}")
+    for n in sorted({width, mlp_hidden}):  # the reduction writes parameter grads
+        specs.append(sum_partials_spec(par, sum_partials_block_n(n), f"N={n}", width=n))
     return specs

@@ -58,9 +58,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._math import gelu_fwd_bwd
-from ._rows import SUM_PARTIALS_BLOCK_G, SUM_PARTIALS_WARPS, as_rows, sum_partials, sum_partials_kernel
+from ._rows import as_rows, sum_partials, sum_partials_spec
 from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, unit_stride
 
 OP = "gelu_linear"
@@ -416,10 +416,5 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             for split in (False, True):
                 add("gelu_linear_dw", _gelu_linear_dw_kernel, cfg.dw, dict(c, SPLIT=split),
                     dict(types, DW="*fp32") if split else types, tensor_cores, f"{note} split={split}")
-    types = dict(OUT=par, PARTIAL="*fp32")
-    reduce = dict(BLOCK_G=SUM_PARTIALS_BLOCK_G, BLOCK_N=256)
-    signature = kernel_signature(sum_partials_kernel, types, reduce)
-    specs.append(AotSpec("sum_partials", sum_partials_kernel, signature, reduce, SUM_PARTIALS_WARPS,
-                         LAUNCH_DEFAULT_STAGES, False,
-                         f"N={k} (dbias) and N*K (split dW)", divisible_by_16=divisible_args(signature, dict(N=k))))
+    specs.append(sum_partials_spec(par, 256, f"N={k} (dbias) and N*K (split dW)", width=k))
     return specs

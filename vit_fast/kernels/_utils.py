@@ -5,6 +5,7 @@ programs fill a GPU. Nothing here touches a device at import time.
 from __future__ import annotations
 
 import os
+
 import torch
 import triton
 import triton.language as tl

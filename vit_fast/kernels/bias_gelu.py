@@ -42,8 +42,8 @@ sums of the per-program fp32 partials; no atomics). Eager PyTorch for bias_gelu 
 add (3s) + gelu (2s) = 5s forward and 6s+ backward.
 
 Limits: widths 1..16384 tested 64..16384 (5120 = ViT-H); any leading shape, 0 rows included.
-Compiled for sm_80 / sm_90 (aot_specs with the launch's 16-divisibility, the report's presets,
-every flag combination): 28-106 registers, no spills.
+aot_specs lists every launch (the report's presets, every flag combination) for
+``vit-fast report``, which compiles each for sm_80 / sm_90 and prints its registers and spills.
 Inputs whose last dimension is not contiguous are copied once (documented "copy at most");
 row strides are passed to the kernels.
 """
@@ -182,8 +182,8 @@ def _bias_dropout_add_bwd_kernel(
 def tile_config(n: int, arch: int = 80) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the elementwise row-tile kernels: 2048-element tiles at
     most 256 columns wide (ViT widths 768..16384 are multiples of 256, 1408 of 128), 8 elements
-    per thread: the Philox draw and the GELU derivative stay under ~100 registers, no spills
-    (aot_specs compiled for sm_80 / sm_90). The same table serves both architectures."""
+    per thread, so the Philox draw and the GELU derivative stay in registers (``vit-fast report``
+    checks it for sm_80 / sm_90). The same table serves both architectures."""
     block_n = min(256, next_power_of_2(n))
     block_m = max(1, 2048 // block_n)
     return block_m, block_n, max(1, block_m * block_n // 256)

@@ -41,12 +41,9 @@ Per row and MLP, K = 4C, N = C: forward 5C s, backward 14C s (+ weights). The un
 between two cuBLAS GEMMs: 13C s forward, 22C s backward) also writes g and reads it back twice (fwd GEMM,
 dW GEMM) and writes dg and reads it back: 16C s more per row, and it keeps g (4C s per row) alive for
 backward, which this op does not.
-Compiled for sm_80 / sm_90 (aot_specs: every table entry, both GELU forms, split and not, bf16 / fp16 with
-fp32 or own-dtype parameters, fp32 IEEE and tf32): 0 spill bytes everywhere; 16-bit tiles use mma (sm_80) /
-wgmma (sm_90). Registers (shared memory): sm_80 fwd 128x128x32 w8 128-255 (48 KB), dh 128x64x64 w8
-128-161 (64 KB), dW 128x128x32 w8 128-168 (48 KB); sm_90 fwd 128x256x32 w8 206-250 (97 KB), dh 128x64x64
-w8 103-128 (121 KB), dW 256x128x32 w8 204-240 (97 KB); fp32 IEEE 64x64 tiles 104-245 (<= 25 KB), tf32
-128x64x32 w8 80-176 (<= 73 KB). The exact-erf forward on sm_80 sits at 255 registers: a wider tile spills.
+aot_specs lists every table entry (both GELU forms, split and not, bf16 / fp16 with fp32 or own-dtype
+parameters, fp32 IEEE and tf32); ``vit-fast report`` compiles each for sm_80 / sm_90 and prints its
+registers, spills, shared memory and tensor-core use (16-bit tiles: mma on sm_80, wgmma on sm_90).
 """
 from __future__ import annotations
 
@@ -210,8 +207,8 @@ def gelu_linear_config(dtype: torch.dtype, arch: int, precision: str | None = No
     dimension (fwd: per BLOCK_N columns of y, dW: per BLOCK_M rows of W), so sm_90 takes those
     tiles 256 wide; sm_80's register file only fits 128 without spills. The dh kernel's epilogue
     holds the accumulator and the h tile at once, hence its narrower tile. IEEE fp32 dots run on the
-    FMA units and take small tiles. Every entry compiles for sm_80 and sm_90 without spills
-    (aot_specs / `vit-fast report`; figures in the module docstring)."""
+    FMA units and take small tiles. ``vit-fast report`` compiles every entry for sm_80 and sm_90
+    and prints its registers and spills."""
     if dtype == torch.float32 and (precision or input_precision(dtype)) == "ieee":
         tile = GemmTile(64, 64, 32, 4, 2)  # dW's transposed dy operand spills at BLOCK_K = 32
         return GeluLinearConfig(fwd=tile, dh=tile, dw=GemmTile(64, 64, 16, 4, 2))

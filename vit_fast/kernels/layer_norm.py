@@ -39,12 +39,11 @@ The unfused eager path moves add 3s + LN 2s = 5s forward (7s with a separate bia
 dropout), and backward 4s+ plus separate parameter-grad reductions.
 
 Limits: N from 1 to 8192 in one tile per row (tested 64..8192, incl. 192..1664 ViT widths).
-Compiled for sm_80 / sm_90 (aot_specs with the launch's 16-divisibility; the report's presets,
-widths 192..1280, bf16/fp16/fp32, every flag combination): forward 30-74 registers, backward
-57-175, no spills. Wider rows are outside the presets and were last compiled without the
-divisibility attributes: then at 8192 the join backward with LayerScale spilled up to 176 bytes
-per thread (32 warps cap registers at 64), correct but slower. Any leading shape, 0 rows
-included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
+aot_specs lists every launch of the report's presets (widths 192..1280, bf16/fp16/fp32, every flag
+combination); ``vit-fast report`` compiles them for sm_80 / sm_90 and prints registers and spills.
+Rows wider than the presets' may spill in the join backward (32 warps cap registers at 64): correct
+but slower. Any leading shape, 0 rows included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no
+recompile).
 Inputs whose last dimension is not contiguous are copied once; row strides are passed through.
 """
 from __future__ import annotations
@@ -179,9 +178,9 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
     """(BLOCK_M, BLOCK_N, num_warps) of the forward (or, with ``backward``, the backward) kernel: a
     whole padded row per tile (statistics in registers). Forward: rows stacked to 2048 elements for
     narrow widths with 8 elements per thread; single-row tiles (widths > 1024) get 4-8 elements per
-    thread, up to 32 warps. Backward: ``_BWD_TILES`` where set. Every entry for the report's presets
-    (widths 192..1280, bf16/fp16/fp32) compiles for sm_80 and sm_90 without spills (aot_specs with
-    the launch's 16-divisibility). One table for both archs; launchers and aot_specs both call this."""
+    thread, up to 32 warps. Backward: ``_BWD_TILES`` where set. ``vit-fast report`` compiles every
+    entry of the report's presets for sm_80 and sm_90. One table for both archs; launchers and
+    aot_specs both call this."""
     block_n = next_power_of_2(n)
     if backward and block_n in _BWD_TILES:
         block_m, warps = _BWD_TILES[block_n]

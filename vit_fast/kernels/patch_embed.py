@@ -52,7 +52,16 @@ import triton
 import triton.language as tl
 
 from ._aot import TRITON_DTYPE_NAMES, AotSpec
-from ._utils import FLOAT_DTYPES, check_float, check_kernel_device, check_ndim, check_shape, compute_dtype_for, gpu_arch
+from ._utils import (
+    FLOAT_DTYPES,
+    SM_COUNT,
+    check_float,
+    check_kernel_device,
+    check_ndim,
+    check_shape,
+    compute_dtype_for,
+    gpu_arch,
+)
 
 OP = "patch_embed"
 
@@ -290,7 +299,7 @@ _CONFIGS = {
     (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
 }
 _REDUCE = dict(BLOCK=1024, BATCH_TILE=8, num_warps=8, num_stages=1)  # batch sums: 8 x 128 tiles
-_NUM_SMS = {80: 108, 90: 132}  # the dW split aims at ~2 programs per SM
+_DW_PROGRAMS_PER_SM = 2  # the dW split fills the GPU with ~2 programs per SM (_utils.programs_to_fill)
 
 
 def patch_embed_config(arch: int, dtype: torch.dtype) -> dict:
@@ -299,7 +308,7 @@ def patch_embed_config(arch: int, dtype: torch.dtype) -> dict:
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
     cfg = {kernel: dict(zip(names, entry)) for kernel, entry in table.items()}
     cfg["reduce"] = dict(_REDUCE)
-    cfg["num_sms"] = _NUM_SMS[arch]
+    cfg["num_sms"] = SM_COUNT[arch]
     return cfg
 
 
@@ -307,7 +316,7 @@ def _dweight_split(M: int, D: int, k_tiles: int, cfg: dict) -> tuple[int, int]:
     """(S, row blocks per split): a fixed cut of the patch axis for the dW partials (depends on shape only)."""
     tiles = triton.cdiv(D, cfg["BLOCK_N"]) * k_tiles
     m_blocks = triton.cdiv(M, cfg["BLOCK_M"])
-    splits = min(m_blocks, max(1, triton.cdiv(2 * cfg["num_sms"], tiles)))
+    splits = min(m_blocks, max(1, triton.cdiv(_DW_PROGRAMS_PER_SM * cfg["num_sms"], tiles)))
     per_split = triton.cdiv(m_blocks, splits)
     return triton.cdiv(m_blocks, per_split), per_split
 

@@ -91,9 +91,7 @@ MAX_HEAD_DIM = 128
 MAX_GRID = 2**31 - 1
 
 
-# --------------------------------------------------------------------------------------------- #
-# Triton kernels
-# --------------------------------------------------------------------------------------------- #
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _program_tile(seq_len, BLOCK: tl.constexpr):
     """(batch * head index, the program's row indices) of a 1-D grid of B * H * cdiv(N, BLOCK)."""
@@ -384,9 +382,7 @@ def _attention_dropout_mask_kernel(Keep, seq_len, dropout_p, seed, BLOCK: tl.con
     tl.store(Keep + offsets, dropout_keep_mask(seed, offsets, dropout_p).to(tl.int8), mask=local < seq_len * seq_len)
 
 
-# --------------------------------------------------------------------------------------------- #
-# Config table and grid
-# --------------------------------------------------------------------------------------------- #
+# ------------------------------------------------------------------------------------------ configs
 @dataclass(frozen=True)
 class Tile:
     block_m: int  # q rows (per program, or per loop step in dK/dV)
@@ -464,9 +460,7 @@ def _block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-# --------------------------------------------------------------------------------------------- #
-# Validation, allocation and launchers
-# --------------------------------------------------------------------------------------------- #
+# ------------------------------------------------------------ validation and launchers (custom ops)
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Every allocation of the launchers goes through here (tests track and poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -675,9 +669,15 @@ def _(grad_out, q, k, v, out, lse, scale, dropout_p, seed):
     return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
 
 
-# --------------------------------------------------------------------------------------------- #
-# Autograd and public functionals
-# --------------------------------------------------------------------------------------------- #
+def _check_attention(op: str, qkv: torch.Tensor, num_heads: int, dropout_p: float) -> int:
+    """Every check of the packed functionals, once per call; returns head_dim."""
+    head_dim = _check_packed(op, qkv, num_heads)
+    _check_dropout(op, dropout_p)
+    check_kernel_device(op, qkv)
+    return head_dim
+
+
+# ----------------------------------------------------------------------------------------- autograd
 class AttentionFunction(torch.autograd.Function):
     """qkv_bias: the qkv Linear's bias already inside qkv (added by the GEMM with the bias detached), or
     None. It is an input only so that the backward returns its gradient, from the kernel's partials."""
@@ -714,6 +714,7 @@ class AttentionQKVFunction(torch.autograd.Function):
         return *attention_qkv_bwd(grad_out, *tensors, *ctx.args, seed), None, None, None
 
 
+# --------------------------------------------------------------------------------------- functional
 def _dropout_and_seed(dropout_p: float, training: bool) -> tuple[float, Optional[torch.Tensor]]:
     """(p, seed): a ``next_seed()`` tensor only when dropout is active (else None, nothing drawn).
     dropout_p was checked by the caller."""
@@ -727,14 +728,6 @@ def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale:
     p, seed = _dropout_and_seed(dropout_p, training)
     scale = head_dim**-0.5 if scale is None else float(scale)
     return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed)
-
-
-def _check_attention(op: str, qkv: torch.Tensor, num_heads: int, dropout_p: float) -> int:
-    """Every check of the packed functionals, once per call; returns head_dim."""
-    head_dim = _check_packed(op, qkv, num_heads)
-    _check_dropout(op, dropout_p)
-    check_kernel_device(op, qkv)
-    return head_dim
 
 
 def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
@@ -826,9 +819,37 @@ def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, 
     return keep.view(batch, num_heads, seq_len, seq_len).bool()
 
 
-# --------------------------------------------------------------------------------------------- #
-# Ahead-of-time compile specs (GPU-readiness report)
-# --------------------------------------------------------------------------------------------- #
+# ---------------------------------------------------------------------------------------- reference
+def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                      dropout_p: float = 0.0, training: bool = False, dropout_mask: torch.Tensor | None = None):
+    """Eager attention as timm computes it, in the inputs' dtype. ``dropout_mask`` (bool keep mask)
+    replaces the random draw, so a test can hand the reference the kernel's exact mask."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attn = ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+    if dropout_mask is not None:
+        attn = attn * dropout_mask * (0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p))
+    elif training and dropout_p > 0.0:
+        attn = torch.nn.functional.dropout(attn, dropout_p)
+    return attn @ v
+
+
+def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
+                  training: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D)."""
+    B, N, width = qkv.shape
+    q, k, v = qkv.reshape(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    out = attention_qkv_ref(q, k, v, scale, dropout_p, training, dropout_mask)
+    return out.transpose(1, 2).reshape(B, N, width // 3)
+
+
+def attention_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                         scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
+                         dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention_linear``: timm's qkv Linear, then ``attention_ref``."""
+    return attention_ref(F.linear(x, weight, bias), num_heads, scale, dropout_p, training, dropout_mask)
+
+
+# ------------------------------------------------------------------------------ ahead-of-time specs
 _FLOAT_ARGS = ("scale", "dropout_p", "inv_keep")
 
 
@@ -908,35 +929,3 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
                                     INPUT_PRECISION=precision), cfg.dq,
                                f"N={tokens} D={D} attention maps", values, tensor_cores))
     return specs
-
-
-# --------------------------------------------------------------------------------------------- #
-# Pure-PyTorch references (CPU path and test oracle)
-# --------------------------------------------------------------------------------------------- #
-def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                      dropout_p: float = 0.0, training: bool = False, dropout_mask: torch.Tensor | None = None):
-    """Eager attention as timm computes it, in the inputs' dtype. ``dropout_mask`` (bool keep mask)
-    replaces the random draw, so a test can hand the reference the kernel's exact mask."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    attn = ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-    if dropout_mask is not None:
-        attn = attn * dropout_mask * (0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p))
-    elif training and dropout_p > 0.0:
-        attn = torch.nn.functional.dropout(attn, dropout_p)
-    return attn @ v
-
-
-def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-                  training: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D)."""
-    B, N, width = qkv.shape
-    q, k, v = qkv.reshape(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
-    out = attention_qkv_ref(q, k, v, scale, dropout_p, training, dropout_mask)
-    return out.transpose(1, 2).reshape(B, N, width // 3)
-
-
-def attention_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
-                         scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
-                         dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for ``attention_linear``: timm's qkv Linear, then ``attention_ref``."""
-    return attention_ref(F.linear(x, weight, bias), num_heads, scale, dropout_p, training, dropout_mask)

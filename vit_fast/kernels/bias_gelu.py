@@ -72,7 +72,7 @@ from ._rows import (
 from ._utils import check_kernel_device, next_power_of_2, seed_value, unit_stride
 
 
-# --------------------------------------------------------------------------- kernels
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _bias_gelu_fwd_kernel(
     Y,  # (M, N) output
@@ -178,7 +178,7 @@ def _bias_dropout_add_bwd_kernel(
         tl.store(PARTIAL + gamma_row * N + cols, acc_dgamma, mask=cols < N)
 
 
-# --------------------------------------------------------------------------- configs and launchers
+# ------------------------------------------------------------------------------------------ configs
 def tile_config(n: int, arch: int = 80) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the elementwise row-tile kernels: 2048-element tiles at
     most 256 columns wide (ViT widths 768..16384 are multiples of 256, 1408 of 128), 8 elements
@@ -189,6 +189,7 @@ def tile_config(n: int, arch: int = 80) -> tuple[int, int, int]:
     return block_m, block_n, max(1, block_m * block_n // 256)
 
 
+# ------------------------------------------------------------ validation and launchers (custom ops)
 @torch.library.custom_op("vit_fast::bias_gelu_fwd", mutates_args=())
 def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str) -> torch.Tensor:
     """x: (M, N) with contiguous columns. Returns GELU(x + bias) (M, N) in x.dtype."""
@@ -297,7 +298,7 @@ def _(dout, x, bias, gamma, sample_scale, p, seed):
     return (x.new_empty(x.shape if store_dx else (0,)), x.new_empty((len(params), x.shape[1]), dtype=param_dtype))
 
 
-# --------------------------------------------------------------------------- autograd and public API
+# ----------------------------------------------------------------------------------------- autograd
 class BiasGeluFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, approximate):
@@ -336,6 +337,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         return dx, dbias, dout.to(ctx.res_dtype), dgamma, None, None, None
 
 
+# --------------------------------------------------------------------------------------- functional
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
     """GELU(x + bias) over the last dim of x (..., N); bias (N,) or None. See the module docstring."""
     n = check_rows_input("bias_gelu", x)
@@ -344,13 +346,6 @@ def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = 
         raise ValueError(f"bias_gelu: expected approximate 'none' or 'tanh', got {approximate!r}")
     check_kernel_device("bias_gelu", x, bias)
     return BiasGeluFunction.apply(x, unit_stride(bias), approximate)
-
-
-def bias_gelu_ref(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
-    """Pure-PyTorch reference (math in fp32 for half inputs, result in x.dtype)."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    h = x.to(compute) + bias.to(compute) if bias is not None else x.to(compute)
-    return F.gelu(h, approximate=approximate).to(x.dtype)
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
@@ -364,6 +359,14 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
     p, seed = prepare_join("bias_dropout_add", x, residual, bias, gamma, sample_scale, p, training)
     bias, gamma, sample_scale = map(unit_stride, (bias, gamma, sample_scale))
     return BiasDropoutAddFunction.apply(x, bias, residual, gamma, sample_scale, p, seed)
+
+
+# ---------------------------------------------------------------------------------------- reference
+def bias_gelu_ref(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
+    """Pure-PyTorch reference (math in fp32 for half inputs, result in x.dtype)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(compute) + bias.to(compute) if bias is not None else x.to(compute)
+    return F.gelu(h, approximate=approximate).to(x.dtype)
 
 
 def bias_dropout_add_ref(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
@@ -382,7 +385,7 @@ def bias_dropout_add_ref(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     return residual + branch
 
 
-# --------------------------------------------------------------------------- ahead-of-time specs
+# ------------------------------------------------------------------------------ ahead-of-time specs
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch this module makes for a ViT block: bias_gelu at mlp_hidden (both GELU forms),

@@ -63,7 +63,7 @@ from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, inpu
 OP = "gelu_linear"
 
 
-# --------------------------------------------------------------------------- kernels
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """(tile_m, tile_n) of program pid, GROUP_M row tiles at a time sharing column tiles (L2 reuse)."""
@@ -178,7 +178,7 @@ def _gelu_linear_dw_kernel(
         tl.store(DW + outs[:, None] * stride_dwn + cols[None, :], acc.to(DW.dtype.element_ty), mask=mask)
 
 
-# --------------------------------------------------------------------------- config table
+# ------------------------------------------------------------------------------------------ configs
 @dataclass(frozen=True)
 class GemmTile:
     block_m: int  # output tile rows (dW: rows of dW = N outputs)
@@ -237,7 +237,7 @@ def _split_rows(rows: int, splits: int, block_rows: int) -> tuple[int, int]:
     return triton.cdiv(max(rows, 1), per_split), per_split
 
 
-# --------------------------------------------------------------------------- launchers
+# ------------------------------------------------------------ validation and launchers (custom ops)
 @torch.library.custom_op("vit_fast::gelu_linear_fwd", mutates_args=())
 def gelu_linear_fwd(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                     approximate: str) -> torch.Tensor:
@@ -319,7 +319,19 @@ def _no_or_zero_dw(weight: torch.Tensor, needs_dw: bool) -> torch.Tensor:
     return torch.zeros_like(weight, memory_format=torch.contiguous_format) if needs_dw else weight.new_empty(0)
 
 
-# --------------------------------------------------------------------------- autograd and public API
+def check_dtypes(op: str, h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor) -> None:
+    """All one dtype, or autocast's mix: fp16/bf16 h with fp32 weight (and fp32 bias)."""
+    params = [t for t in (weight, bias) if t is not None]
+    same = all(t.dtype == h.dtype for t in params)
+    autocast = h.dtype in (torch.float16, torch.bfloat16) and all(t.dtype == torch.float32 for t in params)
+    if not (same or autocast):
+        got = ", ".join(f"{name} {t.dtype}" for name, t in (("h", h), ("weight", weight), ("bias", bias))
+                        if t is not None)
+        raise ValueError(f"{op}: expected h, weight and bias of one dtype, or fp16/bf16 h with fp32 weight "
+                         f"and bias (autocast); got {got}")
+
+
+# ----------------------------------------------------------------------------------------- autograd
 class GeluLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, bias, weight, approximate):
@@ -337,18 +349,7 @@ class GeluLinearFunction(torch.autograd.Function):
         return dh.view(ctx.shape), (dbias if bias is not None else None), (dw if needs_dw else None), None
 
 
-def check_dtypes(op: str, h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor) -> None:
-    """All one dtype, or autocast's mix: fp16/bf16 h with fp32 weight (and fp32 bias)."""
-    params = [t for t in (weight, bias) if t is not None]
-    same = all(t.dtype == h.dtype for t in params)
-    autocast = h.dtype in (torch.float16, torch.bfloat16) and all(t.dtype == torch.float32 for t in params)
-    if not (same or autocast):
-        got = ", ".join(f"{name} {t.dtype}" for name, t in (("h", h), ("weight", weight), ("bias", bias))
-                        if t is not None)
-        raise ValueError(f"{op}: expected h, weight and bias of one dtype, or fp16/bf16 h with fp32 weight "
-                         f"and bias (autocast); got {got}")
-
-
+# --------------------------------------------------------------------------------------- functional
 def gelu_linear(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                 approximate: str = "none") -> torch.Tensor:
     """GELU(h + bias) @ weight^T: h (..., K), bias (K,) or None, weight (N, K) -> (..., N) in h.dtype.
@@ -371,6 +372,7 @@ def gelu_linear(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Ten
     return GeluLinearFunction.apply(h, unit_stride(bias), weight, approximate)
 
 
+# ---------------------------------------------------------------------------------------- reference
 def gelu_linear_ref(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                     approximate: str = "none") -> torch.Tensor:
     """Pure-PyTorch reference computing what the kernels compute: GELU in fp32 (or fp64), g and the
@@ -380,7 +382,7 @@ def gelu_linear_ref(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch
     return F.linear(F.gelu(u, approximate=approximate).to(h.dtype), weight.to(h.dtype))
 
 
-# --------------------------------------------------------------------------- ahead-of-time specs
+# ------------------------------------------------------------------------------ ahead-of-time specs
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch of one ViT MLP's gelu_linear (N = width, K = mlp_hidden): forward, dh and dW

@@ -64,6 +64,7 @@ from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
 
 
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _layer_norm_fwd_kernel(
     Y, H_OUT, MEAN, RSTD,  # (M, N) normed; (M, N) new residual (HAS_RESIDUAL); (M,) fp32 stats
@@ -168,6 +169,7 @@ def _layer_norm_bwd_kernel(
         tl.store(PARTIAL + (bb_slice * G + pid) * N + cols, acc_dbb, mask=col_ok)
 
 
+# ------------------------------------------------------------------------------------------ configs
 # Backward tiles that differ from the forward's (BLOCK_N -> (BLOCK_M, num_warps)): at most two rows
 # and 8 elements per thread. The forward's 8-warp tiles of 4-8 rows (and 16 warps for one 2048 row)
 # leave ptxas spilling one register (8 B/thread) in some flag combinations on sm_80 or sm_90.
@@ -191,6 +193,7 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
     return 1, block_n, min(32, block_n // 128)
 
 
+# ------------------------------------------------------------ validation and launchers (custom ops)
 @torch.library.custom_op("vit_fast::add_layer_norm_fwd", mutates_args=())
 def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
                        branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
@@ -266,6 +269,25 @@ def _(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rs
             h.new_empty((len(params), h.shape[1]), dtype=param_grad_dtype(params)))
 
 
+def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
+    n = check_rows_input(op, x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            raise ValueError(f"{op}: expected {name} as a tensor of shape ({n},), got None")
+        check_param(op, name, t, n)
+    if n > MAX_WIDTH:
+        raise ValueError(f"{op}: expected a hidden size of at most {MAX_WIDTH}, got {n}")
+    if not eps > 0:
+        raise ValueError(f"{op}: expected eps > 0, got {eps}")
+    return n
+
+
+def _check_out_dtype(name: str, out_dtype: Optional[torch.dtype]) -> None:
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected out_dtype to be one of {FLOAT_DTYPES} or None, got {out_dtype}")
+
+
+# ----------------------------------------------------------------------------------------- autograd
 class AddLayerNormFunction(torch.autograd.Function):
     """(normed, h) = add_layer_norm(...); with residual None it is the plain LayerNorm (returns normed,
     or with ``return_input`` (normed, x): x's gradient from its other uses joins dx in the kernel)."""
@@ -323,24 +345,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         return dx, dh.to(ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None, None, None
 
 
-def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
-    n = check_rows_input(op, x)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            raise ValueError(f"{op}: expected {name} as a tensor of shape ({n},), got None")
-        check_param(op, name, t, n)
-    if n > MAX_WIDTH:
-        raise ValueError(f"{op}: expected a hidden size of at most {MAX_WIDTH}, got {n}")
-    if not eps > 0:
-        raise ValueError(f"{op}: expected eps > 0, got {eps}")
-    return n
-
-
-def _check_out_dtype(name: str, out_dtype: Optional[torch.dtype]) -> None:
-    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: expected out_dtype to be one of {FLOAT_DTYPES} or None, got {out_dtype}")
-
-
+# --------------------------------------------------------------------------------------- functional
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6,
                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """LayerNorm over the last dim of x (..., N); weight, bias (N,). Output in ``out_dtype`` (default
@@ -366,12 +371,6 @@ def layer_norm_and_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None, out_dtype, True)
 
 
-def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Reference: F.layer_norm in fp32 (fp64 stays fp64), result in x.dtype."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    return F.layer_norm(x.to(compute), x.shape[-1:], weight.to(compute), bias.to(compute), eps).to(x.dtype)
-
-
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float = 1e-6, *, branch_bias: Optional[torch.Tensor] = None,
                    gamma: Optional[torch.Tensor] = None, sample_scale: Optional[torch.Tensor] = None,
@@ -388,6 +387,13 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     return AddLayerNormFunction.apply(x, residual, weight, bias, branch_bias, gamma, sample_scale, float(eps), p, seed)
 
 
+# ---------------------------------------------------------------------------------------- reference
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Reference: F.layer_norm in fp32 (fp64 stays fp64), result in x.dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return F.layer_norm(x.to(compute), x.shape[-1:], weight.to(compute), bias.to(compute), eps).to(x.dtype)
+
+
 def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                        eps: float = 1e-6, *, branch_bias: Optional[torch.Tensor] = None,
                        gamma: Optional[torch.Tensor] = None, sample_scale: Optional[torch.Tensor] = None,
@@ -400,6 +406,7 @@ def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return layer_norm_ref(h, weight, bias, eps).to(x.dtype), h
 
 
+# ------------------------------------------------------------------------------ ahead-of-time specs
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every LayerNorm launch for a ViT of this width: plain LN (final norm / first norm) and the

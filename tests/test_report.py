@@ -127,10 +127,14 @@ def test_cache_key_covers_inlined_helpers(monkeypatch, tmp_path):
     assert set(sources) == {"cachekey_kernel.module_kernel", "cachekey_helper.helper", "cachekey_helper.SCALE"}
 
 
-def test_report_quick_mode_defaults():
+def test_report_quick_mode_covers_one_preset_one_dtype_both_archs():
     args = report.build_parser().parse_args(["--quick"])
-    assert args.quick and args.presets is None and args.dtypes is None
+    assert args.quick and args.presets is None and args.dtypes is None  # main() fills in the quick lists
     assert report.QUICK_PRESETS == ("vit_base_patch16_224",) and report.QUICK_DTYPES == ("bf16",)
+    quick = report.collect_specs(report.QUICK_PRESETS, report.QUICK_DTYPES, report.ARCHS, pure=False)
+    uses = {use for _, _, _, us in quick.values() for use in us}
+    assert uses == {"vit_base_patch16_224/bf16"}, uses  # autocast only: no " pure" entries
+    assert {arch for _, arch, _, _ in quick.values()} == set(report.ARCHS)
 
 
 def test_report_sees_good_spilling_and_broken_kernels(monkeypatch, tmp_path):

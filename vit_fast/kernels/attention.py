@@ -326,19 +326,19 @@ def _attention_bwd_kernel(
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
     partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
-    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
-    k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
-    v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
-    o_head = _head(O, bh, num_heads, stride_ob, stride_oh)
-    do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
+    # Each phase gets its heads' pointers computed at its call (not kept live across phase 1).
     _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh), _head(DV, bh, num_heads, stride_db, stride_dh), PK, PV,
-              q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+              _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
+              _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
+              _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
               seq_len, head_dim, scale, dropout_p, inv_keep, seed,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh), PQ,
-            q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+            _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
+            _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
+            _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
             seq_len, head_dim, scale, dropout_p, inv_keep, seed,

@@ -5,7 +5,7 @@ Math, x viewed as M rows of width N, statistics in fp32:
 
 * ``layer_norm``: ``y = (x - mean) * rstd * w + b``, ``rstd = 1 / sqrt(var + eps)`` (biased var).
 * ``add_layer_norm``: ``h = residual + s[b] * gamma * dropout(x + branch_bias)`` (every factor
-  optional, see ``bias_gelu.residual_join_fwd``, whose @triton.jit math this kernel shares),
+  optional, see ``_join.residual_join_fwd``, the @triton.jit math bias_dropout_add shares too),
   ``normed = LN(h)``; returns ``(normed, h)``. The LN is taken of h *as stored* (rounded to the
   residual dtype), exactly what an unfused ``h = h + branch; y = norm(h)`` computes, and the
   backward uses the same stored h.

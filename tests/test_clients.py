@@ -52,12 +52,14 @@ def run_trainer(model, out_dir, **args):
     return trainer, trainer.evaluate()
 
 
-@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing": True},
-                                   {"torch_compile": True, "torch_compile_backend": "aot_eager"}],
-                         ids=["plain", "grad_checkpointing", "torch_compile"])
-def test_hf_trainer_train_evaluate_save_and_stock_reload(tmp_path, extra):
+@pytest.mark.parametrize("backend, extra", [
+    ("torch", {}), ("torch", {"activation_checkpointing": True}),
+    ("torch", {"torch_compile": True, "torch_compile_backend": "aot_eager"}),
+    ("triton", {}),  # the kernels (in the interpreter on CPU)
+], ids=["plain", "grad_checkpointing", "torch_compile", "triton"])
+def test_hf_trainer_train_evaluate_save_and_stock_reload(tmp_path, backend, extra):
     source = hf_source()
-    model = vit_fast.optimize(copy.deepcopy(source), backend="torch")
+    model = vit_fast.optimize(copy.deepcopy(source), backend=backend)
     trainer, metrics = run_trainer(model, tmp_path / "fast", **extra)
     plain, plain_metrics = run_trainer(source, tmp_path / "plain", **extra)
     # the Trainer decides the same for both (it passes num_items_in_batch to both forwards)

@@ -344,6 +344,23 @@ def default_run_dir(args: argparse.Namespace) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ training
+def _resume_checkpoint(args: argparse.Namespace, run_dir: Path) -> Optional[Path]:
+    """The checkpoint to resume: with 'auto' (or a run / checkpoints directory) the newest intact one, each
+    damaged newer one named in a warning and set aside; a checkpoint directory given explicitly must be intact."""
+    if args.resume == "auto":
+        return ckpt.resumable_checkpoint(run_dir / "checkpoints")
+    path = Path(args.resume)
+    if path.is_file() and path.name in (ckpt.WEIGHTS, ckpt.STATE):
+        path = path.parent
+    if (path / ckpt.WEIGHTS).is_file() and (path / ckpt.STATE).is_file():
+        ckpt.verify_checkpoint(path)
+        return path
+    for root in (path, path / "checkpoints"):
+        if ckpt.list_checkpoints(root):
+            return ckpt.resumable_checkpoint(root)
+    return ckpt.resolve_checkpoint(path)   # FileNotFoundError naming what was expected
+
+
 def load_resume(ckpt_dir: Path, args: argparse.Namespace, model: nn.Module) -> dict[str, Any]:
     """Check the checkpoint belongs to this model and run, load its weights; return the rest of its state."""
     state = ckpt.read_state(ckpt_dir)
@@ -405,12 +422,12 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
 
     run_dir = Path(world.broadcast(str(Path(args.output_dir) if args.output_dir else default_run_dir(args))))
     resume_dir = None
-    if args.resume == "auto":
-        resume_dir = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    if args.resume:
+        # rank 0 verifies (sizes + sha256 of the manifest), falls back past damaged ones, tells the others
+        resume_dir = world.broadcast(str(_resume_checkpoint(args, run_dir)) if world.main else None)
+        resume_dir = Path(resume_dir) if resume_dir != "None" else None
         if resume_dir is None and world.main:
             print(f"--resume auto: no checkpoint in {run_dir / 'checkpoints'}, starting from scratch", flush=True)
-    elif args.resume:
-        resume_dir = ckpt.resolve_checkpoint(args.resume)
 
     torch.manual_seed(args.seed)   # identical initial weights on every rank
     model = build_model(args, data)
@@ -422,6 +439,9 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     step, last_eval_epoch, best_acc, last_eval = 0, -1, 0.0, None
+    last_train: dict[str, float] = {}
+    resumed_window: Optional[torch.Tensor] = None
+    window = torch.zeros(3, dtype=torch.float64, device=world.device)   # loss sum, correct, count since the last log
     if state is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
@@ -429,6 +449,9 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             scaler.load_state_dict(state["scaler"])
         step, last_eval_epoch, best_acc = state["step"], state["last_eval_epoch"], state["best_acc"]
         last_eval = state["last_eval"] or None
+        last_train = dict(state.get("last_train") or {})
+        if world.main:   # the metrics window open at the checkpoint's step (summed over ranks; rank 0 carries it)
+            resumed_window = state.get("train_window")
         if len(state["rng"]) == world.world:
             ckpt.set_rng_state(state["rng"][world.rank])
         else:   # another world size: per-rank streams cannot be mapped, derive fresh ones
@@ -441,7 +464,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     if world.main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
-    metrics = MetricsLog(run_dir / "metrics.jsonl", world.main, step if state is not None else None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", world.main, step if state is not None else None,
+                         last_eval_epoch if state is not None else None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     autocast = lambda: torch.autocast(world.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # noqa: E731
     should_eval = lambda epoch: (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs  # noqa: E731
@@ -449,6 +473,7 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     def save_checkpoint() -> None:
         weights = get_model_state_dict(model, options=full)       # FSDP2: all ranks gather, rank 0 receives
         optim_state = get_optimizer_state_dict(model, optimizer, options=full)
+        open_window = world.all_reduce(window.clone()).cpu()   # the steps since the last metrics record, all ranks
         rngs = [None] * world.world
         if world.enabled:
             dist.all_gather_object(rngs, ckpt.rng_state())
@@ -458,7 +483,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             ckpt.write_checkpoint(run_dir / "checkpoints", step, weights, dict(
                 optimizer=optim_state, scheduler=scheduler.state_dict(), scaler=scaler.state_dict(), rng=rngs,
                 world_size=world.world, args=vars(args), model_config=ckpt.model_config_dict(model.config),
-                last_eval_epoch=last_eval_epoch, best_acc=best_acc, last_eval=last_eval or {}),
+                last_eval_epoch=last_eval_epoch, best_acc=best_acc, last_eval=last_eval or {},
+                last_train=last_train, train_window=open_window),
                 keep=args.keep_checkpoints)
         world.barrier()
 
@@ -478,7 +504,6 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     stop = StopSignal()
     stopped, train_images, t_train = False, 0, time.perf_counter()
-    last_train: dict[str, float] = {}
     wrapped.train()
     with stop:
         for epoch in range(step // steps_per_epoch, args.epochs):
@@ -489,7 +514,10 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             batches = iter(train_loader)
             bar = tqdm(total=steps_per_epoch, initial=start, desc=f"epoch {epoch + 1}/{args.epochs}",
                        disable=not world.main or args.no_progress, leave=False, dynamic_ncols=True)
-            window = torch.zeros(3, dtype=torch.float64, device=world.device)   # loss sum, correct, count
+            window.zero_()
+            if resumed_window is not None:   # resumed mid-window: the next record covers the same steps
+                window.copy_(resumed_window.to(window))
+                resumed_window = None
             t_window = time.perf_counter()
             for _ in range(start, steps_per_epoch):
                 for micro in range(accum):
@@ -537,6 +565,10 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                 if world.main:
                     print(f"epoch {epoch + 1}/{args.epochs}: step {step}, train loss {last_train.get('loss', float('nan')):.4f}, "
                           f"test loss {last_eval['test_loss']:.4f}, test acc {last_eval['test_acc']:.2%}", flush=True)
+            save_checkpoint()
+        if not stopped and step == total_steps and last_eval_epoch < args.epochs - 1:
+            # resumed from a checkpoint of the last step whose final evaluation had not run (killed between them)
+            run_eval(args.epochs - 1)
             save_checkpoint()
 
     t_end = time.perf_counter()

@@ -365,9 +365,10 @@ def _read_raw(path: str, fmt: str):
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file, or of a torch.save file read with torch.load(weights_only=True) (no
     pickled code runs). The format comes from the file's bytes, not its suffix. A {'state_dict': ...} /
-    {'model': ...} wrapper and a 'module.' prefix (DistributedDataParallel) are removed. Anything wrong with the file (directory, empty, truncated, pickled code, not a
-    dict of tensors) a CheckpointError naming the file and what is wrong; a missing file a
-    CheckpointNotFoundError (a CheckpointError and a FileNotFoundError)."""
+    {'model': ...} wrapper and a 'module.' prefix (DistributedDataParallel) are removed. Anything wrong with
+    the file (directory, empty, truncated, pickled code, not a dict of tensors) is a CheckpointError naming
+    the file and what is wrong; a missing file a CheckpointNotFoundError (a CheckpointError and a
+    FileNotFoundError)."""
     path = os.fspath(path)
     sd = _read_raw(path, sniff_checkpoint_format(path))
     for wrapper in ("state_dict", "model", "model_state_dict"):

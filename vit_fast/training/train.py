@@ -163,6 +163,7 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     types and ranges by each option's type, the relations between options below."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    warmup_given = args.warmup_epochs is not None
     for key, value in DATASET_DEFAULTS[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -172,7 +173,7 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.weight_decay = 0.05
     if args.min_lr > args.lr:
         parser.error(f"argument --min-lr: expected a value <= --lr ({args.lr}), got {args.min_lr}")
-    if args.warmup_epochs > args.epochs:
+    if warmup_given and args.warmup_epochs > args.epochs:   # (a dataset default longer than a short run is kept)
         parser.error(f"argument --warmup-epochs: expected a value <= --epochs ({args.epochs}), got {args.warmup_epochs}")
     return args
 

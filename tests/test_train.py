@@ -351,9 +351,9 @@ def assert_same_run(out, ref):
     assert metric_records(out) == metric_records(ref)
 
 
-@pytest.mark.parametrize("kill", ["step:50", "save:3", "pointer:2", "eval:2"])
+@pytest.mark.parametrize("kill", ["step:70", "save:3", "pointer:2", "eval:2"])
 def test_sigkill_then_resume_equals_the_uninterrupted_run(reference, tmp_path, kill):
-    """Killed mid-step (resumes at step 44), while writing state.pt (the half-written step_44.tmp is ignored,
+    """Killed mid-step (resumes at step 66, mid-epoch and mid metrics window), while writing state.pt (the half-written step_44.tmp is ignored,
     the earlier step-44 checkpoint without its evaluation is resumed and the evaluation runs), between a
     checkpoint and its `latest` pointer, and after the last step's checkpoint before the final evaluation."""
     argv = [*TINY, *DROPPATH, "--ckpt-every", "22", "--output-dir", str(tmp_path)]

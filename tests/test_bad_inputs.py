@@ -64,7 +64,8 @@ def test_attention_bad_num_heads(num_heads):
 def test_attention_packed_width_not_a_multiple_of_three_heads(heads, width):
     if width % (3 * heads) == 0:
         width += 1
-    with pytest.raises(ValueError, match=rf"attention: expected qkv last dim divisible by 3 \* num_heads = {3 * heads}"):
+    message = rf"attention: expected qkv last dim divisible by 3 \* num_heads = {3 * heads}"
+    with pytest.raises(ValueError, match=message):
         attention(torch.randn(1, 4, width), heads)
 
 
@@ -90,8 +91,16 @@ def test_batch_zero_gives_empty_logits_and_gradients_on_both_backends(backend):
                          ids=["list", "None", "int", "str", "tuple"])
 def test_non_tensor_input_is_one_clear_error(backend, bad):
     for entry in ("__call__", "forward_features"):
-        with pytest.raises(ValueError, match=rf"expected a torch.Tensor image batch \(B, 3, H, W\), got {type(bad).__name__}"):
+        message = rf"expected a torch.Tensor image batch \(B, 3, H, W\), got {type(bad).__name__}"
+        with pytest.raises(ValueError, match=message):
             getattr(tiny(backend), entry)(bad)
+
+
+def test_forward_intermediates_checks_the_same_way():
+    with pytest.raises(ValueError, match="expected a torch.Tensor image batch .* got list"):
+        tiny().forward_intermediates([1.0])
+    with pytest.raises(ValueError, match="expected an image batch of the model's dtype torch.float32"):
+        tiny().forward_intermediates(torch.randn(1, 3, 32, 32, dtype=torch.float64))
 
 
 def test_numpy_array_input_names_the_type():
@@ -121,7 +130,8 @@ def test_under_autocast_any_image_dtype_of_the_three_is_accepted(backend):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for dtype in FLOATS:
             assert model(torch.randn(1, 3, 32, 32, dtype=dtype)).shape == (1, 7)
-        with pytest.raises(ValueError, match="expected a float32/float16/bfloat16 image batch under autocast, got torch.float64"):
+        with pytest.raises(ValueError, match="expected a float32/float16/bfloat16 image batch under autocast, "
+                                             "got torch.float64"):
             model(torch.randn(1, 3, 32, 32, dtype=torch.float64))
 
 
@@ -140,7 +150,8 @@ def test_integer_images_name_the_float_dtypes(dtype):
 
 
 def test_meta_input_into_a_cpu_model_names_both_devices():
-    with pytest.raises(ValueError, match=r"expected the image batch on the model's device \(cpu\), got a tensor on meta"):
+    with pytest.raises(ValueError, match=r"expected the image batch on the model's device \(cpu\), got a "
+                                         r"tensor on meta"):
         tiny()(torch.empty(1, 3, 32, 32, device="meta"))
 
 
@@ -160,7 +171,8 @@ def test_optimize_of_a_meta_device_vit_fast_model_stays_on_meta():
 
 
 def test_optimize_of_a_non_vit_names_the_accepted_models():
-    with pytest.raises(ValueError, match="optimize: expected a timm VisionTransformer.*got torch.nn.modules.linear.Linear"):
+    with pytest.raises(ValueError, match="optimize: expected a timm VisionTransformer.*got "
+                                         "torch.nn.modules.linear.Linear"):
         vit_fast.optimize(torch.nn.Linear(2, 2))
 
 

@@ -353,9 +353,10 @@ def assert_same_run(out, ref):
 
 @pytest.mark.parametrize("kill", ["step:70", "save:3", "pointer:2", "eval:2"])
 def test_sigkill_then_resume_equals_the_uninterrupted_run(reference, tmp_path, kill):
-    """Killed mid-step (resumes at step 66, mid-epoch and mid metrics window), while writing state.pt (the half-written step_44.tmp is ignored,
-    the earlier step-44 checkpoint without its evaluation is resumed and the evaluation runs), between a
-    checkpoint and its `latest` pointer, and after the last step's checkpoint before the final evaluation."""
+    """Killed mid-step (resumes at step 66, mid-epoch and mid metrics window), while writing state.pt (the
+    half-written step_44.tmp is ignored, the earlier step-44 checkpoint without its evaluation is resumed
+    and the evaluation runs), between a checkpoint and its `latest` pointer, and after the last step's
+    checkpoint before the final evaluation."""
     argv = [*TINY, *DROPPATH, "--ckpt-every", "22", "--output-dir", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-c", KILLER, kill, *argv], cwd=tmp_path, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)

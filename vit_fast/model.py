@@ -273,6 +273,7 @@ class VisionTransformer(nn.Module):
             raise ValueError("forward_intermediates: attention masks (attn_mask, is_causal) are not supported")
         take = block_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else len(self.blocks)
+        check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
         B = x.shape[0]
         grid = self.patch_embed.check_input(x)
         tokens = self.embed(x)

@@ -262,8 +262,8 @@ def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
     state = _read_raw(str(path), sniff_checkpoint_format(path))
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         state = state if isinstance(state, dict) else {}
-        raise CheckpointError(f"{ckpt_dir}/{STATE} is not a vit_fast training checkpoint (format {state.get('format')!r}, "
-                         f"expected {FORMAT!r})")
+        raise CheckpointError(f"{ckpt_dir}/{STATE} is not a vit_fast training checkpoint (format "
+                              f"{state.get('format')!r}, expected {FORMAT!r})")
     return state
 
 

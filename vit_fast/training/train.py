@@ -144,15 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("run")
     r.add_argument("--output-dir", help="run directory (default runs/<dataset>-<time>)")
     r.add_argument("--resume", metavar="PATH|auto", help="checkpoint dir / run dir, or 'auto': newest in --output-dir")
-    r.add_argument("--ckpt-every", type=POSITIVE_INT, default=500, help="checkpoint every N steps (and every epoch end)")
+    r.add_argument("--ckpt-every", type=POSITIVE_INT, default=500,
+                   help="checkpoint every N steps (and every epoch end)")
     r.add_argument("--keep-checkpoints", type=NONNEG_INT, default=2, help="newest checkpoints kept (0: all)")
-    r.add_argument("--stop-at-step", type=POSITIVE_INT, help="checkpoint and exit after this global step (time-sliced jobs)")
+    r.add_argument("--stop-at-step", type=POSITIVE_INT,
+                   help="checkpoint and exit after this global step (time-sliced jobs)")
     r.add_argument("--eval-every", type=POSITIVE_INT, default=1, help="evaluate every N epochs (and at the end)")
     r.add_argument("--log-every", type=POSITIVE_INT, default=10, help="steps between metric records / progress updates")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--no-plot", action="store_true")
     r.add_argument("--device", type=check_device, help="cpu, cuda, cuda:1... (default: the local GPU if any)")
-    r.add_argument("--threads", type=POSITIVE_INT, help="CPU threads for torch ops (default: torch's choice; digits: 1, "
+    r.add_argument("--threads", type=POSITIVE_INT,
+                   help="CPU threads for torch ops (default: torch's choice; digits: 1, "
                    "its matrices are too small to gain from more and lose badly on a loaded machine)")
     r.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard per block (needs torchrun)")
     return p
@@ -174,7 +177,8 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.min_lr > args.lr:
         parser.error(f"argument --min-lr: expected a value <= --lr ({args.lr}), got {args.min_lr}")
     if warmup_given and args.warmup_epochs > args.epochs:   # (a dataset default longer than a short run is kept)
-        parser.error(f"argument --warmup-epochs: expected a value <= --epochs ({args.epochs}), got {args.warmup_epochs}")
+        parser.error(f"argument --warmup-epochs: expected a value <= --epochs ({args.epochs}), "
+                     f"got {args.warmup_epochs}")
     return args
 
 

@@ -33,6 +33,11 @@ def tiny(backend="torch", **kw):
                                  num_heads=2, num_classes=7, backend=backend, **kw)
 
 
+def device_for(backend):
+    """Where ``backend`` runs its own path: the Triton kernels on CUDA when there is a GPU, else the interpreter."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 @FAST
 @given(rows=st.integers(1, 5), n=st.integers(1, 96), wrong=st.integers(1, 96))
@@ -76,14 +81,15 @@ def backends():
 
 @pytest.mark.parametrize("backend", backends())
 def test_batch_zero_gives_empty_logits_and_gradients_on_both_backends(backend):
-    model = tiny(backend)
-    x = torch.randn(0, 3, 32, 32, requires_grad=True)
+    device = device_for(backend)
+    model = tiny(backend).to(device)
+    x = torch.randn(0, 3, 32, 32, device=device, requires_grad=True)
     logits = model(x)
     assert logits.shape == (0, 7)
     logits.sum().backward()
     assert x.grad.shape == (0, 3, 32, 32)
     assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in model.parameters())
-    assert model.forward_features(torch.randn(0, 3, 32, 32)).shape == (0, 17, 32)
+    assert model.forward_features(torch.randn(0, 3, 32, 32, device=device)).shape == (0, 17, 32)
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -116,9 +122,10 @@ DTYPE_PAIRS = [(x, m) for x in (*FLOATS, torch.float64) for m in FLOATS if x != 
 def test_dtype_mismatch_outside_autocast_is_the_same_error_on_both_backends(x_dtype, model_dtype):
     messages = []
     for backend in ("torch", "triton"):
-        model = tiny(backend).to(model_dtype)
+        device = device_for(backend)
+        model = tiny(backend).to(device, model_dtype)
         with pytest.raises(ValueError) as info:
-            model(torch.randn(2, 3, 32, 32, dtype=x_dtype))
+            model(torch.randn(2, 3, 32, 32, dtype=x_dtype, device=device))
         messages.append(str(info.value))
     assert messages[0] == messages[1]
     assert f"expected an image batch of the model's dtype {model_dtype}" in messages[0] and str(x_dtype) in messages[0]
@@ -126,13 +133,14 @@ def test_dtype_mismatch_outside_autocast_is_the_same_error_on_both_backends(x_dt
 
 @pytest.mark.parametrize("backend", backends())
 def test_under_autocast_any_image_dtype_of_the_three_is_accepted(backend):
-    model = tiny(backend)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    device = device_for(backend)
+    model = tiny(backend).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         for dtype in FLOATS:
-            assert model(torch.randn(1, 3, 32, 32, dtype=dtype)).shape == (1, 7)
+            assert model(torch.randn(1, 3, 32, 32, dtype=dtype, device=device)).shape == (1, 7)
         with pytest.raises(ValueError, match="expected a float32/float16/bfloat16 image batch under autocast, "
                                              "got torch.float64"):
-            model(torch.randn(1, 3, 32, 32, dtype=torch.float64))
+            model(torch.randn(1, 3, 32, 32, dtype=torch.float64, device=device))
 
 
 @FAST
@@ -356,3 +364,10 @@ def test_init_from_a_truncated_file_names_it(tmp_path, files):
     cut = _truncate(files[0] / "good.safetensors", tmp_path / "cut.safetensors", 100)
     with pytest.raises(CheckpointError, match="cut.safetensors"):
         vt.main([*TINY, "--init-from", f"file:{cut}", "--output-dir", str(tmp_path / "run")])
+
+
+def test_init_from_a_directory_or_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="is a directory"):
+        vt.main([*TINY, "--init-from", f"file:{tmp_path}", "--output-dir", str(tmp_path / "run")])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        vt.main([*TINY, "--init-from", f"file:{tmp_path / 'none.pt'}", "--output-dir", str(tmp_path / "run")])

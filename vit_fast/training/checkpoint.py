@@ -297,8 +297,9 @@ def pretrained_state_dict(spec: str) -> dict[str, torch.Tensor]:
     if not sep or not name or kind not in ("timm", "hf", "file"):
         raise ValueError(f"--init-from {spec!r}: expected timm:NAME, hf:NAME or file:PATH")
     if kind == "file":
-        if not os.path.isfile(name):
+        if not os.path.exists(name):
             raise FileNotFoundError(f"--init-from {spec!r}: no such file")
+        # read_state_dict: the format from the bytes; a directory, damaged file or pickled code -> CheckpointError
         return convert.to_timm_state_dict(convert.read_state_dict(name))
     _offline_hub()
     try:

@@ -429,8 +429,16 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     resume_dir = None
     if args.resume:
         # rank 0 verifies (sizes + sha256 of the manifest), falls back past damaged ones, tells the others
-        resume_dir = world.broadcast(str(_resume_checkpoint(args, run_dir)) if world.main else None)
-        resume_dir = Path(resume_dir) if resume_dir != "None" else None
+        found: Any = None
+        if world.main:
+            try:
+                found = str(_resume_checkpoint(args, run_dir) or "")
+            except (ValueError, FileNotFoundError) as err:   # every rank raises it, none waits in a collective
+                found = err
+        found = world.broadcast(found)
+        if isinstance(found, BaseException):
+            raise found
+        resume_dir = Path(found) if found else None
         if resume_dir is None and world.main:
             print(f"--resume auto: no checkpoint in {run_dir / 'checkpoints'}, starting from scratch", flush=True)
 

@@ -371,3 +371,25 @@ def test_init_from_a_directory_or_missing_file(tmp_path):
         vt.main([*TINY, "--init-from", f"file:{tmp_path}", "--output-dir", str(tmp_path / "run")])
     with pytest.raises(FileNotFoundError, match="no such file"):
         vt.main([*TINY, "--init-from", f"file:{tmp_path / 'none.pt'}", "--output-dir", str(tmp_path / "run")])
+
+
+# ------------------------------------------------------------------------------------------------ training checkpoints
+# (issue 23 cases 2 and 9 with real training runs, kill -9 included: tests/test_train.py)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from(["model.safetensors", "state.pt"]), fraction=st.floats(0.0, 0.999))
+def test_damaged_newest_training_checkpoint_falls_back_naming_it(tmp_path_factory, caplog, which, fraction):
+    import logging
+
+    from vit_fast.training import checkpoint as ckpt
+
+    root = tmp_path_factory.mktemp("run") / "checkpoints"
+    for step in (1, 2):
+        ckpt.write_checkpoint(root, step, {"w": torch.full((64,), float(step))}, {"step_marker": torch.ones(8)})
+    path = root / "step_00000002" / which
+    path.write_bytes(path.read_bytes()[:int(path.stat().st_size * fraction)])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vit_fast.training.checkpoint"):
+        found = ckpt.resumable_checkpoint(root)
+    assert found.name == "step_00000001" and str(path) in caplog.text
+    assert (root / "step_00000002.damaged").is_dir() and (root / ckpt.LATEST).read_text().strip() == found.name
+    assert torch.equal(ckpt.read_weights(found)["w"], torch.ones(64))

@@ -420,3 +420,16 @@ def test_manifest_records_size_and_checksum(reference):
         data = (ckpt_dir / name).read_bytes()
         assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     ckpt.verify_checkpoint(ckpt_dir)
+
+
+def test_checkpoint_without_manifest_is_checked_for_readable_files(reference, tmp_path):
+    """Checkpoints written before manifests existed: a truncated file is still found before loading."""
+    from vit_fast import CheckpointError
+
+    shutil.copytree(ckpt.resolve_checkpoint(reference / "plain"), tmp_path / "old")
+    (tmp_path / "old" / ckpt.MANIFEST).unlink()
+    ckpt.verify_checkpoint(tmp_path / "old")
+    state = tmp_path / "old" / ckpt.STATE
+    state.write_bytes(state.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"{state}: truncated or damaged torch.save file"):
+        ckpt.verify_checkpoint(tmp_path / "old")

@@ -164,7 +164,12 @@ def _check_readable(ckpt_dir: Path) -> None:
             f.keys()
     except Exception as err:
         raise CheckpointError(f"{weights}: damaged safetensors file ({type(err).__name__}: {err})") from err
-    sniff_checkpoint_format(Path(ckpt_dir) / STATE)
+    state = Path(ckpt_dir) / STATE
+    if sniff_checkpoint_format(state) == "torch-zip":
+        import zipfile
+
+        if not zipfile.is_zipfile(state):
+            raise CheckpointError(f"{state}: truncated or damaged torch.save file (no zip central directory)")
 
 
 def verify_checkpoint(ckpt_dir: str | Path) -> None:

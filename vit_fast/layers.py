@@ -196,7 +196,7 @@ class Attention(nn.Module):
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
-        return x.transpose(1, 2).reshape(B, N, -1)
+        return x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)  # explicit: B may be 0
 
     def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
         """Softmax attention probabilities (B, H, N, N) for the normalised input x (no dropout)."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from .backend import check_backend, resolve_backend
+from .backend import check_backend, check_model_input, resolve_backend
 from .layers import (Block, LayerNorm, PatchEmbed, has_hooks, init_weights_vit_timm, named_apply, patch_embed_kernel,
                      resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
 from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
@@ -236,6 +236,7 @@ class VisionTransformer(nn.Module):
         return torch.get_autocast_dtype(x.device.type)
 
     def forward_features(self, x: torch.Tensor, pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
         return self._forward_blocks(self.embed(x, pos_embed))
 
     def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
@@ -301,6 +302,7 @@ class VisionTransformer(nn.Module):
             raise ValueError("forward_intermediates: attention masks (attn_mask, is_causal) are not supported")
         take = block_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else len(self.blocks)
+        check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
         B = x.shape[0]
         grid = self.patch_embed.check_input(x)
         outputs: list[torch.Tensor] = []
@@ -309,7 +311,7 @@ class VisionTransformer(nn.Module):
         prefix = [y[:, :self.num_prefix_tokens] for y in intermediates] if self.num_prefix_tokens else None
         intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         if output_fmt == "NCHW":
-            intermediates = [y.reshape(B, *grid, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+            intermediates = [y.reshape(B, *grid, y.shape[-1]).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if output_dict:
             result = {"image_intermediates": intermediates}
             if prefix is not None and return_prefix_tokens:
@@ -352,6 +354,7 @@ class VisionTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
         if self._prunes_to_class_token(x):
             # the last block skips the other tokens' proj, MLP and joins; forward_features still
             # returns every token

@@ -45,6 +45,10 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
                            f"the model is on {device}. Use backend='auto' or 'torch'.")
     if kind == "vit_fast":
         return _set_residual_dtype(model.set_backend(backend), residual_in_fp32)
+    if device.type == "meta":   # converting copies the weights: there are none to copy
+        raise ValueError(f"optimize: the {kind} model is on the meta device (no weight data to convert); "
+                         f"materialise it first (model.to_empty(device=...) and load its weights), or create "
+                         f"the vit_fast model directly on meta with vit_fast.create_model under torch.device('meta')")
     if kind == "timm":
         problems = timm_unsupported(model)
         if problems:

@@ -16,6 +16,7 @@ from tests.numerics import assert_close, bound, errors
 from vit_fast.kernels import bias_gelu as bg
 from vit_fast.kernels._utils import interpreter_active
 from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_dropout_add_ref, bias_gelu, bias_gelu_ref
+from vit_fast._compat import monkeypatch_setting, wrap_interpreted_run  # torch settings served by __getattr__
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,7 +69,6 @@ def traffic(monkeypatch):
 
     rec = Traffic()
     load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
-    run = interp.InterpretedFunction.run
 
     def counted_load(self, ptrs, mask, *rest):
         rec.record("read", ptrs, mask)
@@ -78,14 +78,15 @@ def traffic(monkeypatch):
         rec.record("write", ptrs, mask)
         return store(self, ptrs, value, mask, *rest)
 
-    def counted_run(self, *args, grid, warmup, **kwargs):
+    def counted_run(self, run, *args, grid, warmup, **kwargs):
         rec.launches.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return run(*args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", counted_load)
     monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", counted_store)
-    monkeypatch.setattr(interp.InterpretedFunction, "run", counted_run)
-    return rec
+    restore = wrap_interpreted_run(counted_run)  # InterpretedFunction.run differs across triton versions
+    yield rec
+    restore()
 
 
 def check_matches_reference(fn, ref_fn, inputs: dict, dtype: torch.dtype, grad_outputs=None, eager_fn=None, seed=None):
@@ -326,7 +327,7 @@ def check_compiled_dropout(fn, inputs: list[torch.Tensor], monkeypatch) -> None:
     """fn draws dropout in training: torch.compile must trace it whole without capture_scalar_outputs
     (the seed is a tensor drawn in the graph, read as an int only inside the custom ops), draw a
     fresh mask on every call, and for the same torch.manual_seed give eager's output and gradients."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
+    monkeypatch_setting(monkeypatch, torch._dynamo.config, "capture_scalar_outputs", False)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(fn)(*inputs)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

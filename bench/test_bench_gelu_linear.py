@@ -10,7 +10,7 @@ printed and stored in the benchmark's extra_info next to the dense bf16 tensor-c
 import pytest
 import torch
 
-from bench.bench_gelu_linear import eager_gelu_linear  # noqa: E402  (shared with the campaign)
+from bench.bench_gelu_linear import eager_gelu_linear  # shared with the campaign
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="GPU-only benchmark: needs CUDA (the kernels are tested on CPU in tests/)")
@@ -18,8 +18,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 ROWS = 64 * 197
 SHAPES = {"vit_base": (768, 3072), "vit_large": (1024, 4096)}  # (width N, MLP hidden K)
 ROTATE = 4  # input sets cycled through so no timing reads a warm L2
-
-
 
 
 def _impl(name):

@@ -370,6 +370,7 @@ def stage_throughput(c: Campaign) -> dict:
         row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops", float("nan"))
         if path.endswith("compile"):
             compile_cost = max(compile_cost, row["seconds"])
+            torch._dynamo.reset()  # drop the compiled graphs (and the memory they hold) before the next case
         rows.append(row)
         c.progress("  " + format_row(row))
     c.results["throughput"] = rows
@@ -381,8 +382,8 @@ def stage_throughput(c: Campaign) -> dict:
 
 STAGES: list[Stage] = [
     Stage("env", stage_env, 20),
-    Stage("tests", stage_tests, 100),
-    Stage("check", stage_check, 50),
+    Stage("tests", stage_tests, 90),
+    Stage("check", stage_check, 60),
     Stage("micro", stage_micro, 140),
     Stage("throughput", stage_throughput, 210),
 ]

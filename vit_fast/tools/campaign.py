@@ -112,7 +112,6 @@ def stage_env(c: Campaign) -> dict:
     y = torch.empty_like(x)
     copy_ms = time_ms(lambda: y.copy_(x), c.device)
     c.peaks = dict(gemm_bf16_tflops=2 * n**3 / gemm_ms / 1e9, copy_gbps=2 * x.nbytes / copy_ms / 1e6)
-    del a, b, x, y
     c.results["env"] = [dict(c.meta, **c.peaks)]
     return dict(status="ok", **{k: round(v, 1) for k, v in c.peaks.items()})
 
@@ -167,9 +166,9 @@ def stage_tests(c: Campaign) -> dict:
         f.write(out)
     outcome = r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
     rows = [dict(test=m.group(1), outcome=m.group(2).lower())  # pytest -v: "tests/x.py::t PASSED"
-            for m in re.finditer(r"^(tests/\S+::\S+) " + outcome, out, re.M)]
+            for m in re.finditer(r"^(tests/\S+::\S+) " + outcome, out, re.MULTILINE)]
     rows += [dict(test=m.group(2), outcome=m.group(1).lower())  # pytest-xdist -v: "[gw0] [ 1%] PASSED tests/x.py::t"
-             for m in re.finditer(r"^\[gw\d+\].*?" + outcome + r" (tests/\S+::\S+)", out, re.M)]
+             for m in re.finditer(r"^\[gw\d+\].*?" + outcome + r" (tests/\S+::\S+)", out, re.MULTILINE)]
     c.results["tests"] = [c.tagged(r) for r in rows]
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
     status = "timed out" if rc is None else ("ok" if rc == 0 else "failed")
@@ -256,7 +255,7 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
         q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1)
 
-    attn_flops = lambda bwd: (attention_flops(batch, H, N, D, bwd) / 1e12, "TFLOP")  # noqa: E731
+    attn_flops = lambda bwd: (attention_flops(batch, H, N, D, bwd) / 1e12, "TFLOP")
     cases.append(MicroCase("attention", f"{batch}x{N}x{3 * C} h{H}", lambda: dict(qkv=act(batch, N, 3 * C),
                                                                                num_heads=H),
                            attention, {"eager": attention_ref, "sdpa": sdpa}, attn_flops))

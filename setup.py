@@ -9,21 +9,25 @@ setup(
     # The kernels live in vit_fast/kernels (the top-level kernels/ is a relative symlink to it), so every
     # import resolves by ordinary path lookup inside the checkout it runs from: no package_dir mapping.
     packages=find_packages(include=["vit_fast", "vit_fast.*"]),
+    # Tested stacks (README "Supported versions"; .ci/run runs the suite on both): torch 2.14.1 + triton 3.8.0
+    # (constraints.txt) and torch 2.11.0 + triton 3.6.0 + torchvision 0.26.0 (.ci/constraints-torch2.11.txt,
+    # what the project's GPU machines carry), each with numpy 2.4 and pytest 9.0/9.2. Version differences are
+    # bridged in vit_fast/_compat.py and vit_fast/tools/interpreter.py.
     install_requires=[
-        "torch",
-        "triton; platform_system == 'Linux'",
-        "numpy",
+        "torch>=2.11",
+        "triton>=3.6; platform_system == 'Linux'",
+        "numpy>=2.3",
     ],
     extras_require={
         "test": [
-            "pytest",
+            "pytest>=9.0",
             "pytest-benchmark",
             "pytest-xdist",
             "hypothesis",
             "timm",
             "transformers",
             "accelerate",
-            "torchvision",
+            "torchvision>=0.26",
             "safetensors",
             "tqdm",
             "matplotlib",

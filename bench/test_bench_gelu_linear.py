@@ -9,7 +9,8 @@ printed and stored in the benchmark's extra_info next to the dense bf16 tensor-c
 """
 import pytest
 import torch
-import torch.nn.functional as F
+
+from bench.bench_gelu_linear import eager_gelu_linear  # shared with the campaign
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="GPU-only benchmark: needs CUDA (the kernels are tested on CPU in tests/)")
@@ -17,11 +18,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 ROWS = 64 * 197
 SHAPES = {"vit_base": (768, 3072), "vit_large": (1024, 4096)}  # (width N, MLP hidden K)
 ROTATE = 4  # input sets cycled through so no timing reads a warm L2
-
-
-def eager_gelu_linear(h, bias, weight, approximate="none"):
-    g = F.gelu(h + bias, approximate=approximate).to(h.dtype)  # bias fp32 under autocast: GELU in fp32
-    return F.linear(g, weight.to(h.dtype))
 
 
 def _impl(name):

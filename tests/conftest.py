@@ -23,6 +23,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)) if "PYTEST_XDIST_WORKE
 # The interpreter's bf16 gaps (tl.dot on bf16 bits, truncating fp32 -> bf16 casts) are fixed by the
 # package's shims, which `vit-fast check` uses too; see vit_fast/interpreter.py for the upstream issues.
 from vit_fast.kernels._utils import interpreter_active  # noqa: E402 (after TRITON_INTERPRET is set)
+from vit_fast._compat import wrap_interpreted_run  # noqa: E402
 
 if interpreter_active():
     from vit_fast.tools.interpreter import install_bf16_shims
@@ -81,7 +82,6 @@ def traffic(monkeypatch):
 
     rec = Traffic()
     load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
-    run = interp.InterpretedFunction.run
 
     def counted_load(self, ptrs, mask, *rest):
         rec.record("read", ptrs, mask)
@@ -91,11 +91,12 @@ def traffic(monkeypatch):
         rec.record("write", ptrs, mask)
         return store(self, ptrs, value, mask, *rest)
 
-    def counted_run(self, *args, grid, warmup, **kwargs):
+    def counted_run(self, run, *args, grid, warmup, **kwargs):
         rec.launches.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return run(*args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", counted_load)
     monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", counted_store)
-    monkeypatch.setattr(interp.InterpretedFunction, "run", counted_run)
-    return rec
+    restore = wrap_interpreted_run(counted_run)  # InterpretedFunction.run differs across triton versions
+    yield rec
+    restore()

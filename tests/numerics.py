@@ -10,6 +10,7 @@ import torch
 
 from vit_fast.kernels.bias_gelu import bias_dropout_add
 from vit_fast.tools.numerics import bound, errors
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 __all__ = ["DEVICE", "DTYPES", "assert_close", "bound", "check_compiled_dropout", "check_matches_reference",
            "dtype_id", "errors", "kernel_keep_mask", "randn", "strided_and_expanded"]
@@ -95,7 +96,7 @@ def check_compiled_dropout(fn, inputs: list[torch.Tensor], monkeypatch) -> None:
     """fn draws dropout in training: torch.compile must trace it whole without capture_scalar_outputs
     (the seed is a tensor drawn in the graph, read as an int only inside the custom ops), draw a
     fresh mask on every call, and for the same torch.manual_seed give eager's output and gradients."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
+    monkeypatch_setting(monkeypatch, torch._dynamo.config, "capture_scalar_outputs", False)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(fn)(*inputs)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import vit_fast.kernels._utils as kutils
 from vit_fast.kernels import attention as A
 from tests.numerics import DEVICE, DTYPES, assert_close, bound, dtype_id, errors
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
 SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the "+ small atol" of the 2x rule
@@ -281,9 +282,9 @@ def test_config_table_and_aot_specs():
 
 
 def test_tf32_only_when_allowed(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch_setting(monkeypatch, torch.backends.cuda.matmul, "allow_tf32", False)
     assert A.dot_input_precision(torch.float32) == "ieee"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch_setting(monkeypatch, torch.backends.cuda.matmul, "allow_tf32", True)
     assert A.dot_input_precision(torch.float32) == "tf32"
     assert A.dot_input_precision(torch.bfloat16) == "ieee"  # unused for 16-bit dots
     assert A.attention_config(197, 64, torch.float32, 80) == A.attention_config(197, 64, torch.float32, 80, "tf32")

@@ -10,6 +10,7 @@ import torch
 import vit_fast.kernels.attention as A
 import vit_fast.kernels.bias_gelu as G
 from vit_fast.tools import check
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 TINY = ["--model", "vit_tiny_patch16_224", "--batch", "1", "--depth", "1"]
 ROW = re.compile(r"^(\S+(?: \S+)?)\s+([\dx]+)\s+(fp32|fp16|bf16)\s+(\S+)\s+(\S+)\s+(\S+)\s+(PASS|FAIL)$", re.M)
@@ -71,7 +72,7 @@ def test_bad_arguments(capsys):
 def test_check_leaves_the_tf32_flags_as_it_found_them(monkeypatch):
     """check turns TF32 off for its comparison only: a leaked flag changes the fp32 configs that later
     kernels (and `vit-fast report`) pick."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch_setting(monkeypatch, torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", True)
     assert check.main([*TINY, "--ops", "layer_norm"]) == 0
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32

@@ -43,3 +43,13 @@ def test_module_entry_point_runs_in_a_fresh_process():
                              "--batch", "1", "--img-size", "32"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "logits (1, 1000)" in result.stdout
+
+
+def test_bench_campaign_flags_are_documented(capsys):
+    """`vit-fast bench --campaign --out DIR [--dry-run] [--budget S]` (README); the campaign itself is
+    driven end to end in tests/test_campaign.py."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(flag in out for flag in ("--campaign", "--dry-run", "--budget", "--out"))

@@ -15,6 +15,7 @@ from vit_fast.layers import DropPath
 
 from .numerics import assert_close, bound, errors
 from .test_backend import OpLog
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
 VARIANT = dict(TINY, global_pool="avg", reg_tokens=2, no_embed_class=True, init_values=0.1, drop_path_rate=0.5)
@@ -360,7 +361,7 @@ def test_torch_compile_fullgraph_matches_eager():
 def test_torch_compile_with_dropout_fullgraph(monkeypatch):
     """The kernels' dropout seed is a tensor drawn in the graph (kernels/_utils.next_seed) and read only
     inside the custom ops: the block compiles fullgraph without capture_scalar_outputs and matches eager."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
+    monkeypatch_setting(monkeypatch, torch._dynamo.config, "capture_scalar_outputs", False)
     torch.manual_seed(0)
     blk = vit_fast.Block(64, 4, proj_drop=0.2, attn_drop=0.1, backend="triton").train()
     x = torch.randn(2, 17, 64)

@@ -11,6 +11,7 @@ import torch
 from tests.numerics import DTYPES, assert_close, bound, dtype_id, errors
 from vit_fast.kernels import patch_embed as pe
 from vit_fast.kernels.patch_embed import patch_embed, patch_embed_bwd, patch_embed_fwd, patch_embed_ref
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 NAMES = ["images", "weight", "bias", "pos_embed", "cls_token", "reg_tokens"]
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("poisoned_allocations")
 @pytest.fixture(autouse=True)
 def ieee_fp32(monkeypatch):
     # fp32 bounds are for IEEE dots; on a GPU the kernel (like Conv2d) would use TF32 under this flag
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", False)
 
 
 def make_inputs(B, C, H, W, P, D, cls=True, regs=0, covers=True, dtype=torch.float32, bias=True, seed=0):
@@ -277,7 +278,7 @@ def test_poisoning_is_active():
 
 def test_fp32_dot_precision_follows_the_conv_tf32_flag(monkeypatch):
     assert pe.input_precision(torch.float32) == "ieee"  # the fixture turned TF32 off
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", True)
     assert pe.input_precision(torch.float32) == "tf32"
     assert pe.input_precision(torch.bfloat16) == "ieee"  # ignored for 16-bit dots
 
@@ -300,7 +301,7 @@ def test_small_patches_compile_for_gpu(monkeypatch):
     report's compile workers (a real Triton build, not the interpreter)."""
     from vit_fast.tools.report import _compile_all, _python_fn
 
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # PyTorch's default: fp32 dots on TF32 cores
+    monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", True)  # PyTorch's default: fp32 dots on TF32 cores
 
     todo = []
     for patch in (1, 2):

@@ -171,19 +171,22 @@ def test_base_preset_compiles_without_spills_for_sm80_and_sm90():
 def _recorded_launches(monkeypatch, step):
     """Every Triton launch `step()` makes in the interpreter: (kernel, {argument: value}, num_warps, num_stages)."""
     from triton.backends.nvidia.compiler import CUDAOptions
-    from triton.runtime.interpreter import InterpretedFunction
+    from vit_fast._compat import wrap_interpreted_run
 
-    launches, run = [], InterpretedFunction.run
+    launches = []
 
-    def recording(self, *args, grid, warmup, **kwargs):
+    def recording(self, run, *args, grid, warmup, **kwargs):
         values = {**dict(zip(self.arg_names, args)), **{k: v for k, v in kwargs.items() if k in self.arg_names}}
         # what a GPU launch compiles with: Triton's CUDA defaults where the launcher passes nothing
         launches.append((self, values, kwargs.get("num_warps", CUDAOptions.num_warps),
                          kwargs.get("num_stages", CUDAOptions.num_stages)))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return run(*args, grid=grid, warmup=warmup, **kwargs)
 
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
-    step()
+    restore = wrap_interpreted_run(recording)  # InterpretedFunction.run differs across triton versions
+    try:
+        step()
+    finally:
+        restore()
     monkeypatch.undo()
     return launches
 

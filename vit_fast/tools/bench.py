@@ -63,31 +63,37 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def build(path: str, preset: str) -> torch.nn.Module:
+def build(path: str, preset: str, device: str = "cuda", compile_backend: str = "inductor",
+          **overrides) -> torch.nn.Module:
+    """One benchmark path's model, in training mode on ``device``; ``overrides`` change the preset (tiny
+    shapes for the campaign's dry run)."""
     torch.manual_seed(0)
     if path.startswith("timm"):
         import timm
 
-        model = timm.create_model(preset, pretrained=False)
+        model = timm.create_model(preset, pretrained=False, **overrides)
     else:
         import vit_fast
 
-        model = vit_fast.create_model(preset, backend="triton", residual_in_fp32=path != "vit_fast_bf16_residual")
-    model = model.cuda().train()
-    return torch.compile(model) if path.endswith("compile") else model
+        model = vit_fast.create_model(preset, backend="triton", residual_in_fp32=path != "vit_fast_bf16_residual",
+                                      **overrides)
+    model = model.to(device).train()
+    return torch.compile(model, backend=compile_backend) if path.endswith("compile") else model
 
 
 def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_classes: int, steps: int, warmup: int,
-                  rotate: int = 4) -> dict:
-    """Median/percentile step time (CUDA events) and peak memory of forward + loss + backward + AdamW."""
-    inputs = [torch.randn(batch, 3, img_size, img_size, device="cuda") for _ in range(rotate)]
-    labels = [torch.randint(0, max(num_classes, 1), (batch,), device="cuda") for _ in range(rotate)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+                  rotate: int = 4, device: str = "cuda") -> dict:
+    """Median/percentile step time and peak memory of forward + loss + backward + AdamW. On CUDA the steps
+    are timed with CUDA events; elsewhere (the campaign's dry run) with the host clock."""
+    cuda = device.startswith("cuda")
+    inputs = [torch.randn(batch, 3, img_size, img_size, device=device) for _ in range(rotate)]
+    labels = [torch.randint(0, max(num_classes, 1), (batch,), device=device) for _ in range(rotate)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cuda and dtype == torch.float16)
 
     def step(i):
         x, y = inputs[i % rotate], labels[i % rotate]
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32):
             out = model(x)
         loss = F.cross_entropy(out.float(), y) if num_classes else out.float().square().mean()
         scaler.scale(loss).backward()
@@ -97,6 +103,15 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
 
     for i in range(warmup):
         step(i)
+    if not cuda:
+        ms = []
+        for i in range(steps):
+            start = time.perf_counter()
+            step(i)
+            ms.append((time.perf_counter() - start) * 1e3)
+        ms.sort()
+        return dict(step_ms=statistics.median(ms), p10_ms=ms[int(0.1 * (len(ms) - 1))],
+                    p90_ms=ms[int(0.9 * (len(ms) - 1))], peak_mem_gb=float("nan"))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
@@ -110,35 +125,43 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
                 peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
-def run(args) -> list[dict]:
-    import triton
-
+def measure(meta: dict, preset: str, dtype_name: str, batch: int, path: str, steps: int, warmup: int,
+            peak: float | None, device: str = "cuda", compile_backend: str = "inductor", **overrides) -> dict:
+    """One row: build the path's model, time its training step, derive images/s, TFLOP/s and MFU.
+    A failure (e.g. out of memory) becomes the row's ``error`` so one path does not lose the others."""
     import vit_fast
 
+    cfg = vit_fast.get_config(preset, **overrides)
+    train_flops = 3 * vit_fast.forward_flops(cfg)
+    row = dict(meta, model=preset, dtype=dtype_name, batch=batch, path=path)
+    model = None
+    try:
+        model = build(path, preset, device, compile_backend, **overrides)
+        row.update(time_training(model, batch, DTYPES[dtype_name], cfg.img_size[0], cfg.num_classes, steps, warmup,
+                                 device=device))
+        row["images_per_s"] = batch / row["step_ms"] * 1e3
+        achieved = train_flops * row["images_per_s"] / 1e12
+        row["tflops"] = achieved
+        row["mfu"] = achieved / peak if peak else float("nan")
+    except Exception as e:  # one failing path (e.g. out of memory) must not lose the others
+        row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    finally:
+        model = None
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row
+
+
+def run(args) -> list[dict]:
     device = torch.cuda.get_device_name()
-    meta = dict(gpu=device, torch=torch.__version__, triton=triton.__version__, git=git_revision())
+    meta = environment()
     rows = []
     for preset in args.models:
-        cfg = vit_fast.get_config(preset)
-        train_flops = 3 * vit_fast.forward_flops(cfg)
         for dtype_name in args.dtypes:
-            dtype = DTYPES[dtype_name]
-            peak = peak_tflops(device, dtype, args.peak_tflops)
+            peak = peak_tflops(device, DTYPES[dtype_name], args.peak_tflops)
             for batch in args.batches:
                 for path in args.paths:
-                    row = dict(meta, model=preset, dtype=dtype_name, batch=batch, path=path)
-                    try:
-                        model = build(path, preset)
-                        row.update(time_training(model, batch, dtype, cfg.img_size[0], cfg.num_classes, args.steps, args.warmup))
-                        row["images_per_s"] = batch / row["step_ms"] * 1e3
-                        achieved = train_flops * row["images_per_s"] / 1e12
-                        row["tflops"] = achieved
-                        row["mfu"] = achieved / peak if peak else float("nan")
-                    except Exception as e:  # one failing path (e.g. out of memory) must not lose the others
-                        row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-                    finally:
-                        model = None
-                        torch.cuda.empty_cache()
+                    row = measure(meta, preset, dtype_name, batch, path, args.steps, args.warmup, peak)
                     rows.append(row)
                     print(format_row(row), flush=True)
     return rows
@@ -171,7 +194,7 @@ def write_outputs(rows: list[dict], out_dir: str) -> list[str]:
     return written
 
 
-def plot(rows: list[dict], path: str) -> str:
+def plot(rows: list[dict], path: str, paths: tuple = PATHS) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,8 +202,8 @@ def plot(rows: list[dict], path: str) -> str:
 
     cases = sorted({(r["model"], r["dtype"], r["batch"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
-    width = 0.8 / len(PATHS)
-    for j, p in enumerate(PATHS):
+    width = 0.8 / len(paths)
+    for j, p in enumerate(paths):
         vals = [next((r.get("images_per_s", 0) for r in rows if (r["model"], r["dtype"], r["batch"]) == c and r["path"] == p), 0)
                 for c in cases]
         ax.bar([i + j * width for i in range(len(cases))], vals, width, label=p)
@@ -204,11 +227,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense peak for MFU if the GPU is not known")
     parser.add_argument("--out", default="bench/results", help="folder for the CSV, JSON and PNG")
+    campaign = parser.add_argument_group("campaign (`vit-fast bench --campaign --out DIR`, see vit_fast/tools/campaign.py)")
+    campaign.add_argument("--campaign", action="store_true",
+                          help="the whole GPU campaign in <= 9 minutes: compiled-kernel tests, `vit-fast check` at "
+                               "ViT-B/16 bf16, per-kernel micro-benchmarks, training throughput of S/B/L-16, all "
+                               "written under --out (CSV, JSON, PNG, summary.md); the other options are ignored")
+    campaign.add_argument("--dry-run", action="store_true",
+                          help="with --campaign: every stage on CPU with tiny shapes in seconds (figures meaningless; "
+                               "proves the command works before a GPU sees it)")
+    campaign.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                          help="with --campaign: total time budget, split over the stages in proportion (default 540)")
     return parser
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
+    if args.campaign:
+        from vit_fast.tools.campaign import main as campaign_main
+
+        return campaign_main(args)
     if not torch.cuda.is_available():
         print(NO_CUDA)
         return 0

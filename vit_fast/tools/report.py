@@ -262,16 +262,13 @@ def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, nu
 
     ``divisible_by_16`` (AotSpec field) names the arguments a real launch specialises as multiples
     of 16; without that attribute Triton cannot vectorise the loads and the build is not the one a GPU runs."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from vit_fast._compat import aot_compile
 
     try:
         fn = getattr(importlib.import_module(module), fn_name)
         names = list(fn.arg_names)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible_by_16}
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+        k = aot_compile(fn, signature, constexprs, attrs, arch, num_warps, num_stages)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "kernel.cubin")
             with open(path, "wb") as f:

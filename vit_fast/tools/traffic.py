@@ -196,8 +196,8 @@ class StepCounter(TorchDispatchMode):
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
-            for obj, attr, orig in reversed(self._patches):
-                setattr(obj, attr, orig)
+            for patch in reversed(self._patches):
+                patch() if callable(patch) else setattr(*patch)  # a callable undoes a _compat wrapping
             self._patches.clear()
         return super().__exit__(*exc)
 
@@ -209,12 +209,12 @@ class StepCounter(TorchDispatchMode):
         from triton.runtime import interpreter as interp
 
         counter = self
-        run, load, store, dot = (interp.InterpretedFunction.run, interp.InterpreterBuilder.create_masked_load,
-                                 interp.InterpreterBuilder.create_masked_store, interp.InterpreterBuilder.create_dot)
+        load, store, dot = (interp.InterpreterBuilder.create_masked_load,
+                            interp.InterpreterBuilder.create_masked_store, interp.InterpreterBuilder.create_dot)
 
-        def counted_run(fn_self, *args, grid, warmup, **kwargs):
+        def counted_run(fn_self, run, *args, grid, warmup, **kwargs):
             if warmup or counter._launch is not None:
-                return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+                return run(*args, grid=grid, warmup=warmup, **kwargs)
             fn = fn_self.fn
             key = _launch_key(fn_self, args, kwargs, grid) if counter.memo is not None else None
             if key is not None and key in counter.memo:
@@ -226,7 +226,7 @@ class StepCounter(TorchDispatchMode):
             counter._in_triton += 1
             start = time.perf_counter()
             try:
-                return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+                return run(*args, grid=grid, warmup=warmup, **kwargs)
             finally:
                 counter._in_triton -= 1
                 op, counter._launch = counter._launch, None
@@ -259,7 +259,9 @@ class StepCounter(TorchDispatchMode):
                 counter._launch.flops += 2.0 * a.data.size * bb.data.shape[-1]
             return dot(b, a, bb, d, *rest)
 
-        self._patch(interp.InterpretedFunction, "run", counted_run)
+        from vit_fast._compat import wrap_interpreted_run
+
+        self._patches.append(wrap_interpreted_run(counted_run))  # InterpretedFunction.run differs across triton
         self._patch(interp.InterpreterBuilder, "create_masked_load", counted_load)
         self._patch(interp.InterpreterBuilder, "create_masked_store", counted_store)
         # Patch the currently installed create_dot (tests may have wrapped it with the bf16 shim).
@@ -576,6 +578,10 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
             env = dict(os.environ, TRITON_INTERPRET="1")
             return subprocess.run([sys.executable, "-m", "vit_fast.tools.traffic", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
+    if fused_paths:
+        from vit_fast.tools.interpreter import install_numpy_fix
+
+        install_numpy_fix()  # triton <= 3.6's interpreter with numpy >= 2.4
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"vit-fast traffic: {args.model}, {args.dtype}, batch {args.batch}: one training step "
           f"(forward + cross-entropy + backward, no optimizer), counted on CPU, not timed. "

@@ -1,0 +1,92 @@
+"""`vit-fast bench --campaign --out DIR` end to end on CPU with --dry-run (tiny shapes, kernels in the Triton
+interpreter, torch.compile with the eager backend), so the command is known to work before a GPU sees it."""
+import csv
+import json
+
+import pytest
+import torch
+
+from vit_fast.tools import bench, campaign
+
+TAGS = ("gpu", "driver", "torch", "triton", "cuda", "git")
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_file_and_stage(tmp_path, monkeypatch, capsys):
+    # the hook a later `vit-fast tune` uses: a stage registered after env is budgeted, timed and reported
+    monkeypatch.setattr(campaign, "STAGES", list(campaign.STAGES))
+
+    def tune(c):
+        c.results["tune"] = [c.tagged(dict(kernel="layer_norm", config="BLOCK=1024"))]
+        return dict(status="ok", rows=1)
+
+    campaign.register_stage(campaign.Stage("tune", tune, budget_s=5), after="env")
+    with pytest.raises(ValueError, match="exists"):
+        campaign.register_stage(campaign.Stage("tune", tune, budget_s=5))
+
+    out = tmp_path / "camp"
+    assert bench.main(["--campaign", "--dry-run", "--out", str(out)]) == 0
+    log = capsys.readouterr().out
+    stages = [s.name for s in campaign.STAGES]
+    assert stages == ["env", "tune", "tests", "check", "micro", "throughput"]
+    for name in stages:  # a progress line when each stage starts and ends
+        assert f"] {name}: start" in log and f"] {name}: ok in" in log, log
+
+    result = json.loads((out / "campaign.json").read_text())
+    assert all(result["stages"][s]["status"] == "ok" for s in stages), result["stages"]
+    assert result["meta"]["dry_run"] is True and result["peaks"]["gemm_bf16_tflops"] > 0
+    assert result["stages"]["tests"]["passed"] >= 1 and result["stages"]["tests"]["failed"] == 0
+    assert result["stages"]["check"]["passed"] == result["stages"]["check"]["rows"] > 0
+
+    def rows(name):
+        with open(out / f"{name}.csv", newline="") as f:
+            found = list(csv.DictReader(f))
+        assert found and all(r[t] for r in found for t in TAGS), name
+        return found
+
+    micro = rows("micro")
+    ops = {r["op"] for r in micro}
+    assert {"layer_norm", "add_layer_norm", "bias_gelu", "attention", "attention_linear", "gelu_linear",
+            "patch_embed"} <= ops
+    assert {r["pass_"] for r in micro} == {"fwd", "fwd+bwd"}
+    for r in micro:  # every provider timed: the fused kernel, the eager ops and their torch.compile
+        assert all(float(r[f"{p}_ms"]) > 0 for p in ("vit_fast", "eager", "eager_compiled")), r
+    throughput = rows("throughput")
+    assert {r["path"] for r in throughput} == set(campaign.THROUGHPUT_PATHS)
+    assert all(float(r["images_per_s"]) > 0 and not r.get("error") for r in throughput), throughput
+    assert rows("tune")[0]["config"] == "BLOCK=1024"
+    rows("check")
+    rows("tests")
+    for png in ("throughput.png", "micro.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    summary = (out / "summary.md").read_text()
+    assert "DRY RUN" in summary and "vit_fast / timm eager" in summary and "x compiled" in summary
+    assert "| tune | ok |" in summary
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message")
+def test_without_cuda_one_line_and_exit_0(tmp_path, capsys):
+    assert bench.main(["--campaign", "--out", str(tmp_path / "none")]) == 0
+    assert capsys.readouterr().out.strip() == campaign.NO_CUDA
+    assert not (tmp_path / "none").exists()
+
+
+def test_budget_scales_every_stage(tmp_path, monkeypatch, capsys):
+    """--budget splits the total over the stages in proportion; a stage that breaks is reported, the rest run."""
+    seen = []
+
+    def record(c):
+        seen.append(round(c.left()))
+        return dict(status="ok")
+
+    def broken(c):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(campaign, "STAGES", [campaign.Stage("a", record, 270), campaign.Stage("b", broken, 270),
+                                             campaign.Stage("c", record, 0)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--campaign", "--dry-run", "--budget", "54", "--out", str(tmp_path)]) == 1
+    assert seen == [27, 0]
+    log = capsys.readouterr().out
+    assert "b: error" in log and "RuntimeError: boom" in log and "FAILED stages: b" in log
+    assert (tmp_path / "summary.md").exists()

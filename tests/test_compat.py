@@ -1,0 +1,61 @@
+"""vit_fast/_compat.py and the interpreter's numpy fix: what keeps the project working on torch 2.11 + triton 3.6
+as on torch 2.14 + triton 3.8 (`.ci/run` runs this file on both). _compat.aot_compile is exercised by
+tests/test_report.py through `vit-fast report`'s compile workers."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from _pytest.monkeypatch import MonkeyPatch
+
+from vit_fast import _compat
+from vit_fast.kernels._utils import interpreter_active
+
+SETTINGS = [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+            (torch._dynamo.config, "capture_scalar_outputs")]
+
+
+def test_monkeypatch_setting_restores_getattr_served_settings():
+    """pytest 9.2's monkeypatch deletes such settings on undo; through _compat they come back as they were."""
+    before = [getattr(obj, name) for obj, name in SETTINGS]
+    mp = MonkeyPatch()
+    for (obj, name), old in zip(SETTINGS, before):
+        _compat.monkeypatch_setting(mp, obj, name, not old)
+    assert [getattr(obj, name) for obj, name in SETTINGS] == [not old for old in before]
+    mp.undo()
+    assert [getattr(obj, name) for obj, name in SETTINGS] == before
+
+
+@triton.jit
+def _grid_stride_copy_kernel(Y, X, n_rows, N, BLOCK: tl.constexpr):
+    """A grid-stride loop over rows, as kernels/layer_norm.py has: range() of a program id."""
+    cols = tl.arange(0, BLOCK)
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        x = tl.load(X + row * N + cols, mask=cols < N)
+        tl.store(Y + row * N + cols, x * 2, mask=cols < N)
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="the interpreter's launch path (TRITON_INTERPRET=1)")
+def test_interpreter_runs_grid_stride_loops_and_counts_launches():
+    """int() of a program id works whatever numpy (triton 3.6 + numpy >= 2.4 needs the fix), and
+    wrap_interpreted_run sees every launch, whichever way this triton holds InterpretedFunction.run."""
+    from vit_fast.tools.interpreter import install_numpy_fix
+
+    assert install_numpy_fix()
+    x = torch.randn(7, 5)
+    y = torch.full_like(x, float("nan"))
+    seen = []
+
+    def counted(fn_self, run, *args, grid, warmup, **kwargs):
+        seen.append((fn_self.fn.__name__, grid))
+        return run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    restore = _compat.wrap_interpreted_run(counted)
+    try:
+        _grid_stride_copy_kernel[(3,)](y, x, 7, 5, BLOCK=8)
+    finally:
+        restore()
+    assert torch.equal(y, 2 * x)
+    assert seen == [("_grid_stride_copy_kernel", (3,))]
+    _grid_stride_copy_kernel[(2,)](y, x, 7, 5, BLOCK=8)
+    assert len(seen) == 1, "restore() unwraps"
+

@@ -1,0 +1,108 @@
+"""The one place where vit_fast bridges API differences between the torch / triton / pytest versions it supports.
+
+Supported and tested: torch 2.11 + triton 3.6 and torch 2.14 + triton 3.8 (README, setup.py). Code elsewhere
+calls these helpers instead of checking versions itself.
+
+- ``wrap_interpreted_run``: Triton's interpreter launches a kernel through ``InterpretedFunction.run``, a method
+  on the class in triton >= 3.5 but an attribute set on each instance in older releases (3.4). Wrapping it
+  for launch counting (``vit-fast traffic``, tests) goes through here so both shapes work.
+- ``aot_compile``: ahead-of-time compilation of one ``@triton.jit`` kernel for a GPU target that need not be
+  present (``vit-fast report``): ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget)``
+  on triton >= 3.3; older releases spelled the constants ``constants=``.
+- ``monkeypatch_setting``: set a torch setting for one test and restore it explicitly. ``monkeypatch.setattr``
+  in pytest 9.2 records the old value from the object's ``__dict__``, so for settings served by a module's
+  ``__getattr__`` or a class descriptor (``torch.backends.cuda.matmul.allow_tf32``,
+  ``torch.backends.cudnn.allow_tf32``, ``torch._dynamo.config.capture_scalar_outputs``) its undo deletes the
+  setting instead of restoring it, which breaks later tests in the same process.
+- ``driver_version``: the NVIDIA driver a result was measured with (tags of ``vit-fast bench``).
+"""
+from __future__ import annotations
+
+import gc
+import inspect
+import subprocess
+from typing import Any, Callable
+
+_MISSING = object()
+
+
+class _Setting:
+    """Stands for ``obj.name``: its ``value`` is read with getattr and every assignment to it is passed on
+    with setattr, so monkeypatch records and restores a plain instance attribute, whatever its version does."""
+
+    def __init__(self, obj: Any, name: str):
+        object.__setattr__(self, "_target", (obj, name))
+        object.__setattr__(self, "value", getattr(obj, name))
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        object.__setattr__(self, key, value)
+        setattr(*self._target, value)
+
+
+def monkeypatch_setting(monkeypatch, obj: Any, name: str, value: Any) -> None:
+    """``monkeypatch.setattr(obj, name, value)`` for settings served by ``__getattr__`` or descriptors: the
+    old value is read with ``getattr`` and put back with ``setattr`` at undo, never deleted."""
+    monkeypatch.setattr(_Setting(obj, name), "value", value)
+
+
+def wrap_interpreted_run(wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Route every interpreted launch through ``wrapper(fn_self, run, *args, grid, warmup, **kwargs)``, where
+    ``run(*args, grid=..., warmup=..., **kwargs)`` is the original launch of ``fn_self`` (an
+    ``InterpretedFunction``). Returns a function that undoes the wrapping."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.__dict__.get("run", _MISSING)
+    if original is not _MISSING:  # triton >= 3.5: a method on the class
+        def run_on_class(fn_self, *args, **kwargs):
+            return wrapper(fn_self, lambda *a, **k: original(fn_self, *a, **k), *args, **kwargs)
+
+        InterpretedFunction.run = run_on_class
+
+        def restore_class() -> None:
+            InterpretedFunction.run = original
+
+        return restore_class
+
+    # older triton: each InterpretedFunction carries its own `run`; wrap every live instance
+    patched = []
+    for obj in gc.get_objects():
+        if isinstance(obj, InterpretedFunction) and "run" in vars(obj):
+            own = vars(obj)["run"]
+
+            def run_on_instance(*args, _own=own, _fn=obj, **kwargs):
+                return wrapper(_fn, _own, *args, **kwargs)
+
+            obj.run = run_on_instance
+            patched.append((obj, own))
+
+    def restore_instances() -> None:
+        for obj, own in patched:
+            obj.run = own
+
+    return restore_instances
+
+
+def aot_compile(fn, signature: dict, constexprs: dict, attrs: dict | None, arch: int, num_warps: int,
+                num_stages: int):
+    """Compile one jit kernel for ``sm_<arch>`` without a GPU; returns triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = inspect.signature(ASTSource).parameters
+    if "constexprs" in params:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    else:  # triton <= 3.2
+        src = ASTSource(fn=fn, signature=signature, constants=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def driver_version() -> str:
+    """The NVIDIA driver version (``nvidia-smi``), or 'unknown'."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.strip().splitlines()[0] or "unknown"
+    except Exception:
+        return "unknown"

@@ -1,0 +1,556 @@
+"""`vit-fast bench --campaign --out DIR`: one command that turns a CUDA GPU into the project's figures in <= 9 min.
+
+Stages, in order, each with a time budget (seconds, scaled by ``--budget``; a stage stops starting new work when
+its budget is spent and says what it skipped), a progress line each:
+
+  env         GPU, driver, torch, triton, CUDA, git revision; measured peaks: a bf16 GEMM (8192^3) and a device copy
+  tests       the test suite on the compiled kernels (TRITON_INTERPRET unset), the kernel/model subset that fits
+  check       ``vit-fast check --dtype bf16`` at full ViT-B/16 size (every kernel and the model vs float64)
+  micro       every fused op against the eager ops it replaces and torch.compile of those, forward and
+              forward+backward, ViT-B/16 and ViT-L/16 shapes (batch 256), GB/s or TFLOP/s next to the measured peaks
+  throughput  training steps of ViT-S/16, B/16, L/16 at batch 128 and 256 in bf16: timm eager, timm torch.compile,
+              vit_fast, vit_fast torch.compile (images/s, median step time and 10-90% spread, MFU, peak memory);
+              eager paths first, then compiled ones while the budget lasts (each compile costs 30-60 s)
+  report      DIR/campaign.json (everything), DIR/<stage>.csv, DIR/throughput.png, DIR/micro.png, DIR/summary.md
+
+Every CSV row and the JSON carry the tags (gpu, driver, torch, triton, cuda, git). The micro-benchmarks reuse the
+cases of bench/bench_norm_gelu.py, bench_attention.py, bench_patch_embed.py and bench_gelu_linear.py; the
+throughput rows are vit_fast.tools.bench.measure, the same code as ``vit-fast bench``.
+
+``--dry-run`` runs every stage on CPU with tiny shapes (kernels in the Triton interpreter, torch.compile with the
+eager backend) in seconds: the figures mean nothing, but the command, its files and its summary are exercised
+end to end (tests/test_campaign.py). Without CUDA and without --dry-run it prints one line and exits 0.
+
+Adding a stage (e.g. ``vit-fast tune``'s autotuning table): write ``def stage(c: Campaign) -> dict`` that puts its
+rows in ``c.results[name]`` (a list of dicts becomes DIR/<name>.csv) and returns a short status dict, then
+``register_stage(Stage("tune", stage, budget_s=60), after="env")``; the campaign times it, budgets it, reports it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+NO_CUDA = ("vit-fast bench --campaign: needs a CUDA GPU (none here); `--dry-run` exercises the whole command on CPU.")
+TOTAL_BUDGET_S = 540.0  # 9 minutes
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The compiled-kernel subset of tests/ (every kernel, the model, compile and the CLI's check) that fits the budget.
+GPU_TESTS = ["tests/test_layer_norm.py", "tests/test_bias_gelu.py", "tests/test_gelu_linear.py",
+             "tests/test_attention.py", "tests/test_patch_embed.py", "tests/test_fused_model.py",
+             "tests/test_model.py", "tests/test_backend.py"]
+DRY_TESTS = ["tests/test_backend.py::test_resolve_rules"]
+
+# (name, preset, batch, heads) of the micro-benchmark shapes
+MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256), ("L/16", "vit_large_patch16_224", 256)]
+THROUGHPUT_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224"]
+THROUGHPUT_BATCHES = [128, 256]
+THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile")
+DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
+
+
+@dataclass
+class Stage:
+    name: str
+    run: Callable[["Campaign"], dict]
+    budget_s: float  # of TOTAL_BUDGET_S; scaled with --budget
+
+
+@dataclass
+class Campaign:
+    out: str
+    dry_run: bool
+    scale: float = 1.0
+    device: str = "cuda"
+    meta: dict = field(default_factory=dict)
+    peaks: dict = field(default_factory=dict)
+    results: dict = field(default_factory=dict)  # stage name -> list of row dicts (-> DIR/<name>.csv)
+    stages: dict = field(default_factory=dict)  # stage name -> status dict
+    start: float = field(default_factory=time.perf_counter)
+    stage_deadline: float = math.inf
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        """Seconds left in the current stage's budget."""
+        return self.stage_deadline - time.perf_counter()
+
+    def progress(self, message: str) -> None:
+        print(f"[campaign {self.elapsed():5.0f} s] {message}", flush=True)
+
+    def tagged(self, row: dict) -> dict:
+        return {**self.meta, **row}
+
+
+# ------------------------------------------------------------------------------------------------ env
+def stage_env(c: Campaign) -> dict:
+    import triton
+
+    from vit_fast._compat import driver_version
+    from vit_fast.tools.bench import git_revision
+
+    cuda = c.device == "cuda"
+    c.meta = dict(gpu=torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
+                  driver=driver_version() if cuda else "none", torch=torch.__version__, triton=triton.__version__,
+                  cuda=torch.version.cuda or "none", git=git_revision(), python=platform.python_version(),
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), dry_run=c.dry_run)
+    n = 8192 if cuda else 256
+    a, b = (torch.randn(n, n, device=c.device, dtype=torch.bfloat16) for _ in range(2))
+    gemm_ms = time_ms(lambda: a @ b, c.device)
+    x = torch.empty(2**28 if cuda else 2**20, device=c.device, dtype=torch.float32)
+    y = torch.empty_like(x)
+    copy_ms = time_ms(lambda: y.copy_(x), c.device)
+    c.peaks = dict(gemm_bf16_tflops=2 * n**3 / gemm_ms / 1e9, copy_gbps=2 * x.nbytes / copy_ms / 1e6)
+    c.results["env"] = [dict(c.meta, **c.peaks)]
+    return dict(status="ok", **{k: round(v, 1) for k, v in c.peaks.items()})
+
+
+def time_ms(fn: Callable[[], object], device: str, grad_to_none=None, reps: int = 3) -> float:
+    """Median milliseconds: triton.testing.do_bench (flushes L2 between runs) on CUDA, the host clock elsewhere
+    (one warm-up call, then ``reps`` timed ones)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------ tests, check
+def _subprocess_env(c: Campaign) -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if c.device == "cuda":
+        env.pop("TRITON_INTERPRET", None)  # compiled kernels, never the interpreter
+    return env
+
+
+def _run(c: Campaign, cmd: list[str], budget: float) -> tuple[str, int | None]:
+    """(output, exit code or None when the budget ran out first)."""
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=_subprocess_env(c), capture_output=True, text=True,
+                           timeout=max(budget, 1.0))
+        return p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or b""
+        return (out.decode(errors="replace") if isinstance(out, bytes) else out), None
+
+
+def stage_tests(c: Campaign) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is None or not os.path.isdir(os.path.join(REPO, "tests")):
+        return dict(status="skipped", reason="pytest or tests/ not available")
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=line", "-o",
+           "console_output_style=classic"]
+    if c.device == "cuda" and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "4"]
+    cmd += DRY_TESTS if c.dry_run else GPU_TESTS
+    out, rc = _run(c, cmd, c.left())
+    with open(os.path.join(c.out, "tests.log"), "w") as f:
+        f.write(out)
+    outcome = r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
+    rows = [dict(test=m.group(1), outcome=m.group(2).lower())  # pytest -v: "tests/x.py::t PASSED"
+            for m in re.finditer(r"^(tests/\S+::\S+) " + outcome, out, re.MULTILINE)]
+    rows += [dict(test=m.group(2), outcome=m.group(1).lower())  # pytest-xdist -v: "[gw0] [ 1%] PASSED tests/x.py::t"
+             for m in re.finditer(r"^\[gw\d+\].*?" + outcome + r" (tests/\S+::\S+)", out, re.MULTILINE)]
+    c.results["tests"] = [c.tagged(r) for r in rows]
+    counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
+    status = "timed out" if rc is None else ("ok" if rc == 0 else "failed")
+    return dict(status=status, exit_code=rc, selection=" ".join(DRY_TESTS if c.dry_run else GPU_TESTS), **counts)
+
+
+def stage_check(c: Campaign) -> dict:
+    args = ["--model", "vit_tiny_patch16_224", "--batch", "1", "--depth", "1", "--ops", "layer_norm"] if c.dry_run \
+        else ["--model", "vit_base_patch16_224", "--dtype", "bf16"]
+    if c.dry_run:  # in-process: the interpreter is on already, and a second interpreter start costs most of it
+        import contextlib
+        import io
+
+        from vit_fast.tools import check
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            rc = check.main(args)
+        out = buf.getvalue()
+    else:
+        out, rc = _run(c, [sys.executable, "-m", "vit_fast.tools.cli", "check", *args], c.left())
+    with open(os.path.join(c.out, "check.txt"), "w") as f:
+        f.write(out)
+    rows = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 7 and parts[-1] in ("PASS", "FAIL"):
+            rows.append(dict(op=" ".join(parts[:-6]), shape=parts[-6], dtype=parts[-5], max_abs_err=parts[-4],
+                             rel_err=parts[-3], bound=parts[-2], result=parts[-1]))
+    c.results["check"] = [c.tagged(r) for r in rows]
+    passed = sum(r["result"] == "PASS" for r in rows)
+    status = "timed out" if rc is None else ("ok" if rc == 0 and rows else "failed")
+    return dict(status=status, exit_code=rc, passed=passed, rows=len(rows), args=" ".join(args))
+
+
+# ------------------------------------------------------------------------------------------------ micro
+@dataclass
+class MicroCase:
+    op: str
+    shape: str
+    make: Callable[[], dict]  # fresh inputs (tensors needing gradients have requires_grad)
+    fused: Callable[..., object]
+    baselines: dict  # name -> eager callable with the same signature ("eager", maybe "sdpa")
+    work: Callable[[bool], tuple[float, str]]  # backward? -> (amount, "GB" | "TFLOP") moved/done per call
+    autocast: bool = False
+
+
+def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: bool) -> list[MicroCase]:
+    """The fused ops at one model's training shapes, built from the bench/ scripts' cases."""
+    import torch.nn.functional as F
+
+    import vit_fast
+    from bench.bench_attention import flops as attention_flops
+    from bench.bench_norm_gelu import cases as norm_gelu_cases
+    from bench.bench_patch_embed import eager_stack
+    from bench.bench_gelu_linear import eager_gelu_linear
+    from vit_fast.kernels.attention import attention, attention_linear, attention_linear_ref, attention_ref
+    from vit_fast.kernels.gelu_linear import gelu_linear
+    from vit_fast.kernels.patch_embed import patch_embed
+
+    cfg = vit_fast.get_config(preset, **(DRY_OVERRIDES if dry_run else {}))
+    if dry_run:
+        batch = 2
+    C, K, H, N = cfg.embed_dim, cfg.mlp_hidden, cfg.num_heads, cfg.num_tokens
+    D, P, img = C // H, cfg.patch_size[0], cfg.img_size[0]
+    rows = batch * N
+    bf16 = torch.bfloat16
+    cases = []
+    for case in norm_gelu_cases(rows, C, K, dev=device):
+        if case.name in ("layer_norm", "add_layer_norm", "bias_gelu", "bias_dropout_add p=0.1+gamma"):
+            n = rows * case.width
+            cases.append(MicroCase(case.name, f"{rows}x{case.width}", case.make, case.kernel, {"eager": case.eager},
+                                   lambda bwd, case=case, n=n: (
+                                       (case.fwd_bytes_per_elem + (case.bwd_bytes_per_elem if bwd else 0)) * n / 1e9,
+                                       "GB")))
+
+    def act(*shape):
+        return torch.randn(*shape, device=device, dtype=bf16, requires_grad=True)
+
+    def par(*shape, scale=0.02):
+        return (torch.randn(*shape, device=device) * scale).requires_grad_()
+
+    def sdpa(qkv, num_heads):
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1)
+
+    attn_flops = lambda bwd: (attention_flops(batch, H, N, D, bwd) / 1e12, "TFLOP")
+    cases.append(MicroCase("attention", f"{batch}x{N}x{3 * C} h{H}", lambda: dict(qkv=act(batch, N, 3 * C),
+                                                                               num_heads=H),
+                           attention, {"eager": attention_ref, "sdpa": sdpa}, attn_flops))
+    qkv_gemm = 2.0 * rows * C * 3 * C
+    cases.append(MicroCase(
+        "attention_linear", f"{batch}x{N}x{C} h{H}",
+        lambda: dict(x=act(batch, N, C), weight=par(3 * C, C), bias=par(3 * C), num_heads=H),
+        attention_linear, {"eager": attention_linear_ref},
+        lambda bwd: ((attention_flops(batch, H, N, D, bwd) + qkv_gemm * (3 if bwd else 1)) / 1e12, "TFLOP"),
+        autocast=True))
+    cases.append(MicroCase(
+        "gelu_linear", f"{rows}x{K}->{C}", lambda: dict(h=act(rows, K), bias=par(K), weight=par(C, K)),
+        gelu_linear, {"eager": eager_gelu_linear}, lambda bwd: (2.0 * rows * C * K * (3 if bwd else 1) / 1e12, "TFLOP"),
+        autocast=True))
+    Np = (img // P) ** 2
+    cases.append(MicroCase(
+        "patch_embed", f"{batch}x3x{img}x{img} p{P}",
+        lambda: dict(images=torch.randn(batch, 3, img, img, device=device), weight=par(C, 3, P, P), bias=par(C),
+                     pos_embed=par(1, 1 + Np, C), cls_token=par(1, 1, C)),
+        patch_embed, {"eager": eager_stack},
+        lambda bwd: (2.0 * batch * Np * 3 * P * P * C * (2 if bwd else 1) / 1e12, "TFLOP"), autocast=True))
+    return cases
+
+
+def _outputs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def time_case(case: MicroCase, fn: Callable, backward: bool, device: str, reps: int = 3) -> float:
+    inputs = case.make()
+    leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if case.autocast else None
+
+    def call():
+        if ctx is None:
+            return _outputs(fn(**inputs))
+        with ctx():
+            return _outputs(fn(**inputs))
+
+    grads = [torch.randn_like(o) for o in call() if o.is_floating_point()]
+
+    def fwd_bwd():
+        outs = [o for o in call() if o.is_floating_point()]
+        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+    return time_ms(fwd_bwd if backward else call, device, reps=reps)
+
+
+def stage_micro(c: Campaign) -> dict:
+    if not os.path.isdir(os.path.join(REPO, "bench")):
+        return dict(status="skipped", reason="bench/ not found: run from a checkout (pip install -e .)")
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    backend = "eager" if c.dry_run else "inductor"
+    rows, skipped = [], 0
+    for shape_name, preset, batch in MICRO_SHAPES[:1] if c.dry_run else MICRO_SHAPES:
+        for case in micro_cases(shape_name, preset, batch, c.device, c.dry_run):
+            if c.left() <= 0:
+                skipped += 1
+                continue
+            providers = {"vit_fast": case.fused, **case.baselines,
+                         "eager_compiled": torch.compile(case.baselines["eager"], backend=backend, dynamic=False)}
+            for backward in (False, True):
+                amount, unit = case.work(backward)
+                peak = c.peaks.get("gemm_bf16_tflops") if unit == "TFLOP" else c.peaks.get("copy_gbps", 0) / 1e3
+                row = dict(model=shape_name, op=case.op, shape=case.shape, pass_="fwd+bwd" if backward else "fwd",
+                           unit=f"{unit}/s", measured_peak=peak)
+                for name, fn in providers.items():
+                    try:
+                        ms = time_case(case, fn, backward, c.device, reps=1 if c.dry_run else 3)
+                        row[f"{name}_ms"] = ms
+                    except Exception as e:  # a baseline that cannot run this shape is a finding, not a crash
+                        row[f"{name}_ms"] = float("nan")
+                        row[f"{name}_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+                row["vit_fast_rate"] = amount / row["vit_fast_ms"] * 1e3
+                row["vit_fast_of_peak"] = row["vit_fast_rate"] / peak if peak else float("nan")
+                row["speedup_vs_eager"] = row["eager_ms"] / row["vit_fast_ms"]
+                row["speedup_vs_compiled"] = row["eager_compiled_ms"] / row["vit_fast_ms"]
+                rows.append(c.tagged(row))
+            c.progress(f"  micro {shape_name} {case.op}: fwd+bwd {row['vit_fast_ms']:.3f} ms, "
+                       f"{row['speedup_vs_eager']:.2f}x eager, {row['speedup_vs_compiled']:.2f}x compiled")
+            torch._dynamo.reset()
+    c.results["micro"] = rows
+    status = "ok" if not skipped else "budget spent"
+    return dict(status=status, rows=len(rows), cases_skipped=skipped)
+
+
+# ------------------------------------------------------------------------------------------------ throughput
+def stage_throughput(c: Campaign) -> dict:
+    from vit_fast.tools.bench import format_row, measure, peak_tflops
+
+    peak = peak_tflops(c.meta["gpu"], torch.bfloat16, None) or c.peaks.get("gemm_bf16_tflops")
+    steps, warmup = (1, 1) if c.dry_run else (10, 3)
+    overrides = DRY_OVERRIDES if c.dry_run else {}
+    backend = "eager" if c.dry_run else "inductor"
+    models, batches = (THROUGHPUT_MODELS[:1], [2]) if c.dry_run else (THROUGHPUT_MODELS, THROUGHPUT_BATCHES)
+    # eager paths of every case first (seconds each), then the compiled ones while the budget lasts
+    order = [(m, b, p) for p in ("timm_eager", "vit_fast") for m in models for b in batches]
+    order += [(m, b, p) for m in models for b in reversed(batches) for p in ("timm_compile",
+                                                                                        "vit_fast_compile")]
+    rows, skipped, compile_cost = [], [], 45.0 * c.scale
+    for model, batch, path in order:
+        needed = compile_cost if path.endswith("compile") else 0.0
+        if c.left() <= needed:
+            skipped.append(f"{model} b{batch} {path}")
+            continue
+        start = time.perf_counter()
+        row = measure(c.meta, model, "bf16", batch, path, steps, warmup, peak, device=c.device,
+                      compile_backend=backend, **overrides)
+        row["seconds"] = time.perf_counter() - start
+        row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops", float("nan"))
+        if path.endswith("compile"):
+            compile_cost = max(compile_cost, row["seconds"])
+            torch._dynamo.reset()  # drop the compiled graphs (and the memory they hold) before the next case
+        rows.append(row)
+        c.progress("  " + format_row(row))
+    c.results["throughput"] = rows
+    c.stages["throughput_skipped"] = skipped
+    failed = sum("error" in r for r in rows)
+    return dict(status="ok" if not skipped and not failed else ("budget spent" if skipped else "errors"),
+                rows=len(rows), errors=failed, skipped=len(skipped))
+
+
+STAGES: list[Stage] = [
+    Stage("env", stage_env, 20),
+    Stage("tests", stage_tests, 90),
+    Stage("check", stage_check, 60),
+    Stage("micro", stage_micro, 140),
+    Stage("throughput", stage_throughput, 210),
+]
+
+
+def register_stage(stage: Stage, after: str | None = None) -> None:
+    """Add a stage (e.g. `vit-fast tune`'s autotuning table) after the named one (default: last). Keep the sum
+    of the budgets within TOTAL_BUDGET_S, taking it from another stage if need be."""
+    names = [s.name for s in STAGES]
+    if stage.name in names:
+        raise ValueError(f"campaign stage {stage.name!r} exists already")
+    STAGES.insert(names.index(after) + 1 if after else len(STAGES), stage)
+
+
+# ------------------------------------------------------------------------------------------------ report
+def write_outputs(c: Campaign) -> list[str]:
+    from vit_fast.tools.bench import plot, write_csv
+
+    written = []
+    for name, rows in c.results.items():
+        if rows:
+            keys = list(dict.fromkeys(k for r in rows for k in r))
+            rows = [{k: r.get(k, "") for k in keys} for r in rows]
+            write_csv(os.path.join(c.out, f"{name}.csv"), rows)
+            written.append(f"{name}.csv")
+    with open(os.path.join(c.out, "campaign.json"), "w") as f:
+        json.dump(dict(meta=c.meta, peaks=c.peaks, stages=c.stages, results=c.results), f, indent=1, default=str)
+    written.append("campaign.json")
+    ok_rows = [r for r in c.results.get("throughput", []) if "error" not in r]
+    try:
+        if ok_rows:
+            plot(ok_rows, os.path.join(c.out, "throughput.png"), THROUGHPUT_PATHS)
+            written.append("throughput.png")
+        if c.results.get("micro"):
+            plot_micro(c.results["micro"], os.path.join(c.out, "micro.png"))
+            written.append("micro.png")
+    except ImportError:
+        c.progress("matplotlib is not installed: no PNG charts")
+    with open(os.path.join(c.out, "summary.md"), "w") as f:
+        f.write(summary(c))
+    written.append("summary.md")
+    return written
+
+
+def plot_micro(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']} {r['op']}\n{r['pass_']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["speedup_vs_eager"] for r in rows], 0.4, label="vs eager")
+    ax.bar([i + 0.2 for i in x], [r["speedup_vs_compiled"] for r in rows], 0.4, label="vs torch.compile")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    ax.set_ylabel("vit_fast speedup (time ratio)")
+    ax.set_title(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, {rows[0]['git']}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def summary(c: Campaign) -> str:
+    m = c.meta
+    lines = [f"# vit_fast GPU campaign{' (DRY RUN: CPU, tiny shapes, figures meaningless)' if c.dry_run else ''}",
+             "", f"{m.get('gpu')} | driver {m.get('driver')} | torch {m.get('torch')} | triton {m.get('triton')} | "
+             f"CUDA {m.get('cuda')} | git {m.get('git')} | {m.get('date')} | {c.elapsed():.0f} s in all", "",
+             f"Measured peaks: bf16 GEMM {_f(c.peaks.get('gemm_bf16_tflops'), '{:.0f}')} TFLOP/s, device copy "
+             f"{_f(c.peaks.get('copy_gbps'), '{:.0f}')} GB/s (read + write).", "",
+             "| stage | status | seconds (budget) | details |", "|---|---|---|---|"]
+    for name, st in c.stages.items():
+        if isinstance(st, dict):
+            details = ", ".join(f"{k} {v}" for k, v in st.items() if k not in ("status", "seconds", "budget_s"))
+            lines.append(f"| {name} | {st.get('status')} | {st.get('seconds', 0):.0f} ({st.get('budget_s', 0):.0f}) "
+                         f"| {details} |")
+    micro = c.results.get("micro", [])
+    if micro:
+        lines += ["", "## Fused kernels vs the eager ops they replace (median ms; speedup = baseline / vit_fast)", "",
+                  "| model | op | pass | vit_fast ms | eager ms | compiled ms | x eager | x compiled | vit_fast rate "
+                  "| of measured peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in micro:
+            lines.append(f"| {r['model']} | {r['op']} | {r['pass_']} | {_f(r['vit_fast_ms'], '{:.3f}')} | "
+                         f"{_f(r['eager_ms'], '{:.3f}')} | {_f(r['eager_compiled_ms'], '{:.3f}')} | "
+                         f"{_f(r['speedup_vs_eager'])} | {_f(r['speedup_vs_compiled'])} | "
+                         f"{_f(r['vit_fast_rate'], '{:.1f}')} {r['unit']} | {_f(r['vit_fast_of_peak'], '{:.0%}')} |")
+    tp = c.results.get("throughput", [])
+    if tp:
+        lines += ["", "## Training throughput, bf16 autocast, AdamW (images/s; median step ms [p10-p90]; MFU; "
+                  "peak GiB)", "", "| model | batch | " + " | ".join(THROUGHPUT_PATHS) +
+                  " | vit_fast / timm eager | vit_fast compiled / timm compiled |",
+                  "|---|---|" + "---|" * (len(THROUGHPUT_PATHS) + 2)]
+        by = {(r["model"], r["batch"], r["path"]): r for r in tp}
+        for model in dict.fromkeys(r["model"] for r in tp):
+            for batch in sorted({r["batch"] for r in tp if r["model"] == model}):
+                cells = []
+                for p in THROUGHPUT_PATHS:
+                    r = by.get((model, batch, p))
+                    if r is None:
+                        cells.append("skipped (budget)")
+                    elif "error" in r:
+                        cells.append(f"error: {r['error'][:40]}")
+                    else:
+                        cells.append(f"{r['images_per_s']:.0f}; {r['step_ms']:.1f} [{r['p10_ms']:.1f}-"
+                                     f"{r['p90_ms']:.1f}]; {_f(r['mfu'], '{:.0%}')}; {_f(r['peak_mem_gb'], '{:.1f}')}")
+
+                def ratio(a, b):
+                    ra, rb = by.get((model, batch, a)), by.get((model, batch, b))
+                    if not ra or not rb or "error" in ra or "error" in rb:
+                        return "-"
+                    return f"{ra['images_per_s'] / rb['images_per_s']:.2f}x"
+
+                lines.append(f"| {model} | {batch} | " + " | ".join(cells) +
+                             f" | {ratio('vit_fast', 'timm_eager')} | {ratio('vit_fast_compile', 'timm_compile')} |")
+    skipped = c.stages.get("throughput_skipped") or []
+    if skipped:
+        lines += ["", f"Skipped by the throughput budget: {', '.join(skipped)}."]
+    lines += ["", "Files: campaign.json (everything), env/tests/check/micro/throughput.csv, throughput.png, micro.png, "
+              "tests.log, check.txt.", ""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(args) -> int:
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        print(NO_CUDA)
+        return 0
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        # the dry run's kernels run in the interpreter, which must be on before triton is imported
+        if "triton" in sys.modules:
+            argv = ["--campaign", "--dry-run", "--out", args.out] + (["--budget", str(args.budget)]
+                                                                     if args.budget else [])
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            return subprocess.run([sys.executable, "-m", "vit_fast.tools.cli", "bench", *argv], env=env).returncode
+        os.environ["TRITON_INTERPRET"] = "1"
+    if not cuda:
+        from vit_fast.tools.interpreter import install_bf16_shims
+
+        install_bf16_shims()
+    os.makedirs(args.out, exist_ok=True)
+    scale = (args.budget or TOTAL_BUDGET_S) / TOTAL_BUDGET_S
+    c = Campaign(out=args.out, dry_run=args.dry_run, scale=scale, device="cuda" if cuda else "cpu")
+    c.progress(f"vit-fast bench --campaign{' --dry-run' if args.dry_run else ''}: {len(STAGES)} stages, "
+               f"{sum(s.budget_s for s in STAGES) * scale:.0f} s budget, writing to {args.out}")
+    for stage in STAGES:
+        budget = stage.budget_s * scale
+        c.stage_deadline = time.perf_counter() + budget
+        c.progress(f"{stage.name}: start (budget {budget:.0f} s)")
+        start = time.perf_counter()
+        try:
+            status = stage.run(c)
+        except Exception as e:  # a broken stage is reported, the others still run
+            status = dict(status="error", error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        status.update(seconds=time.perf_counter() - start, budget_s=budget)
+        c.stages[stage.name] = status
+        c.progress(f"{stage.name}: {status['status']} in {status['seconds']:.0f} s " +
+                   ", ".join(f"{k} {v}" for k, v in status.items() if k not in ("status", "seconds", "budget_s")))
+    written = write_outputs(c)
+    bad = [name for name, st in c.stages.items() if isinstance(st, dict) and st["status"] in ("failed", "error")]
+    c.progress(f"done in {c.elapsed():.0f} s: {', '.join(written)} in {args.out}" +
+               (f"; FAILED stages: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0

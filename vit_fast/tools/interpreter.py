@@ -6,7 +6,7 @@ the interpreter; never used on a GPU, and a no-op unless TRITON_INTERPRET=1.
 1. tl.dot on bf16 operands: the interpreter holds bf16 values as uint16 bit patterns and multiplies the
    bits (triton-lang/triton#4972, #10945; maintainers: bf16 "not supported yet"). The GPU runs the dot on
    tensor cores with bf16 operands and fp32 accumulation; widening the operands to fp32 reproduces that
-   exactly (bf16 -> fp32 is lossless). GUIDE.md 3a.
+   exactly (bf16 -> fp32 is lossless). CONTRIBUTING.md 3a.
 2. fp32 -> bf16 casts (``x.to(tl.bfloat16)``, e.g. on store) truncate the mantissa in the interpreter
    (cast_impl passes no rounding mode), while the GPU's cvt.rn.bf16.f32 rounds to nearest even:
    truncation doubles the rounding error of every bf16 output. Round like the GPU (torch's fp32 -> bf16
@@ -65,7 +65,9 @@ def install_numpy_fix() -> bool:
     """Fix 3 above alone (once): ``int()`` of a scalar tensor squeezes first; a no-op where the interpreter
     is off. Returns whether it is active."""
     global _numpy_fix_installed
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    from vit_fast.kernels._utils import interpreter_active
+
+    if not interpreter_active():
         return False
     if _numpy_fix_installed:
         return True

@@ -210,7 +210,7 @@ def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = Non
         tile = GemmTile(128, 64, 32, 8, 3)
         return LinearActConfig(fwd=tile, bwd=tile)
     if arch >= 90:
-        return LinearActConfig(fwd=GemmTile(128, 128, 64, 8, 4), bwd=GemmTile(128, 128, 64, 8, 4))
+        return LinearActConfig(fwd=GemmTile(128, 128, 64, 8, 4), bwd=GemmTile(256, 128, 64, 8, 3))
     return LinearActConfig(fwd=GemmTile(128, 128, 32, 8, 4), bwd=GemmTile(128, 256, 32, 8, 3))
 
 

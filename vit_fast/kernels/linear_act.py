@@ -34,13 +34,12 @@ backward 1 Triton dgrad + 1 sum_partials (with b1) + up to 3 cuBLAS (dw2, dx, dw
 its input needs no gradient).
 
 HBM traffic per row of M (s = bytes of x's dtype; C = width, H = hidden; weights and partials aside):
-    forward   fc1: read x (C s), write u (H s) and h (H s);  fc2: read h (H s), write y (N s)
-    backward  dw2: read dy, h;  dgrad: read dy, u, write du;  dx: read du, write dx;  dw1: read du, x
-For ViT (H = 4C, N = C): forward 14C s, backward 23C s. gelu_linear: 10C s and 19C s (it never writes
-h and recomputes GELU inside its GEMM operand loads); eager (cuBLAS + separate GELU): 14C s forward
-(addmm writes u, GELU reads u writes h) and 27C s backward (GELU backward reads dh and u, writes du).
-Memory held for backward: x, u and h (as eager).
-
+    forward   fc1: read x (C s), write h (H s) and act'(u) (H s);  fc2: read h (H s), write y (N s)
+    backward  dw2: read dy, h;  dgrad: read dy, act'(u), write du;  dx: read du, write dx;  dw1: read du, x
+For ViT (H = 4C, N = C): forward 14C s, backward 24C s. gelu_linear path (fc1 on cuBLAS, GELU inside
+fc2's operand loads): 10C s and 24C s: it never writes h, and its dh kernel reads u where this one reads
+act'(u). Eager (cuBLAS + separate GELU and GELU backward): 18C s and 32C s. Memory held for backward:
+x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
 main-loop ceiling (GUIDE 3b2) in the docstring of linear_act_config.
 """
@@ -124,7 +123,18 @@ def _linear_act_fwd_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    # epilogue: once per element of the output tile
+    # epilogue, once per element: in two column halves (fewer live registers: 128 x 256 fits without spills)
+    halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    half_cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+    _fwd_epilogue(halves[0], H, DACT, BIAS, rows, half_cols, M, N, stride_hm, stride_dm, HAS_BIAS, STORE_DACT, ACT)
+    _fwd_epilogue(halves[1], H, DACT, BIAS, rows, half_cols + BLOCK_N // 2, M, N, stride_hm, stride_dm, HAS_BIAS,
+                  STORE_DACT, ACT)
+
+
+@triton.jit
+def _fwd_epilogue(acc, H, DACT, BIAS, rows, cols, M, N, stride_hm, stride_dm,
+                  HAS_BIAS: tl.constexpr, STORE_DACT: tl.constexpr, ACT: tl.constexpr):
+    """+ bias, act and act' of one fp32 accumulator tile; stores h (and act'(u))."""
     col_ok = cols < N
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -195,7 +205,8 @@ class LinearActConfig:
 GROUP_M = 8
 
 
-def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None) -> LinearActConfig:
+def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None,
+                      activation: str = "gelu") -> LinearActConfig:
     """Tiles per (dtype, arch, fp32 dot precision): a small explicit table, no autotuning.
 
     16-bit: the shapes of Triton's tutorial GEMM, which reads a 100% main-loop ceiling and runs near
@@ -209,9 +220,12 @@ def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = Non
     if dtype == torch.float32:
         tile = GemmTile(128, 64, 32, 8, 3)
         return LinearActConfig(fwd=tile, bwd=tile)
+    wide = activation != "quick_gelu"  # QuickGELU's epilogue spills 32 B at 128 x 256 on sm_90
     if arch >= 90:
-        return LinearActConfig(fwd=GemmTile(128, 128, 64, 8, 4), bwd=GemmTile(256, 128, 64, 8, 3))
-    return LinearActConfig(fwd=GemmTile(128, 128, 32, 8, 4), bwd=GemmTile(128, 256, 32, 8, 3))
+        fwd = GemmTile(128, 256, 64, 8, 3) if wide else GemmTile(128, 128, 64, 8, 4)
+        return LinearActConfig(fwd=fwd, bwd=GemmTile(256, 128, 64, 8, 3))
+    fwd = GemmTile(128, 256, 32, 8, 3) if wide else GemmTile(128, 128, 32, 8, 4)
+    return LinearActConfig(fwd=fwd, bwd=GemmTile(128, 256, 32, 8, 3))
 
 
 # --------------------------------------------------------------------------- launchers
@@ -227,7 +241,7 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if m == 0:
         return h, dact
     precision = input_precision(x.dtype)
-    t = linear_act_config(x.dtype, gpu_arch(x.device), precision).fwd
+    t = linear_act_config(x.dtype, gpu_arch(x.device), precision, activation).fwd
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     _linear_act_fwd_kernel[grid](
         h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
@@ -386,9 +400,10 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
         cfg = linear_act_config(dtype, arch, precision)
         tensor_cores = dtype != torch.float32 or precision == "tf32"
         for name, code in ACTIVATIONS.items():
+            fwd = linear_act_config(dtype, arch, precision, name).fwd
             for store in (True, False):  # training / inference
-                add("linear_act_fwd", _linear_act_fwd_kernel, cfg.fwd,
-                    dict(ACT=code, INPUT_PRECISION=precision, EVEN_K=c % cfg.fwd.block_k == 0, STORE_DACT=store),
+                add("linear_act_fwd", _linear_act_fwd_kernel, fwd,
+                    dict(ACT=code, INPUT_PRECISION=precision, EVEN_K=c % fwd.block_k == 0, STORE_DACT=store),
                     types, fwd_values, tensor_cores, f"C={c} H={hid} {name} store_dact={store}")
         add("linear_act_bwd", _linear_act_bwd_kernel, cfg.bwd,
             dict(INPUT_PRECISION=precision, EVEN_N=c % cfg.bwd.block_k == 0), types, bwd_values, tensor_cores,

@@ -210,10 +210,20 @@ def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = Non
     """Tiles per (dtype, arch, fp32 dot precision): a small explicit table, no autotuning.
 
     16-bit: the shapes of Triton's tutorial GEMM, which reads a 100% main-loop ceiling and runs near
-    cuBLAS: sm_90 128x256x64, 8 warps (two warpgroups, HGMMA.64x256x16), sm_80 128x256x32 8 warps,
-    grouped tile order. The dgrad's epilogue holds the accumulator and the u tile at once.
-    IEEE fp32 dots run on the FMA units and take small tiles; tf32 operand tiles take twice the
-    registers / shared memory of 16-bit ones."""
+    cuBLAS: sm_90 128x256x64, 8 warps (two warpgroups of HGMMA.64x256x16), sm_80 128x256x32 8 warps,
+    grouped tile order; the fc1 epilogue runs in two column halves to fit. QuickGELU's epilogue still
+    spills 32 B at 128x256 on sm_90, so it takes 128x128. The dgrad holds the accumulator and the
+    act'(u) tile: sm_90 256x128x64 (HGMMA.64x128x16), sm_80 128x256x32.
+    Checked by hand (GUIDE 3b2, bf16, C = 768, H = 3072; cuobjdump --dump-sass, loop = the backward
+    branch holding the MMAs; the same count gives gelu_linear's forward 730 instructions, 35%):
+        sm_90 fwd gelu/tanh 128x256x64 w8: 128 instr/warp, 4 HGMMA.64x256x16: issue 256 vs MMA 1024
+        sm_90 fwd quick 128x128x64 w8: 97 instr, 4 HGMMA.64x128x16: 194 vs 512
+        sm_90 dgrad 256x128x64 w8: 129 instr, 8 HGMMA.64x128x16: 258 vs 1024
+        sm_80 fwd 128x256x32 w8: 171 instr, 64 HMMA.16816: 342 vs 1024
+        sm_80 dgrad 128x256x32 w8: 169 instr, 64 HMMA.16816: 338 vs 1024
+    no MUFU in any loop: ceiling 100% everywhere. Registers 226-252 (fwd 128x256), 128 (quick sm_90),
+    248-250 (dgrad), 0 spill bytes. IEEE fp32 dots run on the FMA units and take small tiles; tf32
+    operand tiles take twice the registers / shared memory of 16-bit ones."""
     if dtype == torch.float32 and (precision or input_precision(dtype)) == "ieee":
         tile = GemmTile(64, 64, 32, 4, 2)
         return LinearActConfig(fwd=tile, bwd=tile)
@@ -378,8 +388,8 @@ def linear_act_ref(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor]
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch of one ViT MLP's linear_act (C = width, H = mlp_hidden): fc1 forward with each
-    activation (training and inference), fc2's dgrad, and the db1 partial sum; fp32 with both dot precisions (IEEE entries run
-    on FMA units: has_dot False). Weights are in the activation dtype (the launcher casts them); the
+    activation (training and inference), fc2's dgrad, and the db1 partial sum; fp32 with both dot
+    precisions (IEEE entries run on FMA units: has_dot False). Weights are in the activation dtype (the launcher casts them); the
     bias in ``param_dtype`` for 16-bit activations (autocast), else fp32."""
     param_dtype = param_dtype if dtype != torch.float32 else torch.float32
     act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]

@@ -389,8 +389,8 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch of one ViT MLP's linear_act (C = width, H = mlp_hidden): fc1 forward with each
     activation (training and inference), fc2's dgrad, and the db1 partial sum; fp32 with both dot
-    precisions (IEEE entries run on FMA units: has_dot False). Weights are in the activation dtype (the launcher casts them); the
-    bias in ``param_dtype`` for 16-bit activations (autocast), else fp32."""
+    precisions (IEEE entries run on FMA units: has_dot False). Weights are in the activation dtype
+    (the launcher casts them); the bias in ``param_dtype`` for 16-bit activations (autocast), else fp32."""
     param_dtype = param_dtype if dtype != torch.float32 else torch.float32
     act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     c, hid = width, mlp_hidden

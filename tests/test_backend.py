@@ -156,7 +156,8 @@ def test_block_alone(init_values):
         if name.endswith("bias"):
             nn.init.normal_(p, std=0.1)
     log = _fused_vs_reference(blk, torch.randn(2, 17, 64), ["add_layer_norm_fwd", "attention_fwd", "add_layer_norm_fwd",
-                                                            "gelu_linear_fwd", "bias_dropout_add_fwd"],
+                                                            "linear_act_fwd", "bias_dropout_add_fwd"],
                               bound(torch.float32, "dot"))
-    # qkv with its bias (no separate add); proj and fc1 without bias (the kernels add it); fc2 is gelu_linear
+    # qkv with its bias (no separate add); proj without bias (the join adds it); fc1 is linear_act's Triton
+    # GEMM (its bias in the epilogue), fc2 a cuBLAS GEMM without bias
     assert sorted(log.compute_aten()) == ["addmm", "mm", "mm"]

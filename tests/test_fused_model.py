@@ -63,14 +63,14 @@ def test_fused_matches_reference_fp32_and_launches_what_the_readme_says():
     compare_grads(fused, ref, FP32)
     depth = 2
     assert sorted(fwd.kernels()) == sorted(["patch_embed_fwd"] + ["add_layer_norm_fwd"] * (1 + 2 * depth)
-                                           + ["attention_fwd", "gelu_linear_fwd"] * depth)
+                                           + ["attention_fwd", "linear_act_fwd"] * depth)
     assert sorted(bwd.kernels()) == sorted(["patch_embed_bwd"] + ["add_layer_norm_bwd"] * (1 + 2 * depth)
-                                           + ["attention_bwd", "gelu_linear_bwd"] * depth)
-    # backward cuBLAS GEMMs: dX and dW of qkv, proj and fc1 per block (fc2's are in gelu_linear_bwd) + the
-    # head's 2; one aten reduction, the head bias: every other bias / LayerNorm grad comes from the kernels.
+                                           + ["attention_bwd", "linear_act_bwd"] * depth)
+    # backward cuBLAS GEMMs: dX and dW of qkv, proj and fc1 and fc2's dW per block (fc2's dgrad is linear_act_bwd)
+    # + the head's 2; one aten reduction, the head bias: every other bias / LayerNorm grad comes from the kernels.
     counts = collections.Counter(bwd.compute_aten())
-    assert counts["mm"] == 6 * depth + 2 and counts["sum"] == 1, counts
-    # per block forward: the qkv GEMM with its bias, proj / fc1 without (fc2 is gelu_linear); the head's addmm
+    assert counts["mm"] == 7 * depth + 2 and counts["sum"] == 1, counts
+    # per block forward: the qkv GEMM with its bias, proj / fc2 without (fc1 is linear_act's); the head's addmm
     assert sorted(fwd.compute_aten()) == sorted(["addmm"] * (1 + depth) + ["mm"] * (2 * depth))
 
 

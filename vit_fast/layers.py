@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import vit_fast.kernels.attention as attention_kernels
 from vit_fast.kernels._utils import compute_dtype_for
 from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_gelu
-from vit_fast.kernels.gelu_linear import gelu_linear
+from vit_fast.kernels.linear_act import linear_act
 from vit_fast.kernels.layer_norm import add_layer_norm
 from vit_fast.kernels.layer_norm import layer_norm as layer_norm_kernel
 from vit_fast.kernels.layer_norm import layer_norm_and_input
@@ -256,12 +256,14 @@ class Mlp(nn.Module):
         return self.norm(x)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
-        """Fused path, fc2 *without* its bias (the residual join adds it, then drop2): fc1 GEMM without
-        bias, then ``gelu_linear`` (fc1 bias + GELU inside the fc2 GEMM). With drop1 active or an MLP
-        norm the hidden activation is materialised: ``hidden`` then the fc2 GEMM."""
+        """Fused path, fc2 *without* its bias (the residual join adds it, then drop2): ``linear_act`` (fc1
+        as a Triton GEMM with bias + GELU in its epilogue, fc2 on cuBLAS, GELU' in the epilogue of fc2's
+        dgrad GEMM). With drop1 active or an MLP norm the hidden activation goes through ``hidden`` then
+        the fc2 GEMM."""
         if (resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
                 and not (self.drop1.p > 0 and self.training)):
-            return gelu_linear(F.linear(x, self.fc1.weight), self.fc1.bias, self.fc2.weight, self.act.approximate)
+            act = "gelu_tanh" if self.act.approximate == "tanh" else "gelu"
+            return linear_act(x.to(compute_dtype_for(x)), self.fc1.weight, self.fc1.bias, self.fc2.weight, act)
         return F.linear(self.hidden(x), self.fc2.weight)
 
     def join_terms(self) -> tuple[Optional[torch.Tensor], float]:

@@ -56,7 +56,7 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "l
               "_local_scalar_dense", "is_same_size", "_has_compatible_shallow_copy_type", "set_", "new_empty",
               "new_empty_strided", "_unsafe_view", "promote_types", "result_type"}
 _TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed",
-                    "gelu_linear": "GEMM"}
+                    "gelu_linear": "GEMM", "linear_act": "GEMM"}
 
 
 @dataclass

@@ -1,0 +1,414 @@
+"""The MLP with its activation evaluated once per element per pass:
+``linear_act(x, w1, b1, w2, activation) = act(x @ w1^T + b1) @ w2^T``.
+
+fc1 is a Triton GEMM whose epilogue adds the bias and applies the activation (once per element); fc2,
+its weight gradient and fc1's two backward GEMMs run on cuBLAS (plain torch matmuls); fc2's dgrad GEMM
+is a Triton GEMM applying act' in its epilogue (once per element) and writing fp32 column-sum partials
+for fc1's bias gradient (two-stage, no atomics). fc2's own bias is not part of the op (the model adds
+it in its residual-join kernel). The activation is a constexpr switch (ACT): exact-erf GELU, tanh
+GELU, QuickGELU x * sigmoid(1.702 x).
+
+Shapes: x (..., C), w1 (H, C), b1 (H,) or None, w2 (N, H); result (..., N) in x.dtype. x is viewed as
+M x C rows (copied once only if its last dim is strided); weights are read through their row stride.
+
+Math, u = x w1^T + b1 (the pre-activation), h = act(u):
+    u, h  = x @ w1^T (+ b1, act)       _linear_act_fwd_kernel: GEMM M x H x C; epilogue + bias, act, writes
+                                       h (fc2's input) and u (backward's, skipped without grad)
+    y     = h @ w2^T                   cuBLAS
+    dw2   = dy^T @ h                   cuBLAS
+    du    = (dy @ w2) * act'(u)        _linear_act_bwd_kernel: GEMM M x H x N; act' in the epilogue, which
+                                       loads the u tile of its output tile; writes du and fp32 column sums
+                                       per row tile, reduced in a fixed order by _rows.sum_partials
+    db1   = sum_rows du                sum_partials (bitwise reproducible)
+    dx    = du @ w1, dw1 = du^T @ x    cuBLAS
+
+Dtypes: all fp32 (Triton dots IEEE unless torch.backends.cuda.matmul.allow_tf32, then tf32), all fp16 /
+all bf16, or autocast's mix: fp16/bf16 x with fp32 weights and bias. Under the mix the weights are cast to
+x's dtype once per call by torch (what autocast does; autograd casts their gradients back), and b1 stays
+fp32 (read in the epilogue); db1 comes back in b1's dtype. Accumulation and all elementwise math fp32,
+h and u stored in x's dtype. Other mixes raise ValueError.
+
+Limits: any leading shape (0 rows included), C, H, N >= 1 (tiles masked; EVEN_K drops the K mask where
+the reduction is a multiple of BLOCK_K, as for every ViT width). Launches: forward 1 Triton + 1 cuBLAS;
+backward 1 Triton dgrad + 1 sum_partials (with b1) + up to 3 cuBLAS (dw2, dx, dw1; each skipped when
+its input needs no gradient).
+
+HBM traffic per row of M (s = bytes of x's dtype; C = width, H = hidden; weights and partials aside):
+    forward   fc1: read x (C s), write h (H s) and act'(u) (H s);  fc2: read h (H s), write y (N s)
+    backward  dw2: read dy, h;  dgrad: read dy, act'(u), write du;  dx: read du, write dx;  dw1: read du, x
+For ViT (H = 4C, N = C): forward 14C s, backward 24C s. gelu_linear path (fc1 on cuBLAS, GELU inside
+fc2's operand loads): 10C s and 24C s: it never writes h, and its dh kernel reads u where this one reads
+act'(u). Eager (cuBLAS + separate GELU and GELU backward): 18C s and 32C s. Memory held for backward:
+x, h and act'(u) (eager holds x, u and h).
+Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
+main-loop ceiling (GUIDE 3b2) in the docstring of linear_act_config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._math import gelu_fwd_bwd
+from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
+from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, unit_stride
+
+OP = "linear_act"
+# activation name -> ACT constexpr of the kernels
+ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _act_fwd_bwd(u, ACT: tl.constexpr):
+    """(act(u), act'(u)) in fp32; the unused one is dead code after inlining."""
+    if ACT == 2:  # QuickGELU
+        s = tl.sigmoid(u * 1.702)  # tensor first: constexpr * tensor breaks the interpreter
+        return u * s, s + u * 1.702 * s * (1.0 - s)
+    else:
+        return gelu_fwd_bwd(u, ACT == 1)
+
+
+@triton.jit
+def _tile_of(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(tile_m, tile_n) of program pid, GROUP_M row tiles at a time sharing column tiles (L2 reuse)."""
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _linear_act_fwd_kernel(
+    H, DACT,  # (M, N) act(u) and act'(u), u = x w^T + b, x's dtype (DACT unused without STORE_DACT)
+    X, W, BIAS,  # (M, K) input; (N, K) weight, x's dtype; (N,) bias or None
+    stride_xm, stride_wn, stride_hm, stride_dm,  # row strides (columns contiguous)
+    M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # output tile, reduction step
+    GROUP_M: tl.constexpr,  # row tiles per group of the tile order
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask in the main loop
+    HAS_BIAS: tl.constexpr, STORE_DACT: tl.constexpr, ACT: tl.constexpr,  # ACT: 0 gelu, 1 gelu_tanh, 2 quick_gelu
+    INPUT_PRECISION: tl.constexpr,  # "ieee" / "tf32" (fp32 dots only)
+):
+    tile_m, tile_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the main loop reads wrapped rows / columns (never stored) instead of masking them
+    a_rows = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M).to(tl.int64)
+    b_cols = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + a_rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + b_cols[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) tile of W^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # epilogue, once per element: in two column halves (fewer live registers: 128 x 256 fits without spills)
+    halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    half_cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+    _fwd_epilogue(halves[0], H, DACT, BIAS, rows, half_cols, M, N, stride_hm, stride_dm, HAS_BIAS, STORE_DACT, ACT)
+    _fwd_epilogue(halves[1], H, DACT, BIAS, rows, half_cols + BLOCK_N // 2, M, N, stride_hm, stride_dm, HAS_BIAS,
+                  STORE_DACT, ACT)
+
+
+@triton.jit
+def _fwd_epilogue(acc, H, DACT, BIAS, rows, cols, M, N, stride_hm, stride_dm,
+                  HAS_BIAS: tl.constexpr, STORE_DACT: tl.constexpr, ACT: tl.constexpr):
+    """+ bias, act and act' of one fp32 accumulator tile; stores h (and act'(u))."""
+    col_ok = cols < N
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = (rows[:, None] < M) & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    h, dact = _act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
+    tl.store(H + rows64 * stride_hm + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+    if STORE_DACT:
+        tl.store(DACT + rows64 * stride_dm + cols[None, :], dact.to(DACT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_act_bwd_kernel(
+    DU, PARTIAL,  # (M, K) grad of u, x's dtype; (T, K) fp32 column sums of du per row tile (HAS_BIAS)
+    DY, W, DACT,  # (M, N) grad of h @ w^T; (N, K) fc2 weight; (M, K) act'(u) from the forward
+    stride_dym, stride_wn, stride_dm, stride_dum,
+    M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile of du (rows x K), step over N
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr,  # N % BLOCK_K == 0: no mask in the main loop
+    HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    tile_m, tile_k = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_k * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of u (the hidden dimension)
+    a_rows = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M).to(tl.int64)
+    b_cols = tl.max_contiguous(tl.multiple_of(cols % K, BLOCK_N), BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_K)  # reduction over the N outputs of fc2
+    dy_ptrs = DY + a_rows[:, None] * stride_dym + offs_n[None, :]
+    w_ptrs = W + offs_n[:, None] * stride_wn + b_cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_K):
+        if EVEN_N:
+            dy = tl.load(dy_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            dy = tl.load(dy_ptrs, mask=offs_n[None, :] < N - n0, other=0.0)
+            w = tl.load(w_ptrs, mask=offs_n[:, None] < N - n0, other=0.0)
+        acc = tl.dot(dy, w, acc, input_precision=INPUT_PRECISION)
+        dy_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wn
+    # epilogue: one multiply by act'(u) per element
+    col_ok = cols < K
+    mask = (rows[:, None] < M) & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    dact = tl.load(DACT + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    du = tl.where(mask, acc * dact, 0.0)  # wrapped rows / columns hold duplicates: zero before the sums
+    tl.store(DU + rows64 * stride_dum + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tl.store(PARTIAL + tile_m * K + cols, tl.sum(du, axis=0), mask=col_ok)
+
+
+# --------------------------------------------------------------------------- config table
+@dataclass(frozen=True)
+class GemmTile:
+    block_m: int  # output tile rows
+    block_n: int  # output tile columns
+    block_k: int  # reduction step
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class LinearActConfig:
+    fwd: GemmTile  # fc1 + bias + act
+    bwd: GemmTile  # fc2 dgrad * act'
+
+
+GROUP_M = 8
+
+
+def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None,
+                      activation: str = "gelu") -> LinearActConfig:
+    """Tiles per (dtype, arch, fp32 dot precision): a small explicit table, no autotuning.
+
+    16-bit: the shapes of Triton's tutorial GEMM, which reads a 100% main-loop ceiling and runs near
+    cuBLAS: sm_90 128x256x64, 8 warps (two warpgroups of HGMMA.64x256x16), sm_80 128x256x32 8 warps,
+    grouped tile order; the fc1 epilogue runs in two column halves to fit. QuickGELU's epilogue still
+    spills 32 B at 128x256 on sm_90, so it takes 128x128. The dgrad holds the accumulator and the
+    act'(u) tile: sm_90 256x128x64 (HGMMA.64x128x16), sm_80 128x256x32.
+    Checked by hand (GUIDE 3b2, bf16, C = 768, H = 3072; cuobjdump --dump-sass, loop = the backward
+    branch holding the MMAs; the same count gives gelu_linear's forward 730 instructions, 35%):
+        sm_90 fwd gelu/tanh 128x256x64 w8: 128 instr/warp, 4 HGMMA.64x256x16: issue 256 vs MMA 1024
+        sm_90 fwd quick 128x128x64 w8: 97 instr, 4 HGMMA.64x128x16: 194 vs 512
+        sm_90 dgrad 256x128x64 w8: 129 instr, 8 HGMMA.64x128x16: 258 vs 1024
+        sm_80 fwd 128x256x32 w8: 171 instr, 64 HMMA.16816: 342 vs 1024
+        sm_80 dgrad 128x256x32 w8: 169 instr, 64 HMMA.16816: 338 vs 1024
+    no MUFU in any loop: ceiling 100% everywhere. Registers 226-252 (fwd 128x256), 128 (quick sm_90),
+    248-250 (dgrad), 0 spill bytes. IEEE fp32 dots run on the FMA units and take small tiles; tf32
+    operand tiles take twice the registers / shared memory of 16-bit ones."""
+    if dtype == torch.float32 and (precision or input_precision(dtype)) == "ieee":
+        tile = GemmTile(64, 64, 32, 4, 2)
+        return LinearActConfig(fwd=tile, bwd=tile)
+    if dtype == torch.float32:
+        tile = GemmTile(128, 64, 32, 8, 3)
+        return LinearActConfig(fwd=tile, bwd=tile)
+    wide = activation != "quick_gelu"  # QuickGELU's epilogue spills 32 B at 128 x 256 on sm_90
+    if arch >= 90:
+        fwd = GemmTile(128, 256, 64, 8, 3) if wide else GemmTile(128, 128, 64, 8, 4)
+        return LinearActConfig(fwd=fwd, bwd=GemmTile(256, 128, 64, 8, 3))
+    fwd = GemmTile(128, 256, 32, 8, 3) if wide else GemmTile(128, 128, 32, 8, 4)
+    return LinearActConfig(fwd=fwd, bwd=GemmTile(128, 256, 32, 8, 3))
+
+
+# --------------------------------------------------------------------------- launchers
+@torch.library.custom_op("vit_fast::linear_act_fwd", mutates_args=())
+def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+                   store_dact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K), weight (N, K) in x's dtype, both with contiguous columns; bias (N,) or None. Returns
+    (h, d) = (act(u), act'(u)), u = x weight^T + bias, (M, N) in x's dtype (d empty without store_dact)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    h = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    dact = torch.empty((m, n) if store_dact else (0, n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return h, dact
+    precision = input_precision(x.dtype)
+    t = linear_act_config(x.dtype, gpu_arch(x.device), precision, activation).fwd
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _linear_act_fwd_kernel[grid](
+        h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
+        HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation], INPUT_PRECISION=precision,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return h, dact
+
+
+@linear_act_fwd.register_fake
+def _(x, weight, bias, activation, store_dact):
+    n = weight.shape[0]
+    return x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], n) if store_dact else (0, n))
+
+
+@torch.library.custom_op("vit_fast::linear_act_bwd", mutates_args=())
+def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy (M, N), dact = act'(u) (M, K), weight = w2 (N, K), all x's dtype with contiguous columns.
+    Returns du = (dy @ w2) * act'(u) (M, K) in dact's dtype and its column sums db (K,) in bias's dtype
+    (empty without bias; bias itself is not read)."""
+    m, k = dact.shape
+    n = weight.shape[0]
+    has_bias = bias is not None
+    du = torch.empty((m, k), device=dact.device, dtype=dact.dtype)
+    if m == 0:
+        return du, (torch.zeros_like(bias) if has_bias else dact.new_empty(0))
+    precision = input_precision(dact.dtype)
+    t = linear_act_config(dact.dtype, gpu_arch(dact.device), precision).bwd
+    row_tiles = triton.cdiv(m, t.block_m)
+    partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
+    _linear_act_bwd_kernel[(row_tiles * triton.cdiv(k, t.block_n),)](
+        du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
+        HAS_BIAS=has_bias, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
+    dbias = sum_partials(partial, bias.dtype)[0] if has_bias else dact.new_empty(0)
+    return du, dbias
+
+
+@linear_act_bwd.register_fake
+def _(dy, dact, weight, bias):
+    return (torch.empty_like(dact, memory_format=torch.contiguous_format),
+            torch.empty_like(bias) if bias is not None else dact.new_empty(0))
+
+
+# --------------------------------------------------------------------------- autograd and public API
+class LinearActFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, activation, needs_du):
+        x2 = as_rows(x, x.shape[-1])  # needs_du: a grad of x, w1 or b1 is wanted (fc2's dgrad GEMM runs)
+        h, dact = linear_act_fwd(x2, w1, b1, activation, needs_du)
+        y = F.linear(h, w2)  # cuBLAS
+        ctx.save_for_backward(x2, w1, b1, w2, h, dact)
+        ctx.shape, ctx.needs_du = x.shape, needs_du
+        return y.view(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w1, b1, w2, h, dact = ctx.saved_tensors
+        dy2 = as_rows(dy, w2.shape[0]).to(h.dtype)
+        dx = dw1 = db1 = dw2 = None
+        if ctx.needs_input_grad[3]:
+            dw2 = dy2.t().mm(h)  # cuBLAS
+        if ctx.needs_du:
+            needs_db = b1 is not None and ctx.needs_input_grad[2]
+            du, db = linear_act_bwd(dy2, dact, w2, b1 if needs_db else None)
+            db1 = db if needs_db else None
+            if ctx.needs_input_grad[0]:
+                dx = du.mm(w1).view(ctx.shape)  # cuBLAS
+            if ctx.needs_input_grad[1]:
+                dw1 = du.t().mm(x2)  # cuBLAS
+        return dx, dw1, db1, dw2, None, None
+
+
+def _check_weight(name: str, w: torch.Tensor, cols: int, cols_name: str) -> None:
+    check_float(OP, name, w)
+    check_ndim(OP, name, w, 2)
+    if w.shape[1] != cols or w.shape[0] == 0:
+        raise ValueError(f"{OP}: expected {name} of shape (*, {cols}) ({cols_name}) with at least one row, "
+                         f"got {tuple(w.shape)}")
+
+
+def check_dtypes(x: torch.Tensor, params: list[tuple[str, Optional[torch.Tensor]]]) -> None:
+    """All one dtype, or autocast's mix: fp16/bf16 x with fp32 weights and bias."""
+    present = [t for _, t in params if t is not None]
+    same = all(t.dtype == x.dtype for t in present)
+    autocast = x.dtype in (torch.float16, torch.bfloat16) and all(t.dtype == torch.float32 for t in present)
+    if not (same or autocast):
+        got = ", ".join(f"{name} {t.dtype}" for name, t in [("x", x)] + params if t is not None)
+        raise ValueError(f"{OP}: expected x, weights and bias of one dtype, or fp16/bf16 x with fp32 weights "
+                         f"and bias (autocast); got {got}")
+
+
+def linear_act(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+               activation: str = "gelu") -> torch.Tensor:
+    """act(x @ w1^T + b1) @ w2^T: x (..., C), w1 (H, C), b1 (H,) or None, w2 (N, H) -> (..., N) in
+    x.dtype; activation 'gelu' (exact erf), 'gelu_tanh' or 'quick_gelu'. See the module docstring."""
+    check_float(OP, "x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{OP}: expected x of shape (..., C) with C >= 1, got {tuple(x.shape)}")
+    _check_weight("w1", w1, x.shape[-1], "C = x.shape[-1]")
+    _check_weight("w2", w2, w1.shape[0], "H = w1.shape[0]")
+    if b1 is not None:
+        check_float(OP, "b1", b1)
+        if tuple(b1.shape) != (w1.shape[0],):
+            raise ValueError(f"{OP}: expected b1 of shape ({w1.shape[0]},), got {tuple(b1.shape)}")
+    check_dtypes(x, [("w1", w1), ("b1", b1), ("w2", w2)])
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{OP}: expected activation in {tuple(ACTIVATIONS)}, got {activation!r}")
+    check_kernel_device(OP, x, w1, b1, w2)
+    # autocast's weight copies (autograd casts the gradients back); the kernels read columns at unit stride
+    w1, w2 = (w.to(x.dtype) if w.stride(-1) == 1 else w.to(x.dtype).contiguous() for w in (w1, w2))
+    needs_du = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w1, b1))
+    return LinearActFunction.apply(x, w1, unit_stride(b1), w2, activation, needs_du)
+
+
+def act_ref(u: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "quick_gelu":
+        return u * torch.sigmoid(1.702 * u)
+    return F.gelu(u, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def linear_act_ref(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                   activation: str = "gelu") -> torch.Tensor:
+    """Pure-PyTorch reference computing what the kernels compute: fc1 in x's dtype with the weight cast
+    to it, bias and activation in fp32 (or fp64), h cast to x's dtype, fc2 in x's dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    u = F.linear(x, w1.to(x.dtype)).to(compute)
+    u = u + b1.to(compute) if b1 is not None else u
+    return F.linear(act_ref(u, activation).to(x.dtype), w2.to(x.dtype))
+
+
+# --------------------------------------------------------------------------- ahead-of-time specs
+def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
+              arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
+    """Every launch of one ViT MLP's linear_act (C = width, H = mlp_hidden): fc1 forward with each
+    activation (training and inference), fc2's dgrad, and the db1 partial sum; fp32 with both dot
+    precisions (IEEE entries run on FMA units: has_dot False). Weights are in the activation dtype
+    (the launcher casts them); the bias in ``param_dtype`` for 16-bit activations (autocast), else fp32."""
+    param_dtype = param_dtype if dtype != torch.float32 else torch.float32
+    act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
+    c, hid = width, mlp_hidden
+    specs = []
+
+    def add(name, fn, tile, constexprs, types, values, tensor_cores, note):
+        constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
+                          HAS_BIAS=True, **constexprs)
+        signature = kernel_signature(fn, types, constexprs)
+        specs.append(AotSpec(name, fn, signature, constexprs, tile.num_warps, tile.num_stages, tensor_cores, note,
+                             divisible_by_16=divisible_args(signature, values)))
+
+    types = dict(H=act, DACT=act, X=act, W=act, DU=act, DY=act, BIAS=par, PARTIAL="*fp32")
+    fwd_values = dict(N=hid, K=c, stride_xm=c, stride_wn=c, stride_hm=hid, stride_dm=hid)
+    bwd_values = dict(N=c, K=hid, stride_dym=c, stride_wn=hid, stride_dm=hid, stride_dum=hid)
+    for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
+        cfg = linear_act_config(dtype, arch, precision)
+        tensor_cores = dtype != torch.float32 or precision == "tf32"
+        for name, code in ACTIVATIONS.items():
+            fwd = linear_act_config(dtype, arch, precision, name).fwd
+            for store in (True, False):  # training / inference
+                add("linear_act_fwd", _linear_act_fwd_kernel, fwd,
+                    dict(ACT=code, INPUT_PRECISION=precision, EVEN_K=c % fwd.block_k == 0, STORE_DACT=store),
+                    types, fwd_values, tensor_cores, f"C={c} H={hid} {name} store_dact={store}")
+        add("linear_act_bwd", _linear_act_bwd_kernel, cfg.bwd,
+            dict(INPUT_PRECISION=precision, EVEN_N=c % cfg.bwd.block_k == 0), types, bwd_values, tensor_cores,
+            f"C={c} H={hid}")
+    specs.append(sum_partials_spec(par, sum_partials_block_n(hid), f"N={hid} (db1)", width=hid))
+    return specs

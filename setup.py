@@ -26,6 +26,7 @@ setup(
             "hypothesis",
             "timm",
             "transformers",
+            "accelerate",
             "torchvision>=0.26",
             "safetensors",
             "tqdm",

@@ -237,5 +237,5 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     torch.save({"state_dict": model.state_dict(), "evil": NotATensor()}, tmp_path / "pickled.pt")
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
         load_checkpoint(model, tmp_path / "pickled.pt")
-    with pytest.raises(ValueError, match="expected a .safetensors, .pt, .pth or .bin file"):
+    with pytest.raises(CheckpointError, match="model.ckpt': no such file"):   # any suffix: the bytes tell the format
         load_checkpoint(model, tmp_path / "model.ckpt")

@@ -5,6 +5,7 @@ epoch, the reference backend, 1 CPU thread. Each in-process run takes a second o
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,3 +279,157 @@ def test_fused_backend_trains_like_the_reference(tmp_path, monkeypatch):
     # every residual join but the last (followed by fc_norm: bias_dropout_add) ran fused, in every step
     assert len(ref) == 3 and len(joins) == 3 * (2 * 2 - 1)
     assert_close(fused, ref, 1e-5, name="train losses")
+
+
+# ------------------------------------------------------------------------------------------ kill -9 and resume
+# A training subprocess that SIGKILLs itself at a chosen point (no signal handler, no cleanup: as kill -9):
+#   step:N      inside the N-th training forward (mid-step, before backward / optimizer step)
+#   save:N      while the N-th torch.save (state.pt) is writing: the file is left half-written in step_N.tmp
+#   pointer:N   after the N-th checkpoint directory is in place, before the `latest` pointer is updated
+#   eval:N      at the N-th evaluation (eval:2 with a checkpoint at the last step: after it, before the final eval)
+KILLER = r"""
+import os, signal, sys
+import torch
+from vit_fast.training import checkpoint as ckpt, train as vt
+
+point, n = sys.argv[1].split(":"); n = int(n); calls = [0]
+def due():
+    calls[0] += 1
+    return calls[0] == n
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if point == "step":
+    build = vt.build_model
+    def build_model(*a, **k):
+        model = build(*a, **k)
+        model.register_forward_hook(lambda m, i, o: die() if m.training and due() else None)
+        return model
+    vt.build_model = build_model
+elif point == "save":
+    save = torch.save
+    def half_save(obj, f, *a, **k):
+        save(obj, f, *a, **k)
+        if due():
+            data = open(f, "rb").read()
+            open(f, "wb").write(data[:len(data) // 2])
+            die()
+    torch.save = half_save
+elif point == "pointer":
+    replace = ckpt._replace_text
+    ckpt._replace_text = lambda *a: die() if due() else replace(*a)
+elif point == "eval":
+    evaluate = vt.evaluate
+    vt.evaluate = lambda *a: die() if due() else evaluate(*a)
+vt.main(sys.argv[2:])
+raise SystemExit("not killed")
+"""
+DROPPATH = ["--drop-path-rate", "0.2"]
+DETERMINISTIC = ("steps", "total_steps", "epochs", "stopped_early", "train_loss", "test_acc", "test_loss",
+                 "best_test_acc", "world_size")
+
+
+def metric_records(out):
+    """metrics.jsonl without the timings."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "img_per_s"} for r in rows]
+
+
+def assert_same_run(out, ref):
+    """Weights, optimizer state, scheduler, summary and metrics file equal to the uninterrupted run's."""
+    got_dir, ref_dir = ckpt.resolve_checkpoint(out), ckpt.resolve_checkpoint(ref)
+    assert got_dir.name == ref_dir.name == f"step_{STEPS:08d}"
+    got, want = ckpt.read_weights(got_dir), ckpt.read_weights(ref_dir)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    got_state, want_state = ckpt.read_state(got_dir), ckpt.read_state(ref_dir)
+    for name, moments in want_state["optimizer"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(got_state["optimizer"]["state"][name][key], value), (name, key)
+    assert got_state["scheduler"] == want_state["scheduler"] and got_state["last_eval_epoch"] == 1
+    summary, want_summary = final_summary(out), final_summary(ref)
+    assert {k: summary[k] for k in DETERMINISTIC} == {k: want_summary[k] for k in DETERMINISTIC}
+    assert summary["train_loss"] is not None and not summary["stopped_early"]
+    assert metric_records(out) == metric_records(ref)
+
+
+@pytest.mark.parametrize("kill", ["step:70", "save:3", "pointer:2", "eval:2"])
+def test_sigkill_then_resume_equals_the_uninterrupted_run(reference, tmp_path, kill):
+    """Killed mid-step (resumes at step 66, mid-epoch and mid metrics window), while writing state.pt (the
+    half-written step_44.tmp is ignored, the earlier step-44 checkpoint without its evaluation is resumed
+    and the evaluation runs), between a checkpoint and its `latest` pointer, and after the last step's
+    checkpoint before the final evaluation."""
+    argv = [*TINY, *DROPPATH, "--ckpt-every", "22", "--output-dir", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-c", KILLER, kill, *argv], cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert not (tmp_path / "summary.json").exists()
+    if kill == "save:3":
+        assert (tmp_path / "checkpoints" / "step_00000044.tmp").is_dir()
+    resumed = run(tmp_path, *DROPPATH, "--ckpt-every", "22", "--resume", "auto")
+    assert resumed["steps"] == STEPS
+    assert_same_run(tmp_path, reference / "droppath")
+    again = run(tmp_path, *DROPPATH, "--ckpt-every", "22", "--resume", "auto")   # a finished run resumes to itself
+    assert {k: again[k] for k in DETERMINISTIC} == {k: resumed[k] for k in DETERMINISTIC}
+
+
+def test_stop_at_the_last_step_then_resume_runs_the_final_evaluation(reference, tmp_path):
+    """Issue 23 case 2: the state of a kill after the last checkpoint, before the final evaluation."""
+    stopped = run(tmp_path, *DROPPATH, "--stop-at-step", str(STEPS))
+    assert stopped["stopped_early"] and stopped["steps"] == STEPS
+    resumed = run(tmp_path, *DROPPATH, "--resume", "auto")
+    assert resumed["test_acc"] == final_summary(reference / "droppath")["test_acc"]
+    assert_same_run(tmp_path, reference / "droppath")
+
+
+@pytest.mark.parametrize("damaged", [ckpt.WEIGHTS, ckpt.STATE])
+def test_truncated_newest_checkpoint_falls_back_with_a_warning(reference, tmp_path, caplog, damaged):
+    import logging
+
+    shutil.copytree(reference / "droppath", tmp_path, dirs_exist_ok=True)
+    newest = ckpt.resolve_checkpoint(tmp_path)
+    assert newest.name == f"step_{STEPS:08d}"
+    path = newest / damaged
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="vit_fast.training.checkpoint"):
+        resumed = run(tmp_path, *DROPPATH, "--resume", "auto")
+    assert str(path) in caplog.text and "falling back" in caplog.text
+    assert resumed["steps"] == STEPS and (tmp_path / "checkpoints" / f"step_{STEPS:08d}.damaged").is_dir()
+    assert_same_run(tmp_path, reference / "droppath")   # resumed from step 44 and re-trained epoch 2
+
+
+def test_every_checkpoint_damaged_is_an_error_never_a_fresh_start(reference, tmp_path):
+    from vit_fast import CheckpointError
+
+    shutil.copytree(reference / "droppath", tmp_path, dirs_exist_ok=True)
+    for ckpt_dir in ckpt.list_checkpoints(tmp_path / "checkpoints"):
+        (ckpt_dir / ckpt.STATE).write_bytes(b"")
+    explicit = ckpt.list_checkpoints(tmp_path / "checkpoints")[0]
+    with pytest.raises(CheckpointError, match=rf"{explicit / ckpt.STATE}: 0 bytes, expected \d+"):
+        run(tmp_path / "other", "--resume", str(explicit))
+    with pytest.raises(CheckpointError, match="no intact checkpoint in .*every one is damaged"):
+        run(tmp_path, *DROPPATH, "--resume", "auto")
+    assert not ckpt.list_checkpoints(tmp_path / "checkpoints")   # set aside as *.damaged, none deleted
+    assert len(list((tmp_path / "checkpoints").glob("*.damaged"))) == 2
+
+
+def test_manifest_records_size_and_checksum(reference):
+    import hashlib
+
+    ckpt_dir = ckpt.resolve_checkpoint(reference / "plain")
+    manifest = json.loads((ckpt_dir / ckpt.MANIFEST).read_text())
+    for name in (ckpt.WEIGHTS, ckpt.STATE):
+        data = (ckpt_dir / name).read_bytes()
+        assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    ckpt.verify_checkpoint(ckpt_dir)
+
+
+def test_checkpoint_without_manifest_is_checked_for_readable_files(reference, tmp_path):
+    """Checkpoints written before manifests existed: a truncated file is still found before loading."""
+    from vit_fast import CheckpointError
+
+    shutil.copytree(ckpt.resolve_checkpoint(reference / "plain"), tmp_path / "old")
+    (tmp_path / "old" / ckpt.MANIFEST).unlink()
+    ckpt.verify_checkpoint(tmp_path / "old")
+    state = tmp_path / "old" / ckpt.STATE
+    state.write_bytes(state.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"{state}: truncated or damaged torch.save file"):
+        ckpt.verify_checkpoint(tmp_path / "old")

@@ -43,3 +43,32 @@ def resolve_backend(requested: str, tensor: torch.Tensor) -> str:
         f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before triton "
         f"is imported), got a tensor on {tensor.device}; use backend='auto' or 'torch' to run the reference "
         f"PyTorch path there")
+
+
+IMAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_model_input(x, weight: torch.Tensor, in_chans: int) -> None:
+    """The one check at a model's entry, before either backend looks at ``x`` (so both raise the same error).
+
+    ``weight``: the patch projection's weight (its dtype and device are the model's). Raises ValueError naming
+    what was expected for: a non-tensor, a tensor that is not 4-D or not floating point, a tensor on another
+    device type than the model, and -- outside autocast -- a dtype other than the model's (timm does not cast
+    either; under autocast any of float32/float16/bfloat16 is accepted, autocast casts it). Batch 0 is valid."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor image batch (B, {in_chans}, H, W), got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"expected a 4-D image batch (B, C, H, W) with C={in_chans}, "
+                         f"got a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"expected a floating-point image batch (float32/float16/bfloat16), got {x.dtype}")
+    if x.device.type != weight.device.type and weight.device.type != "meta":
+        raise ValueError(f"expected the image batch on the model's device ({weight.device}), got a tensor on "
+                         f"{x.device}; move one of them with .to()")
+    if torch.is_autocast_enabled(x.device.type):
+        if x.dtype not in IMAGE_DTYPES:
+            raise ValueError(f"expected a float32/float16/bfloat16 image batch under autocast, got {x.dtype}")
+    elif x.dtype != weight.dtype:
+        raise ValueError(f"expected an image batch of the model's dtype {weight.dtype} (outside autocast nothing "
+                         f"is cast), got {x.dtype}; convert it with x.to({weight.dtype}) or run under "
+                         f"torch.autocast")

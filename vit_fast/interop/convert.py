@@ -7,6 +7,7 @@ key or shape mismatch raises one ``CheckpointError`` that names them all.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -24,7 +25,12 @@ STANDARD_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
 
 class CheckpointError(ValueError):
-    """A state dict does not fit the model: lists missing / unexpected keys and shape mismatches."""
+    """A checkpoint file cannot be used: damaged / truncated / not tensors (names the file and what is wrong),
+    or its state dict does not fit the model (lists missing / unexpected keys and shape mismatches)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No file at the checkpoint path (both a CheckpointError and a FileNotFoundError)."""
 
 
 def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -77,15 +83,62 @@ def _grid_from_tokens(num_patches: int, patch: tuple[int, int]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- timm
-def _timm_config_from_model(m: nn.Module) -> dict:
-    unsupported = [name for name, bad in [
-        ("norm_pre (pre_norm=True)", not isinstance(getattr(m, "norm_pre", nn.Identity()), nn.Identity)),
-        ("attention pooling (global_pool='map'/'prr')", getattr(m, "attn_pool", None) is not None),
-        ("patch_embed.norm", not isinstance(getattr(m.patch_embed, "norm", nn.Identity()), nn.Identity)),
-        ("dynamic_img_pad", getattr(m.patch_embed, "dynamic_img_pad", False)),
+def timm_unsupported(model: nn.Module) -> list[str]:
+    """Every feature of a timm model that vit_fast does not implement, one line each (empty: ``from_timm``
+    converts it exactly). Never raises on another kind of model: a VisionTransformer subclass with other
+    blocks (parallel-scaling, rel-pos, rope) gets its block kinds listed."""
+    from timm.layers import LayerNorm as TimmLayerNorm
+    from timm.layers import LayerScale, Mlp, PatchEmbed
+    from timm.layers.drop import DropPath
+    from timm.models.vision_transformer import Attention, Block, VisionTransformer as TimmViT
+
+    allowed = {TimmViT, PatchEmbed, Block, Attention, Mlp, LayerScale, DropPath, TimmLayerNorm, nn.LayerNorm,
+               nn.Conv2d, nn.Linear, nn.GELU, nn.Dropout, nn.Identity, nn.Sequential, nn.ModuleList}
+    if not isinstance(model, TimmViT):
+        return [f"model class {type(model).__module__}.{type(model).__qualname__} (not timm's VisionTransformer)"]
+    foreign: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        if type(module) not in allowed and type(module).__name__ != "PatchDropout":  # own line below
+            foreign.setdefault(type(module).__name__, []).append(path)
+    problems = [f"module {name} ({len(paths)}x, e.g. {paths[0]!r})" for name, paths in foreign.items()]
+    patch_embed = getattr(model, "patch_embed", None)
+    problems += [name for name, bad in [
+        ("norm_pre (pre_norm=True)", not isinstance(getattr(model, "norm_pre", nn.Identity()), nn.Identity)),
+        ("attention pooling (global_pool='map'/'prr')", getattr(model, "attn_pool", None) is not None),
+        ("patch_embed.norm", not isinstance(getattr(patch_embed, "norm", nn.Identity()), nn.Identity)),
+        ("dynamic_img_pad", getattr(patch_embed, "dynamic_img_pad", False)),
+        ("pool_include_prefix=True", getattr(model, "pool_include_prefix", False)),
+        ("patch dropout (patch_drop_rate > 0)", not isinstance(getattr(model, "patch_drop", nn.Identity()),
+                                                               nn.Identity)),
     ] if bad]
-    if unsupported:
-        raise ValueError(f"from_timm: timm model uses features vit_fast does not implement: {unsupported}")
+    blocks = list(getattr(model, "blocks", []))
+    kinds = sorted({type(b).__name__ for b in blocks if type(b) is not Block})
+    if kinds:
+        problems.append(f"blocks of kind {', '.join(kinds)} (only timm's Block: norm1, attn, ls1, norm2, mlp, ls2)")
+    elif blocks:  # config-level switches are the same in every block
+        blk = blocks[0]
+        if not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity):
+            problems.append("attention output norm (scale_attn_norm=True), blocks.0.attn.norm")
+        if not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
+            problems.append("MLP hidden norm (scale_mlp_norm=True), blocks.0.mlp.norm")
+        act = getattr(blk.mlp, "act", None)
+        if not isinstance(act, nn.GELU):
+            problems.append(f"MLP activation {type(act).__name__} (only GELU, exact or tanh)")
+        if getattr(blk.attn.proj, "bias", None) is None or getattr(getattr(blk.mlp, "fc2", None), "bias", 1) is None:
+            problems.append("projections without bias (proj_bias=False)")
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    if len({m.eps for m in norms}) > 1:
+        problems.append(f"LayerNorms with different eps {sorted({m.eps for m in norms})}")
+    if any(not m.elementwise_affine or m.bias is None for m in norms):
+        problems.append("LayerNorm without affine weight/bias")
+    return problems
+
+
+def _timm_config_from_model(m: nn.Module) -> dict:
+    problems = timm_unsupported(m)
+    if problems:
+        raise ValueError("from_timm: this timm model uses features vit_fast does not implement:\n  - "
+                         + "\n  - ".join(problems))
     blk = m.blocks[0] if len(m.blocks) else None
     cfg = dict(
         img_size=tuple(m.patch_embed.img_size), patch_size=tuple(m.patch_embed.patch_size),
@@ -110,8 +163,6 @@ def _timm_config_from_model(m: nn.Module) -> dict:
             drop_path_rate=float(getattr(m.blocks[-1].drop_path1, "drop_prob", 0.0)),
             act="gelu_tanh" if getattr(gelu, "approximate", "none") == "tanh" else "gelu",
         )
-        if not isinstance(gelu, nn.GELU) or blk.attn.proj.bias is None:
-            raise ValueError(f"from_timm: only GELU MLPs with biased projections are supported, got {gelu}")
     return cfg
 
 
@@ -155,7 +206,11 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     else:
         sd = dict(model_or_state_dict)
         config = _timm_config_from_state_dict(sd, overrides)
-    return _build(config, sd, overrides)
+    model = _build(config, sd, overrides)
+    source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)
+    if source_cfg:  # the data config (mean, std, crop, interpolation) travels with the weights
+        model.pretrained_cfg = copy.deepcopy(dict(source_cfg))
+    return model
 
 
 # ------------------------------------------------------------------------------------- Hugging Face
@@ -294,25 +349,85 @@ def to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return dict(sd)
 
 
-def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Tensors of a .safetensors file, or of a .pt/.pth/.bin file read with torch.load(weights_only=True)
-    (no pickled code runs). A {'state_dict': ...} / {'model': ...} wrapper and a 'module.' prefix
-    (DistributedDataParallel) are removed."""
+def sniff_checkpoint_format(path: str | os.PathLike) -> str:
+    """'safetensors', 'torch-zip' or 'torch-pickle' from a file's first bytes (never from its suffix).
+
+    Raises CheckpointNotFoundError for a missing path and CheckpointError naming the file for a directory, an
+    empty file, a truncated safetensors header and bytes that are neither format."""
     path = os.fspath(path)
-    if path.endswith(".safetensors"):
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"checkpoint {path!r}: no such file")
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a directory, expected a .safetensors or torch.save file")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes): truncated or never written")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04":
+        return "torch-zip"
+    if head[:1] == b"\x80":   # pickle protocol >= 2: torch.save's legacy (non-zip) format
+        return "torch-pickle"
+    if len(head) == 9 and head[8:9] == b"{":   # safetensors: u64 little-endian header length, then JSON
+        header_len = int.from_bytes(head[:8], "little")
+        if 8 + header_len > size:
+            raise CheckpointError(f"checkpoint {path!r}: truncated safetensors file (its header announces "
+                                  f"{header_len} bytes of metadata, the file has {size} bytes in all)")
+        return "safetensors"
+    raise CheckpointError(f"checkpoint {path!r} ({size} bytes) is neither a safetensors file nor a torch.save "
+                          f"file (first bytes {head[:8]!r})")
+
+
+def _read_raw(path: str, fmt: str):
+    """The object stored in ``path`` (format ``fmt``); every reader error becomes a CheckpointError."""
+    import pickle
+    import zipfile
+
+    if fmt == "safetensors":
         from safetensors.torch import load_file
 
-        sd = load_file(path, device="cpu")
-    elif path.endswith((".pt", ".pth", ".bin")):
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        for wrapper in ("state_dict", "model", "model_state_dict"):
-            if isinstance(sd, dict) and isinstance(sd.get(wrapper), dict):
-                sd = sd[wrapper]
-                break
-    else:
-        raise ValueError(f"checkpoint {path!r}: expected a .safetensors, .pt, .pth or .bin file")
+        try:
+            return load_file(path, device="cpu")
+        except Exception as err:   # SafetensorError, OSError: the file's bytes do not match its header
+            raise CheckpointError(f"checkpoint {path!r}: damaged safetensors file ({type(err).__name__}: "
+                                  f"{err})") from err
+    if fmt == "torch-zip" and not zipfile.is_zipfile(path):
+        raise CheckpointError(f"checkpoint {path!r}: truncated or damaged torch.save file (zip archive without "
+                              f"its central directory)")
+    try:
+        with open(path, "rb") as f:   # a file object: torch.load must not pick a reader from the suffix either
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "GLOBAL" in text or "Unsupported operand" in text or "Weights only load failed" in text and \
+                "truncated" not in text:
+            detail = next((line.strip() for line in text.splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                          text.splitlines()[-1].strip() if text.strip() else "")
+            raise CheckpointError(f"checkpoint {path!r} holds pickled code, not only tensors; only tensors are "
+                                  f"loaded (torch.load weights_only=True), nothing in it was executed. Re-save "
+                                  f"the weights as a state dict of tensors ({detail[:200]})") from None
+        raise CheckpointError(f"checkpoint {path!r}: damaged torch.save file ({text[:200]})") from err
+    except Exception as err:   # EOFError, RuntimeError (zip / storage sizes), OSError, ...
+        raise CheckpointError(f"checkpoint {path!r}: truncated or damaged torch.save file "
+                              f"({type(err).__name__}: {str(err)[:200] or 'unexpected end of file'})") from err
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, or of a torch.save file read with torch.load(weights_only=True) (no
+    pickled code runs). The format comes from the file's bytes, not its suffix. A {'state_dict': ...} /
+    {'model': ...} wrapper and a 'module.' prefix (DistributedDataParallel) are removed. Anything wrong with
+    the file (directory, empty, truncated, pickled code, not a dict of tensors) is a CheckpointError naming
+    the file and what is wrong; a missing file a CheckpointNotFoundError (a CheckpointError and a
+    FileNotFoundError)."""
+    path = os.fspath(path)
+    sd = _read_raw(path, sniff_checkpoint_format(path))
+    for wrapper in ("state_dict", "model", "model_state_dict"):
+        if isinstance(sd, dict) and isinstance(sd.get(wrapper), dict):
+            sd = sd[wrapper]
+            break
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"checkpoint {path!r} does not hold a state dict of tensors")
+        raise CheckpointError(f"checkpoint {path!r} does not hold a state dict of tensors (got "
+                              f"{type(sd).__name__})")
     if sd and all(k.startswith("module.") for k in sd):
         sd = {k[len("module."):]: v for k, v in sd.items()}
     return sd
@@ -333,11 +448,17 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, metadata: Optiona
     """Write the model's state dict (timm key names) to .safetensors, or .pt/.pth with torch.save."""
     path = os.fspath(path)
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if path.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
-        save_file(sd, path, metadata=metadata)
-    elif path.endswith((".pt", ".pth")):
-        torch.save(sd, path)
-    else:
+    if not path.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"checkpoint {path!r}: expected a .safetensors, .pt or .pth file name")
+    tmp = path + ".tmp"   # written next to the target and renamed: a crash never leaves a half-written file
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(sd, tmp, metadata=metadata)
+        else:
+            torch.save(sd, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

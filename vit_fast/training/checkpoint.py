@@ -4,6 +4,7 @@ Layout of a run directory::
 
     RUN/checkpoints/step_00000440/model.safetensors   model weights (full, unsharded, fp32 as trained)
     RUN/checkpoints/step_00000440/state.pt            everything else, loadable with torch.load(weights_only=True)
+    RUN/checkpoints/step_00000440/manifest.json       size and sha256 of the two files above
     RUN/checkpoints/latest                            text file: the name of the newest complete checkpoint
 
 ``state.pt`` holds plain types and tensors only: the optimizer state (keyed by parameter name, the
@@ -15,9 +16,18 @@ Atomicity: a checkpoint is written into ``step_N.tmp``, every file fsync'ed, the
 renamed with os.replace and the ``latest`` pointer is replaced the same way. A kill at any moment leaves
 either the previous checkpoint or the new one, never a half-written one that ``--resume auto`` would pick.
 With FSDP2 every rank takes part in gathering the full state dict; with any wrapper only rank 0 writes.
+
+Verification: after the files are written and fsync'ed they are read back and hashed; their sizes and
+sha256 go into ``manifest.json`` (written last, inside the temporary directory). ``verify_checkpoint``
+checks them again; ``resumable_checkpoint`` (``--resume auto``) takes the newest checkpoint that passes,
+warns naming every damaged one and renames it ``step_N.damaged`` (kept for inspection, never picked
+again); if checkpoints exist but none is intact it raises CheckpointError instead of starting over.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
 import os
 import random
@@ -28,8 +38,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..interop.convert import CheckpointError
+
+log = logging.getLogger("vit_fast.training.checkpoint")
+
 FORMAT = "vit_fast.training.train/1"
-WEIGHTS, STATE, LATEST = "model.safetensors", "state.pt", "latest"
+WEIGHTS, STATE, LATEST, MANIFEST = "model.safetensors", "state.pt", "latest", "manifest.json"
 # ViTConfig fields that do not change the parameters: a checkpoint may be resumed with other values.
 NON_ARCH_FIELDS = {"backend", "weight_init", "drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate",
                    "drop_path_rate", "dynamic_img_size", "residual_in_fp32"}
@@ -109,6 +123,10 @@ def write_checkpoint(ckpt_root: str | Path, step: int, weights: dict[str, torch.
     torch.save({"format": FORMAT, "step": step, **state}, tmp / STATE)
     for name in (WEIGHTS, STATE):
         _fsync(tmp / name)
+    files = {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in (WEIGHTS, STATE)}
+    _check_readable(tmp)   # read back: a file the readers reject is never published
+    (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+    _fsync(tmp / MANIFEST)
     if final.exists():   # same step written twice (step interval and epoch end): swap, then drop the old one
         old = root / f"step_{step:08d}.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -122,6 +140,86 @@ def write_checkpoint(ckpt_root: str | Path, step: int, weights: dict[str, torch.
     for stale in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_readable(ckpt_dir: Path) -> None:
+    """Both files parse (the safetensors header covers the file; state.pt is a complete torch.save archive)."""
+    from ..interop.convert import sniff_checkpoint_format
+
+    weights = Path(ckpt_dir) / WEIGHTS
+    if sniff_checkpoint_format(weights) != "safetensors":
+        raise CheckpointError(f"{weights}: expected a safetensors file")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except Exception as err:
+        raise CheckpointError(f"{weights}: damaged safetensors file ({type(err).__name__}: {err})") from err
+    state = Path(ckpt_dir) / STATE
+    if sniff_checkpoint_format(state) == "torch-zip":
+        import zipfile
+
+        if not zipfile.is_zipfile(state):
+            raise CheckpointError(f"{state}: truncated or damaged torch.save file (no zip central directory)")
+
+
+def verify_checkpoint(ckpt_dir: str | Path) -> None:
+    """CheckpointError naming the damaged file unless every file has its manifest's size and sha256.
+    A checkpoint written before manifests existed is only checked for readable headers."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest_path = ckpt_dir / MANIFEST
+    if not manifest_path.is_file():
+        _check_readable(ckpt_dir)
+        return
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path}: damaged manifest ({type(err).__name__}: {err})") from None
+    for name, expected in files.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(f"{path}: {size} bytes, expected {expected['size']} (truncated or overwritten)")
+        if _sha256(path) != expected["sha256"]:
+            raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (the file's bytes are damaged)")
+
+
+def resumable_checkpoint(ckpt_root: str | Path) -> Optional[Path]:
+    """The newest checkpoint under ``ckpt_root`` that passes verify_checkpoint, or None when there is none at
+    all. Each damaged newer one is logged as a warning naming it and renamed ``step_N.damaged``; if every
+    checkpoint is damaged, CheckpointError (never a silent fresh start)."""
+    root = Path(ckpt_root)
+    damaged = []
+    for candidate in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as err:
+            aside = candidate.with_name(candidate.name + ".damaged")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(candidate, aside)
+            log.warning("checkpoint %s is damaged (%s); moved to %s, falling back to the previous one",
+                        candidate, err, aside.name)
+            damaged.append(f"{candidate.name}: {err}")
+            continue
+        if damaged:
+            _replace_text(root / LATEST, candidate.name + "\n")
+        return candidate
+    if damaged:
+        raise CheckpointError(f"no intact checkpoint in {root}; every one is damaged (renamed *.damaged): "
+                              + "; ".join(damaged))
+    return None
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -161,18 +259,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
-    """The training state of a checkpoint, loaded with torch.load(weights_only=True): no pickled code runs."""
-    state = torch.load(Path(ckpt_dir) / STATE, map_location="cpu", weights_only=True)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{ckpt_dir}/{STATE} is not a vit_fast training checkpoint (format {state.get('format')!r}, "
-                         f"expected {FORMAT!r})")
+    """The training state of a checkpoint, loaded with torch.load(weights_only=True): no pickled code runs.
+    A damaged file raises CheckpointError naming it."""
+    from ..interop.convert import _read_raw, sniff_checkpoint_format
+
+    path = Path(ckpt_dir) / STATE
+    state = _read_raw(str(path), sniff_checkpoint_format(path))
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        state = state if isinstance(state, dict) else {}
+        raise CheckpointError(f"{ckpt_dir}/{STATE} is not a vit_fast training checkpoint (format "
+                              f"{state.get('format')!r}, expected {FORMAT!r})")
     return state
 
 
 def read_weights(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The model weights of a checkpoint; a damaged file raises CheckpointError naming it."""
+    from ..interop.convert import read_state_dict
 
-    return load_file(str(Path(ckpt_dir) / WEIGHTS))
+    return read_state_dict(Path(ckpt_dir) / WEIGHTS)
 
 
 # ------------------------------------------------------------------------------------------ fine-tuning
@@ -198,8 +302,9 @@ def pretrained_state_dict(spec: str) -> dict[str, torch.Tensor]:
     if not sep or not name or kind not in ("timm", "hf", "file"):
         raise ValueError(f"--init-from {spec!r}: expected timm:NAME, hf:NAME or file:PATH")
     if kind == "file":
-        if not os.path.isfile(name):
+        if not os.path.exists(name):
             raise FileNotFoundError(f"--init-from {spec!r}: no such file")
+        # read_state_dict: the format from the bytes; a directory, damaged file or pickled code -> CheckpointError
         return convert.to_timm_state_dict(convert.read_state_dict(name))
     _offline_hub()
     try:

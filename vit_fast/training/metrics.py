@@ -6,14 +6,31 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-class MetricsLog:
-    """metrics.jsonl of the run (rank 0 only). On resume, records past the checkpoint's step are dropped."""
+def _parse(line: str) -> Optional[dict[str, Any]]:
+    """A record, or None for a line cut short by a kill during its write."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
-    def __init__(self, path: Path, enabled: bool, resume_step: Optional[int]):
+
+class MetricsLog:
+    """metrics.jsonl of the run (rank 0 only). On resume, records the checkpoint does not cover are dropped:
+    those past its step, evaluations after its last evaluated epoch (they run again), a half-written line."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: Optional[int], last_eval_epoch: Optional[int] = None):
         self.path, self.enabled = path, enabled
         if enabled and resume_step is not None and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = []
+            for line in path.read_text().splitlines():
+                record = _parse(line)
+                if record is None or record.get("step", 0) > resume_step:
+                    continue
+                if (record.get("kind") == "eval" and last_eval_epoch is not None
+                        and record.get("epoch", 0) > last_eval_epoch + 1):
+                    continue
+                kept.append(line)
             path.write_text("".join(line + "\n" for line in kept))
         elif enabled:
             path.write_text("")
@@ -24,7 +41,7 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
     def records(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [r for r in map(_parse, self.path.read_text().splitlines()) if r is not None]
 
 
 def plot_curves(records: list[dict[str, Any]], path: Path) -> None:

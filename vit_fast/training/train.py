@@ -57,24 +57,70 @@ MODEL_OVERRIDES = ("img_size", "patch_size", "in_chans", "num_classes", "depth",
                    "mlp_ratio", "drop_path_rate", "global_pool")
 
 
+def _number(kind, low=None, high=None, low_open=False, high_open=False):
+    """argparse type: an int / finite float in [low, high] (open ends with *_open); argparse's own error otherwise."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"{'>' if low_open else '>='} {low}"] if low is not None else [])
+                          + ([f"{'<' if high_open else '<='} {high}"] if high is not None else []))
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        if (not math.isfinite(value) or (low is not None and (value < low or low_open and value == low))
+                or (high is not None and (value > high or high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"expected {name} {bounds}, got {text}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {bounds}"   # argparse names the type in 'invalid <type> value' errors
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = _number(int, 1), _number(int, 0)
+POSITIVE_FLOAT, NONNEG_FLOAT = _number(float, 0, low_open=True), _number(float, 0)
+FRACTION = _number(float, 0, 1, high_open=True)   # probabilities / rates in [0, 1)
+
+
+def check_device(text: str) -> str:
+    """argparse type for --device: a device torch can parse and this machine has (cuda:N within the GPU count)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a device such as cpu, cuda or cuda:1, got {text!r}") from None
+    if device.type == "cpu":
+        return text
+    backend = getattr(torch, device.type, None)
+    if device.type == "meta" or backend is None or not hasattr(backend, "is_available"):
+        raise argparse.ArgumentTypeError(f"expected cpu or a GPU device (cuda, cuda:N), got {text!r}")
+    if not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no {device.type} device is available on this machine "
+                                         f"(torch.{device.type}.is_available() is False); use --device cpu")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {device.type} device(s), "
+                                         f"indices 0..{count - 1}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vit-fast train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--dataset", choices=DATASETS, default="digits")
     d.add_argument("--data-dir", help="imagefolder root with train/ and val/ sub-folders")
-    d.add_argument("--workers", type=int, help="DataLoader worker processes per rank")
+    d.add_argument("--workers", type=NONNEG_INT, help="DataLoader worker processes per rank")
     m = p.add_argument_group("model (None: the dataset's default, then the preset's value)")
     m.add_argument("--model", help="preset name (vit_fast.list_models())")
-    m.add_argument("--img-size", type=int)
-    m.add_argument("--patch-size", type=int)
-    m.add_argument("--in-chans", type=int)
-    m.add_argument("--num-classes", type=int)
-    m.add_argument("--depth", type=int)
-    m.add_argument("--embed-dim", type=int)
-    m.add_argument("--num-heads", type=int)
-    m.add_argument("--mlp-ratio", type=float)
-    m.add_argument("--drop-path-rate", type=float)
+    m.add_argument("--img-size", type=POSITIVE_INT)
+    m.add_argument("--patch-size", type=POSITIVE_INT)
+    m.add_argument("--in-chans", type=POSITIVE_INT)
+    m.add_argument("--num-classes", type=POSITIVE_INT)
+    m.add_argument("--depth", type=POSITIVE_INT)
+    m.add_argument("--embed-dim", type=POSITIVE_INT)
+    m.add_argument("--num-heads", type=POSITIVE_INT)
+    m.add_argument("--mlp-ratio", type=POSITIVE_FLOAT)
+    m.add_argument("--drop-path-rate", type=FRACTION)
     m.add_argument("--global-pool", choices=("token", "avg", "avgmax", "max"))
     m.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto")
     m.add_argument("--bf16-residual", dest="residual_in_fp32", action="store_false",
@@ -84,36 +130,43 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--init-from", metavar="timm:NAME|hf:NAME|file:PATH",
                    help="start from converted weights (hub names must already be in the local cache)")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--epochs", type=int)
-    o.add_argument("--batch-size", type=int, help="GLOBAL batch per optimizer step")
-    o.add_argument("--accum-steps", type=int, default=1, help="gradient accumulation micro-steps per step")
-    o.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
-    o.add_argument("--min-lr", type=float, default=1e-5, help="end of the cosine decay")
-    o.add_argument("--warmup-epochs", type=float, help="linear warm-up length")
-    o.add_argument("--weight-decay", type=float)
-    o.add_argument("--label-smoothing", type=float, default=0.1)
-    o.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
+    o.add_argument("--epochs", type=POSITIVE_INT)
+    o.add_argument("--batch-size", type=POSITIVE_INT, help="GLOBAL batch per optimizer step")
+    o.add_argument("--accum-steps", type=POSITIVE_INT, default=1, help="gradient accumulation micro-steps per step")
+    o.add_argument("--lr", type=POSITIVE_FLOAT, help="peak learning rate (AdamW)")
+    o.add_argument("--min-lr", type=NONNEG_FLOAT, default=1e-5, help="end of the cosine decay")
+    o.add_argument("--warmup-epochs", type=NONNEG_FLOAT, help="linear warm-up length")
+    o.add_argument("--weight-decay", type=NONNEG_FLOAT)
+    o.add_argument("--label-smoothing", type=FRACTION, default=0.1)
+    o.add_argument("--clip-grad", type=NONNEG_FLOAT, default=1.0, help="max global grad norm (0: off)")
     o.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="autocast dtype (fp16 adds a GradScaler)")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--seed", type=NONNEG_INT, default=0)
     r = p.add_argument_group("run")
     r.add_argument("--output-dir", help="run directory (default runs/<dataset>-<time>)")
     r.add_argument("--resume", metavar="PATH|auto", help="checkpoint dir / run dir, or 'auto': newest in --output-dir")
-    r.add_argument("--ckpt-every", type=int, default=500, help="checkpoint every N steps (and every epoch end)")
-    r.add_argument("--keep-checkpoints", type=int, default=2)
-    r.add_argument("--stop-at-step", type=int, help="checkpoint and exit after this global step (time-sliced jobs)")
-    r.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (and at the end)")
-    r.add_argument("--log-every", type=int, default=10, help="steps between metric records / progress updates")
+    r.add_argument("--ckpt-every", type=POSITIVE_INT, default=500,
+                   help="checkpoint every N steps (and every epoch end)")
+    r.add_argument("--keep-checkpoints", type=NONNEG_INT, default=2, help="newest checkpoints kept (0: all)")
+    r.add_argument("--stop-at-step", type=POSITIVE_INT,
+                   help="checkpoint and exit after this global step (time-sliced jobs)")
+    r.add_argument("--eval-every", type=POSITIVE_INT, default=1, help="evaluate every N epochs (and at the end)")
+    r.add_argument("--log-every", type=POSITIVE_INT, default=10, help="steps between metric records / progress updates")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--no-plot", action="store_true")
-    r.add_argument("--device", help="cpu, cuda, cuda:1... (default: the local GPU if any)")
-    r.add_argument("--threads", type=int, help="CPU threads for torch ops (default: torch's choice; digits: 1, "
+    r.add_argument("--device", type=check_device, help="cpu, cuda, cuda:1... (default: the local GPU if any)")
+    r.add_argument("--threads", type=POSITIVE_INT,
+                   help="CPU threads for torch ops (default: torch's choice; digits: 1, "
                    "its matrices are too small to gain from more and lose badly on a loaded machine)")
     r.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard per block (needs torchrun)")
     return p
 
 
 def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    """Parse and fill the dataset's defaults. Every option is validated here, with argparse's error (exit 2):
+    types and ranges by each option's type, the relations between options below."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warmup_given = args.warmup_epochs is not None
     for key, value in DATASET_DEFAULTS[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -121,6 +174,11 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.workers = 0
     if args.weight_decay is None:
         args.weight_decay = 0.05
+    if args.min_lr > args.lr:
+        parser.error(f"argument --min-lr: expected a value <= --lr ({args.lr}), got {args.min_lr}")
+    if warmup_given and args.warmup_epochs > args.epochs:   # (a dataset default longer than a short run is kept)
+        parser.error(f"argument --warmup-epochs: expected a value <= --epochs ({args.epochs}), "
+                     f"got {args.warmup_epochs}")
     return args
 
 
@@ -200,6 +258,10 @@ def build_model(args: argparse.Namespace, data: DataInfo) -> nn.Module:
     if overrides["img_size"] != data.img_size or overrides["in_chans"] != data.in_chans:
         raise ValueError(f"model expects {overrides['in_chans']}x{overrides['img_size']}px images but the "
                          f"{args.dataset} data gives {data.in_chans}x{data.img_size}px")
+    if overrides["num_classes"] < data.num_classes:   # labels >= num_classes would fail inside the loss
+        raise ValueError(f"--num-classes {overrides['num_classes']} is fewer than the {args.dataset} data's "
+                         f"{data.num_classes} classes (labels 0..{data.num_classes - 1}); expected "
+                         f"--num-classes >= {data.num_classes}")
     model = vit_fast.create_model(args.model, backend=args.backend, residual_in_fp32=args.residual_in_fp32,
                                   **overrides)
     if args.init_from:
@@ -287,6 +349,23 @@ def default_run_dir(args: argparse.Namespace) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ training
+def _resume_checkpoint(args: argparse.Namespace, run_dir: Path) -> Optional[Path]:
+    """The checkpoint to resume: with 'auto' (or a run / checkpoints directory) the newest intact one, each
+    damaged newer one named in a warning and set aside; a checkpoint directory given explicitly must be intact."""
+    if args.resume == "auto":
+        return ckpt.resumable_checkpoint(run_dir / "checkpoints")
+    path = Path(args.resume)
+    if path.is_file() and path.name in (ckpt.WEIGHTS, ckpt.STATE):
+        path = path.parent
+    if (path / ckpt.WEIGHTS).is_file() and (path / ckpt.STATE).is_file():
+        ckpt.verify_checkpoint(path)
+        return path
+    for root in (path, path / "checkpoints"):
+        if ckpt.list_checkpoints(root):
+            return ckpt.resumable_checkpoint(root)
+    return ckpt.resolve_checkpoint(path)   # FileNotFoundError naming what was expected
+
+
 def load_resume(ckpt_dir: Path, args: argparse.Namespace, model: nn.Module) -> dict[str, Any]:
     """Check the checkpoint belongs to this model and run, load its weights; return the rest of its state."""
     state = ckpt.read_state(ckpt_dir)
@@ -348,12 +427,20 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
 
     run_dir = Path(world.broadcast(str(Path(args.output_dir) if args.output_dir else default_run_dir(args))))
     resume_dir = None
-    if args.resume == "auto":
-        resume_dir = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    if args.resume:
+        # rank 0 verifies (sizes + sha256 of the manifest), falls back past damaged ones, tells the others
+        found: Any = None
+        if world.main:
+            try:
+                found = str(_resume_checkpoint(args, run_dir) or "")
+            except (ValueError, FileNotFoundError) as err:   # every rank raises it, none waits in a collective
+                found = err
+        found = world.broadcast(found)
+        if isinstance(found, BaseException):
+            raise found
+        resume_dir = Path(found) if found else None
         if resume_dir is None and world.main:
             print(f"--resume auto: no checkpoint in {run_dir / 'checkpoints'}, starting from scratch", flush=True)
-    elif args.resume:
-        resume_dir = ckpt.resolve_checkpoint(args.resume)
 
     torch.manual_seed(args.seed)   # identical initial weights on every rank
     model = build_model(args, data)
@@ -365,6 +452,9 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     step, last_eval_epoch, best_acc, last_eval = 0, -1, 0.0, None
+    last_train: dict[str, float] = {}
+    resumed_window: Optional[torch.Tensor] = None
+    window = torch.zeros(3, dtype=torch.float64, device=world.device)   # loss sum, correct, count since the last log
     if state is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
@@ -372,6 +462,9 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             scaler.load_state_dict(state["scaler"])
         step, last_eval_epoch, best_acc = state["step"], state["last_eval_epoch"], state["best_acc"]
         last_eval = state["last_eval"] or None
+        last_train = dict(state.get("last_train") or {})
+        if world.main:   # the metrics window open at the checkpoint's step (summed over ranks; rank 0 carries it)
+            resumed_window = state.get("train_window")
         if len(state["rng"]) == world.world:
             ckpt.set_rng_state(state["rng"][world.rank])
         else:   # another world size: per-rank streams cannot be mapped, derive fresh ones
@@ -384,7 +477,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     if world.main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
-    metrics = MetricsLog(run_dir / "metrics.jsonl", world.main, step if state is not None else None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", world.main, step if state is not None else None,
+                         last_eval_epoch if state is not None else None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     autocast = lambda: torch.autocast(world.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # noqa: E731
     should_eval = lambda epoch: (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs  # noqa: E731
@@ -392,6 +486,7 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     def save_checkpoint() -> None:
         weights = get_model_state_dict(model, options=full)       # FSDP2: all ranks gather, rank 0 receives
         optim_state = get_optimizer_state_dict(model, optimizer, options=full)
+        open_window = world.all_reduce(window.clone()).cpu()   # the steps since the last metrics record, all ranks
         rngs = [None] * world.world
         if world.enabled:
             dist.all_gather_object(rngs, ckpt.rng_state())
@@ -401,7 +496,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             ckpt.write_checkpoint(run_dir / "checkpoints", step, weights, dict(
                 optimizer=optim_state, scheduler=scheduler.state_dict(), scaler=scaler.state_dict(), rng=rngs,
                 world_size=world.world, args=vars(args), model_config=ckpt.model_config_dict(model.config),
-                last_eval_epoch=last_eval_epoch, best_acc=best_acc, last_eval=last_eval or {}),
+                last_eval_epoch=last_eval_epoch, best_acc=best_acc, last_eval=last_eval or {},
+                last_train=last_train, train_window=open_window),
                 keep=args.keep_checkpoints)
         world.barrier()
 
@@ -421,7 +517,6 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     stop = StopSignal()
     stopped, train_images, t_train = False, 0, time.perf_counter()
-    last_train: dict[str, float] = {}
     wrapped.train()
     with stop:
         for epoch in range(step // steps_per_epoch, args.epochs):
@@ -432,7 +527,10 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             batches = iter(train_loader)
             bar = tqdm(total=steps_per_epoch, initial=start, desc=f"epoch {epoch + 1}/{args.epochs}",
                        disable=not world.main or args.no_progress, leave=False, dynamic_ncols=True)
-            window = torch.zeros(3, dtype=torch.float64, device=world.device)   # loss sum, correct, count
+            window.zero_()
+            if resumed_window is not None:   # resumed mid-window: the next record covers the same steps
+                window.copy_(resumed_window.to(window))
+                resumed_window = None
             t_window = time.perf_counter()
             for _ in range(start, steps_per_epoch):
                 for micro in range(accum):
@@ -480,6 +578,10 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                 if world.main:
                     print(f"epoch {epoch + 1}/{args.epochs}: step {step}, train loss {last_train.get('loss', float('nan')):.4f}, "
                           f"test loss {last_eval['test_loss']:.4f}, test acc {last_eval['test_acc']:.2%}", flush=True)
+            save_checkpoint()
+        if not stopped and step == total_steps and last_eval_epoch < args.epochs - 1:
+            # resumed from a checkpoint of the last step whose final evaluation had not run (killed between them)
+            run_eval(args.epochs - 1)
             save_checkpoint()
 
     t_end = time.perf_counter()

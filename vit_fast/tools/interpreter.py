@@ -65,7 +65,9 @@ def install_numpy_fix() -> bool:
     """Fix 3 above alone (once): ``int()`` of a scalar tensor squeezes first; a no-op where the interpreter
     is off. Returns whether it is active."""
     global _numpy_fix_installed
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    from vit_fast.kernels._utils import interpreter_active
+
+    if not interpreter_active():
         return False
     if _numpy_fix_installed:
         return True

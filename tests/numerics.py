@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 from vit_fast.kernels.bias_gelu import bias_dropout_add
 from vit_fast.tools.numerics import bound, errors
-from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 __all__ = ["DEVICE", "DTYPES", "assert_close", "bound", "check_compiled_dropout", "check_matches_reference",
            "dtype_id", "errors", "kernel_keep_mask", "randn", "strided_and_expanded"]

@@ -10,13 +10,13 @@ from vit_fast.tools import inductor_count, traffic
 TINY = "vit_tiny_patch16_224"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_records(batch=2, depth=1):
     model = traffic.build_model("timm_eager", TINY, depth=depth)
     return inductor_count.count_compiled_step(model, batch, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _eager_ops(batch=2, depth=1):
     model = traffic.build_model("timm_eager", TINY, depth=depth)
     return traffic.count_step(model, batch, torch.bfloat16)

@@ -11,6 +11,7 @@ import pytest
 from vit_fast.tools import report, sass
 from vit_fast.tools.sass_reference import TUTORIAL_CONFIGS, matmul_spec
 
+
 # A hand-written sm_90-style dump: a 3-instruction prologue, a loop closed by a backward branch holding
 # 2 HGMMA.64x128x16 and `mufu` MUFU, a retry loop without MMA, and the trap at the end.
 def _dump(mufu: int = 1) -> str:
@@ -84,7 +85,7 @@ def _compiled_ceilings(specs_by_arch) -> dict:
             for k, r in out.items()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_costs():
     specs = {arch: [matmul_spec(*cfg) for cfg in cfgs] + [matmul_spec(*cfgs[0], gelu_a=True)]
              for arch, cfgs in TUTORIAL_CONFIGS.items()}
@@ -134,7 +135,7 @@ KNOWN_BELOW_BAR = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shipped_rows():
     rows = report.run_report(CEILING_PRESETS, ("bf16", "fp16"), report.ARCHS, workers=2, tensor_core_only=True)
     groups = collections.defaultdict(list)

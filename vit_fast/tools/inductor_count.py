@@ -82,7 +82,6 @@ class _Inductor:
     @contextlib.contextmanager
     def fake_h100(self):
         """Answer every CUDA query inductor asks as an H100 would; restore on exit."""
-        import triton
         from triton.backends.compiler import GPUTarget
 
         props = SimpleNamespace(**H100_PROPERTIES)

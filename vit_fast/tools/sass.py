@@ -98,7 +98,7 @@ class SassCost:
         return dict(arch=self.arch, num_warps=self.num_warps, loops=[asdict(loop) for loop in self.loops])
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SassCost":
+    def from_dict(cls, d: dict) -> SassCost:
         return cls(d["arch"], d["num_warps"], [Loop(**loop) for loop in d["loops"]])
 
 

@@ -28,7 +28,7 @@ def matmul_kernel(A, B, C, M, N, K, stride_am, stride_bk, stride_cm,
     a_ptrs = A + rm[:, None] * stride_am + rk[None, :]
     b_ptrs = B + rk[:, None] * stride_bk + rn[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         a = tl.load(a_ptrs, mask=rk[None, :] < K - k * BLOCK_K, other=0.0)
         b = tl.load(b_ptrs, mask=rk[:, None] < K - k * BLOCK_K, other=0.0)
         if GELU_A:

@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import assert_close, bound, errors
-from tests.test_bias_gelu import check_matches_reference, poisoned_outputs, randn  # noqa: F401  (autouse NaN outputs)
+from tests.numerics import assert_close, bound, check_matches_reference, errors, randn
 from vit_fast.kernels import linear_act as la
 from vit_fast.kernels._utils import interpreter_active
 from vit_fast.kernels.linear_act import linear_act, linear_act_ref
 from vit_fast.tools import traffic
+
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
 
 
 def inputs(rows, c, hidden, n, dtype, param_dtype=None, bias=True, activation="gelu"):

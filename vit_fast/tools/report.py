@@ -74,6 +74,12 @@ class Row:
     error: str = ""
     note: str = ""
     cached: bool = False
+    sass: dict | None = None  # instruction cost of the tensor-core loops (vit_fast.tools.sass.SassCost.to_dict())
+
+    @property
+    def ceiling(self) -> float | None:
+        """Fraction of tensor peak the worst MMA loop can reach (issue-, MUFU- or MMA-bound); None without one."""
+        return _sass_cost(self).ceiling if self.sass else None
 
     def problems(self) -> list[str]:
         out = []
@@ -276,7 +282,8 @@ def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, nu
             res = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True, check=True)
         usage = parse_resource_usage(res.stdout)
         return dict(regs=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
-                    shared_bytes=int(k.metadata.shared) + usage["SHARED"], tensor_cores=tensor_core_use(k.asm["ptx"], arch), error="")
+                    shared_bytes=int(k.metadata.shared) + usage["SHARED"], tensor_cores=tensor_core_use(k.asm["ptx"], arch), error="",
+                    sass=instruction_cost(k.asm["cubin"], arch, num_warps))
     except Exception as e:  # a compile error is a finding of the report, not a crash of it
         return dict(error=compile_error_message(e))
 
@@ -290,6 +297,63 @@ def compile_error_message(e: BaseException) -> str:
     inner = chain[-1]
     msg = " ".join(str(inner).split()) or type(inner).__name__
     return f"{type(inner).__name__} ({where}) {msg}"[:300] if where.startswith("at ") else f"{type(inner).__name__}: {msg}"[:300]
+
+
+def instruction_cost(cubin: bytes, arch: int, num_warps: int) -> dict | None:
+    """The SASS loop analysis of a compiled kernel (vit_fast.tools.sass), or None where it cannot be read."""
+    from vit_fast.tools import sass
+
+    try:
+        return sass.analyze_cubin(cubin, arch, num_warps).to_dict()
+    except (ValueError, OSError, subprocess.CalledProcessError) as e:
+        return dict(error=f"{type(e).__name__}: {e}"[:200])
+
+
+def _sass_cost(row: Row):
+    from vit_fast.tools import sass
+
+    return sass.SassCost.from_dict(row.sass) if row.sass and "error" not in row.sass else sass.SassCost(row.arch, 0)
+
+
+def _load_cached(path: str) -> dict | None:
+    """A cached compile result, or None when absent or written before the SASS analysis existed."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        result = json.load(f)
+    return result if "sass" in result or result.get("error") else None
+
+
+CEILING_BAR = 0.60  # issue 19: every shipped tensor-core config (no dropout) reaches at least this ceiling
+
+
+def format_ceiling(row: Row) -> str:
+    if not row.sass:
+        return "-"
+    if "error" in row.sass:
+        return "?"
+    worst = _sass_cost(row).worst
+    return "no loop" if worst is None else f"{worst.ceiling:.0%} {worst.bound_by}"
+
+
+def summarize_ceilings(rows: list[Row], bar: float = CEILING_BAR) -> str:
+    """Instruction cost: the worst ceiling per kernel and arch, the configs below `bar`, and the worst of all."""
+    measured = [r for r in rows if r.ceiling is not None]
+    if not measured:
+        return "instruction cost: no tensor-core loop analysed"
+    out = ["instruction cost (SASS main loop; ceiling = MMA / max(MMA, issue, MUFU) cycles per iteration, an upper bound):"]
+    groups: dict[tuple, list[Row]] = {}
+    for r in measured:
+        groups.setdefault((r.kernel, r.arch), []).append(r)
+    for (kernel, arch), rs in sorted(groups.items()):
+        w = min(rs, key=lambda r: r.ceiling)
+        out.append(f"  {kernel:28s} sm_{arch}: worst {w.ceiling:4.0%} [{w.config}] {_sass_cost(w).worst.describe()}")
+    low = sorted((r for r in measured if r.ceiling < bar), key=lambda r: r.ceiling)
+    out.append(f"{len(measured)} tensor-core configs analysed, {len(low)} below a {bar:.0%} ceiling")
+    worst = min(measured, key=lambda r: r.ceiling)
+    out.append(f"worst: {worst.kernel} [{worst.config}] sm_{worst.arch} {worst.dtype}: {worst.ceiling:.0%} "
+               f"({_sass_cost(worst).worst.bound_by}-bound)")
+    return "\n".join(out)
 
 
 def occupancy(regs: int, shared: int, num_warps: int, arch: int) -> tuple[int, float]:
@@ -311,8 +375,10 @@ def cache_dir() -> str:
 
 
 def run_report(presets, dtypes=tuple(DTYPES), archs=ARCHS, workers: int = 2, use_cache: bool = True, progress=None,
-               pure: bool = True) -> list[Row]:
+               pure: bool = True, tensor_core_only: bool = False) -> list[Row]:
     entries = collect_specs(presets, dtypes, archs, pure)
+    if tensor_core_only:  # the configs the instruction-cost analysis covers
+        entries = {key: entry for key, entry in entries.items() if entry[0].has_dot}
     rows: dict[str, Row] = {}
     todo = []
     os.makedirs(cache_dir(), exist_ok=True)
@@ -321,9 +387,9 @@ def run_report(presets, dtypes=tuple(DTYPES), archs=ARCHS, workers: int = 2, use
                   threads=spec.num_warps * 32, note=spec.note)
         rows[key] = row
         path = os.path.join(cache_dir(), key + ".json")
-        if use_cache and os.path.exists(path):
-            with open(path) as f:
-                _fill(row, json.load(f), spec, cached=True)
+        cached = _load_cached(path) if use_cache else None
+        if cached is not None:
+            _fill(row, cached, spec, cached=True)
         else:
             fn = _python_fn(spec.fn)
             todo.append((key, (fn.__module__, fn.__name__, dict(spec.signature), dict(spec.constexprs), spec.num_warps,
@@ -346,6 +412,7 @@ def _fill(row: Row, result: dict, spec, cached: bool) -> None:
     row.regs, row.spill_bytes, row.shared_bytes = result["regs"], result["spill_bytes"], result["shared_bytes"]
     row.tensor_cores = result["tensor_cores"] if spec.has_dot else "-"
     row.warps_per_sm, row.occupancy = occupancy(row.regs, row.shared_bytes, spec.num_warps, row.arch)
+    row.sass = result.get("sass") if spec.has_dot else None
 
 
 def _compile_all(todo, workers: int, progress):
@@ -395,7 +462,7 @@ def _worker() -> None:
 # Output
 
 
-COLUMNS = ("kernel", "config", "arch", "dtype", "regs", "spill", "shared", "threads", "warps/SM", "occ", "tensor cores", "status")
+COLUMNS = ("kernel", "config", "arch", "dtype", "regs", "spill", "shared", "threads", "warps/SM", "occ", "tensor cores", "ceiling", "status")
 
 
 def format_table(rows: list[Row]) -> str:
@@ -404,7 +471,7 @@ def format_table(rows: list[Row]) -> str:
         status = "; ".join(r.problems()) or "ok"
         lines.append((r.kernel, r.config, f"sm_{r.arch}", r.dtype, str(r.regs), str(r.spill_bytes),
                       f"{r.shared_bytes / 1024:.1f}K", str(r.threads), str(r.warps_per_sm), f"{r.occupancy:.0%}",
-                      r.tensor_cores, status))
+                      r.tensor_cores, format_ceiling(r), status))
     widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
@@ -461,6 +528,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     print(format_table(rows))
     print()
     print(summarize(rows))
+    print(summarize_ceilings(rows))
     cached = sum(r.cached for r in rows)
     print(f"presets {', '.join(args.presets)}; dtypes {', '.join(args.dtypes)}"
           f"{' (autocast only, --quick)' if args.quick else ''}; "

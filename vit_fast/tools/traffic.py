@@ -299,9 +299,10 @@ def _distinct_bytes(chunks) -> float:
 # ----------------------------------------------------------------------------------------------
 # Models and one counted step
 
-PATHS = ("timm_eager", "timm_eager_unfused_attn", "vit_fast", "vit_fast_bf16_residual")
+PATHS = ("timm_eager", "timm_eager_unfused_attn", "timm_compile", "vit_fast", "vit_fast_bf16_residual")
 PATH_LABELS = {
     "timm_eager": "timm eager (SDPA attention)",
+    "timm_compile": "timm torch.compile (inductor, default mode)",
     "timm_eager_unfused_attn": "timm eager, fused_attn=False",
     "vit_fast": "vit_fast backend='triton'",
     "vit_fast_bf16_residual": "vit_fast, residual_in_fp32=False",
@@ -464,6 +465,8 @@ def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloa
     """
     from vit_fast.presets import get_config
 
+    if path == "timm_compile":
+        return measure_compiled(preset, batch, dtype, **overrides)
     cfg = get_config(preset, **overrides)
     kw = dict(dtype=dtype, img_size=cfg.img_size[0], in_chans=cfg.in_chans, num_classes=cfg.num_classes,
               memo={} if replay else None)
@@ -484,6 +487,95 @@ def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloa
     if len(depths) > 1:
         how += f"; counted at depth {depths[0]} and {depths[1]}, extrapolated to depth {cfg.depth} (blocks are identical)"
     return PathResult(path, groups, batch, how, time.perf_counter() - t0, block, cfg.num_tokens * cfg.embed_dim * 2)
+
+
+def measure_compiled(preset: str, batch: int, dtype: torch.dtype = torch.bfloat16, mode: str = "default",
+                     **overrides) -> PathResult:
+    """timm's step as torch.compile lowers it for an H100 (vit_fast.tools.inductor_count): counted directly at
+    `batch` and the full depth (nothing runs, so the batch costs nothing), one launch per generated kernel or
+    library call. Raises inductor_count.InductorCountUnavailable where the installed torch lowers differently."""
+    from vit_fast.presets import get_config
+    from vit_fast.tools import inductor_count
+
+    cfg = get_config(preset, **overrides)
+    t0 = time.perf_counter()
+    model = build_model("timm_eager", preset, **overrides)
+    records = inductor_count.count_compiled_step(model, batch, dtype, cfg.img_size[0], cfg.in_chans, cfg.num_classes,
+                                                 mode=mode)
+    groups = aggregate(inductor_count.to_ops(records), dtype)
+    return PathResult("timm_compile", groups, batch, f"lowered by inductor ({mode}) for a fake H100 at batch {batch}, "
+                      "full depth; generated kernels counted, nothing run", time.perf_counter() - t0,
+                      None, cfg.num_tokens * cfg.embed_dim * 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Predicted time (issue 25): max(bytes / bandwidth, FLOPs / (peak x efficiency)) + launches x overhead
+
+LAUNCH_OVERHEAD_S = 4e-6  # per kernel launch, back to back on one stream (a few microseconds)
+# Library ops: cuBLAS measured 769-798 TFLOP/s on an 8192^3 bf16 GEMM on H100/H200 (0.78-0.81 of 989); ViT's GEMMs
+# are smaller (M = 50k tokens, N, K = 768-4096 for ViT-B): assume 0.70 of the dense peak. FlashAttention at
+# head_dim 64 and 197 tokens: 0.40 (the tutorial flash-attention forward measures 0.40-0.61; short sequences sit low).
+LIBRARY_EFFICIENCY = {"GEMM": 0.70, "attention": 0.40, "embed": 0.50, "other": 0.50, "norm": 0.50, "elementwise": 0.50}
+# Triton tensor-core kernels: the SASS ceiling (vit-fast report) x this factor. The tutorial GEMM reads a 100% ceiling
+# and is measured at 53% of peak on an H100 and 69-86% on an A100 (triton #3672, #743): take the low end.
+TRITON_CALIBRATION = {"H100": 0.53, "A100": 0.69}
+# Dense 16-bit peaks (datasheet; the bandwidths are ROOFLINE's measured figures).
+DENSE_PEAK_TFLOPS = {"H100": 989.0, "A100": 312.0}
+
+
+def predicted_op_s(op: Op, gpu: str, dtype: torch.dtype, ceilings: dict | None = None) -> float:
+    """One op's predicted seconds on `gpu`. `ceilings` maps a vit_fast Triton kernel family ("GEMM", "attention",
+    "embed") to its SASS ceiling on that GPU's arch; kernels without tensor-core work are bound by bytes."""
+    peak = DENSE_PEAK_TFLOPS[gpu] * 1e12 * (0.5 if dtype == torch.float32 else 1.0)
+    if op.triton and op.flops:
+        eff = (ceilings or {}).get(op.family, 1.0) * TRITON_CALIBRATION[gpu]
+    else:
+        eff = LIBRARY_EFFICIENCY.get(op.family, 0.5)
+    compute = op.flops / (peak * eff) if op.flops else 0.0
+    return max(op.bytes / (ROOFLINE[gpu]["tb_per_s"] * 1e12), compute) + op.launches * LAUNCH_OVERHEAD_S
+
+
+def predicted_step(r: PathResult, gpu: str, dtype: torch.dtype, ceilings: dict | None = None) -> dict:
+    """Predicted step seconds, images/s and MFU (model FLOPs / (step x dense peak)) from a path's op groups."""
+    total = 0.0
+    for (family, name, triton), g in r.groups.items():
+        n = max(g["launches"], 1.0)
+        per = Op(name, family, 1, g["read"] / n, g["written"] / n, g["flops"] / n, triton=triton)
+        total += n * predicted_op_s(per, gpu, dtype, ceilings)
+    flops = r.totals()["flops"]
+    peak = DENSE_PEAK_TFLOPS[gpu] * 1e12
+    return dict(seconds=total, images_per_s=r.batch / total, mfu=flops / (total * peak))
+
+
+def ceilings_from_report(arch: int, dtype_name: str = "bf16", presets=("vit_base_patch16_224",)) -> dict:
+    """The worst SASS ceiling per Triton family of vit_fast's shipped tensor-core configs (no dropout), as
+    `vit-fast report` measures it (compiles, cached)."""
+    from vit_fast.tools import report
+
+    rows = report.run_report(presets, (dtype_name,), (arch,), tensor_core_only=True)
+    out: dict = {}
+    for row in rows:
+        if row.ceiling is None or "DROPOUT=True" in row.config or row.kernel == "attention_probs":
+            continue
+        family = triton_family(row.kernel, row.kernel)
+        out[family] = min(out.get(family, 1.0), row.ceiling)
+    return out
+
+
+def format_predicted(results: list[PathResult], dtype: torch.dtype, ceilings_by_gpu: dict) -> str:
+    head = ("path (PREDICTED, not measured)", "H100 ms", "H100 img/s", "H100 MFU", "A100 ms", "A100 img/s", "A100 MFU")
+    widths = (44, 8, 10, 8, 8, 10, 8)
+    lines = [_row(head, widths)]
+    for r in results:
+        cells = [PATH_LABELS.get(r.path, r.path)]
+        for gpu in ("H100", "A100"):
+            p = predicted_step(r, gpu, dtype, ceilings_by_gpu.get(gpu))
+            cells += [f"{p['seconds'] * 1e3:.1f}", f"{p['images_per_s']:.0f}", f"{p['mfu']:.0%}"]
+        lines.append(_row(cells, widths))
+    lines.append(f"model: per op max(bytes / bandwidth, FLOPs / (dense peak x efficiency)) + {LAUNCH_OVERHEAD_S * 1e6:.0f} us "
+                 f"per launch; library efficiency {LIBRARY_EFFICIENCY['GEMM']} (GEMM), {LIBRARY_EFFICIENCY['attention']} "
+                 f"(SDPA); Triton tensor-core kernels: SASS ceiling x {TRITON_CALIBRATION} ; ceilings used: {ceilings_by_gpu}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,6 +654,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="the two depths actually counted (default 1 2); 0 0 counts the full depth")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--top", type=int, default=0, metavar="N", help="also list the N op groups moving the most bytes")
+    parser.add_argument("--predict", action="store_true",
+                        help="also print the predicted step time, images/s and MFU per path (issue 25's model)")
     parser.add_argument("--json", help="write per-path totals and per-family figures to this path")
     return parser
 
@@ -595,13 +689,28 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
             if not ok:
                 print(f"{PATH_LABELS[path]}: not counted: {why}\n")
                 continue
-        r = measure(path, args.model, args.batch, dtype, tuple(args.count_batches), tuple(args.count_depths) if all(args.count_depths) else None)
+        try:
+            r = measure(path, args.model, args.batch, dtype, tuple(args.count_batches),
+                        tuple(args.count_depths) if all(args.count_depths) else None)
+        except RuntimeError as e:
+            from vit_fast.tools.inductor_count import InductorCountUnavailable
+
+            if not isinstance(e, InductorCountUnavailable):
+                raise
+            print(f"{PATH_LABELS[path]}: not counted: {e}\n")
+            continue
         results.append(r)
         print(format_path(r) + "\n", flush=True)
         if args.top:
             print(format_top_ops(r, args.top) + "\n", flush=True)
     if results:
         print(format_summary(results))
+        if args.predict:
+            dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+            ceilings = {gpu: ceilings_from_report(arch, dtype_name) for gpu, arch in (("H100", 90), ("A100", 80))} \
+                if dtype_name else {}
+            print()
+            print(format_predicted(results, dtype, ceilings))
     if args.json:
         import json
 

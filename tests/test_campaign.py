@@ -46,7 +46,7 @@ def test_dry_run_writes_every_file_and_stage(tmp_path, monkeypatch, capsys):
 
     micro = rows("micro")
     ops = {r["op"] for r in micro}
-    assert {"layer_norm", "add_layer_norm", "bias_gelu", "attention", "attention_linear", "gelu_linear",
+    assert {"layer_norm", "add_layer_norm", "bias_gelu", "attention", "attention_linear", "linear_act",
             "patch_embed"} <= ops
     assert {r["pass_"] for r in micro} == {"fwd", "fwd+bwd"}
     for r in micro:  # every provider timed: the fused kernel, the eager ops and their torch.compile

@@ -26,7 +26,7 @@ def test_cli_passes_in_a_fresh_process():
         assert "Triton interpreter on CPU, reduced size" in out
     rows = ROW.findall(out)
     ops = {name.split(" ")[0] for name, *_ in rows}
-    assert ops == {"layer_norm", "add_layer_norm", "bias_gelu", "gelu_linear", "bias_dropout_add", "attention",
+    assert ops == {"layer_norm", "add_layer_norm", "bias_gelu", "linear_act", "bias_dropout_add", "attention",
                    "attention_linear", "patch_embed", "model"}, out
     assert all(r[-1] == "PASS" for r in rows) and "FAIL" not in out
     assert any(name == "model logits" for name, *_ in rows) and any(name.startswith("model dblocks.*.") for name, *_ in rows)

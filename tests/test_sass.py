@@ -120,10 +120,6 @@ CEILING_PRESETS = ("vit_base_patch16_224",)
 # Known failures, measured with this analysis (ceiling range over the group's configs). They are strict xfails:
 # when a redesign lifts a group above its bar the test XPASSes and fails, and the entry must be removed.
 KNOWN_BELOW_BAR = {
-    ("gelu_linear_fwd", 80, False): "11-17%: exact GELU recomputed on the A tile in the K loop (issue 19 part 2)",
-    ("gelu_linear_fwd", 90, False): "35-55%: same cause",
-    ("gelu_linear_dw", 80, False): "21-32%: GELU recomputed on the operand tile in the K loop",
-    ("gelu_linear_dw", 90, False): "36-53%: same cause",
     ("attention_bwd", 90, False): "53-56%: 64x16 wgmma tiles (issue 19 part 3)",
     ("attention_bwd", 80, True): "31%: a Philox draw per score element (issue 19 part 3)",
     ("attention_bwd", 90, True): "15-16%: same cause",

@@ -93,31 +93,6 @@ def test_batch_and_depth_extrapolation_match_direct_counts():
     assert per_image["total"] > 0
     assert per_image["total"] == pytest.approx(sum(v for f, v in per_image.items() if f != "total"))
 
-
-def test_gelu_linear_dw_split_is_counted_as_at_the_target_batch():
-    """gelu_linear splits its dW GEMM over the rows only for many rows: counting 2 and 3 images with the
-    split planned for 64 and extrapolating equals counting 64 images directly (launches and bytes)."""
-    from vit_fast.kernels.gelu_linear import dw_splits, gelu_linear
-
-    rows_per_image, k, n = 128, 64, 32
-
-    def ops_at(images: int, plan: int) -> list:
-        g = torch.Generator().manual_seed(images)
-        h = torch.randn(images * rows_per_image, k, generator=g, requires_grad=True)
-        bias, w = torch.randn(k, generator=g, requires_grad=True), torch.randn(n, k, generator=g, requires_grad=True)
-        dy = torch.randn(images * rows_per_image, n, generator=g)
-        with traffic.dw_split_planned_for(plan / images), traffic.StepCounter() as c:
-            gelu_linear(h, bias, w).backward(dy)
-        return c.ops
-
-    assert dw_splits(3 * rows_per_image, 1, 16)[0] == 1 < dw_splits(64 * rows_per_image, 1, 16)[0]
-    direct, modelled = ops_at(64, 64), traffic.scale_ops(ops_at(2, 64), ops_at(3, 64), 2, 3, 64)
-    assert [o.name for o in direct] == [o.name for o in modelled]
-    assert sum(o.name == "_sum_partials_kernel" for o in direct) == 2  # dbias and the split dW
-    for d, m in zip(direct, modelled):
-        assert (m.bytes_read, m.bytes_written) == (pytest.approx(d.bytes_read), pytest.approx(d.bytes_written)), d.name
-
-
 def test_eager_timm_step_is_counted_completely():
     r = traffic.measure("timm_eager_unfused_attn", TINY, 2, count_batches=(2,))
     fam = r.by_family()

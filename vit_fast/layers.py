@@ -9,8 +9,9 @@ The fused path (GEMMs stay in torch / cuBLAS, every elementwise and normalisatio
   - LayerNorm: ``layer_norm``; ``LayerNorm.join`` = residual join + this norm in one ``add_layer_norm``;
   - Attention: ``attention_linear``: the qkv GEMM (its bias in cuBLAS's epilogue) -> ``attention`` straight
     on the packed (B, N, 3HD) qkv, whose backward also returns the qkv bias's gradient -> proj GEMM;
-  - Mlp: fc1 GEMM without bias -> ``gelu_linear`` (fc1's bias + GELU fused into the fc2 GEMM's operand
-    loads, GELU' into its backward's epilogue: the 4C-wide activation and its gradient are never written);
+  - Mlp: ``linear_act``: fc1 as a Triton GEMM with bias + activation (and its derivative) in the epilogue, once
+    per element; fc2 and the weight gradients on cuBLAS; the activation's derivative multiplies in the epilogue
+    of fc2's dgrad GEMM, which also writes the fc1 bias's gradient partials;
   - Block.forward_pair(hidden, residual, next_norm): blocks pass (hidden = the next LayerNorm's output,
     residual = the stream) between them, as FlashAttention's ViT does. Each part's ``branch`` stops before
     its output bias; the bias and dropout rate (the part's ``join_terms``), LayerScale's gamma and the

@@ -2,7 +2,7 @@
 
 One module per op family, each laid out in the same sections (jit kernels, configs, validation and
 launchers (custom ops), autograd, functional, reference, ahead-of-time specs; CONTRIBUTING.md):
-``layer_norm``, ``bias_gelu``, ``gelu_linear``, ``attention``, ``patch_embed``. What they share lives
+``layer_norm``, ``bias_gelu``, ``linear_act``, ``attention``, ``patch_embed``. What they share lives
 in files named for what it holds, and no op imports another op's private names:
 
   _utils.py  interpreter detection (the one TRITON_INTERPRET parser), input checks, device policy,

@@ -1,6 +1,5 @@
 """Constants and @triton.jit math shared by the kernel families: one source for log2(e), ln 2 and
-the GELU constants, and the GELU value/derivative pair (bias_gelu's epilogue, gelu_linear's A-operand
-prologue and dh epilogue).
+the GELU constants, and the GELU value/derivative pair (bias_gelu's and linear_act's epilogues).
 
 Jit globals must be ``tl.constexpr``; in the interpreter a constexpr must be the right-hand operand
 (``tensor * CONST``), so every use below keeps the tensor first.

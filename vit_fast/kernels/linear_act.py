@@ -36,9 +36,9 @@ its input needs no gradient).
 HBM traffic per row of M (s = bytes of x's dtype; C = width, H = hidden; weights and partials aside):
     forward   fc1: read x (C s), write h (H s) and act'(u) (H s);  fc2: read h (H s), write y (N s)
     backward  dw2: read dy, h;  dgrad: read dy, act'(u), write du;  dx: read du, write dx;  dw1: read du, x
-For ViT (H = 4C, N = C): forward 14C s, backward 24C s. gelu_linear path (fc1 on cuBLAS, GELU inside
-fc2's operand loads): 10C s and 24C s: it never writes h, and its dh kernel reads u where this one reads
-act'(u). Eager (cuBLAS + separate GELU and GELU backward): 18C s and 32C s. Memory held for backward:
+For ViT (H = 4C, N = C): forward 14C s, backward 24C s. The removed gelu_linear path (fc1 on cuBLAS,
+GELU inside fc2's operand loads) moved 10C s and 24C s but was issue-bound (a 35% tensor-core ceiling on
+sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate GELU and GELU backward): 18C s and 32C s. Memory held for backward:
 x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
 main-loop ceiling (GUIDE 3b2) in the docstring of linear_act_config.

@@ -14,7 +14,7 @@ its budget is spent and says what it skipped), a progress line each:
   report      DIR/campaign.json (everything), DIR/<stage>.csv, DIR/throughput.png, DIR/micro.png, DIR/summary.md
 
 Every CSV row and the JSON carry the tags (gpu, driver, torch, triton, cuda, git). The micro-benchmarks reuse the
-cases of bench/bench_norm_gelu.py, bench_attention.py, bench_patch_embed.py and bench_gelu_linear.py; the
+cases of bench/bench_norm_gelu.py, bench_attention.py, bench_patch_embed.py and bench_linear_act.py; the
 throughput rows are vit_fast.tools.bench.measure, the same code as ``vit-fast bench``.
 
 ``--dry-run`` runs every stage on CPU with tiny shapes (kernels in the Triton interpreter, torch.compile with the
@@ -46,7 +46,7 @@ TOTAL_BUDGET_S = 540.0  # 9 minutes
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The compiled-kernel subset of tests/ (every kernel, the model, compile and the CLI's check) that fits the budget.
-GPU_TESTS = ["tests/test_layer_norm.py", "tests/test_bias_gelu.py", "tests/test_gelu_linear.py",
+GPU_TESTS = ["tests/test_layer_norm.py", "tests/test_bias_gelu.py", "tests/test_linear_act.py",
              "tests/test_attention.py", "tests/test_patch_embed.py", "tests/test_fused_model.py",
              "tests/test_model.py", "tests/test_backend.py"]
 DRY_TESTS = ["tests/test_backend.py::test_resolve_rules"]
@@ -224,9 +224,9 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
     from bench.bench_attention import flops as attention_flops
     from bench.bench_norm_gelu import cases as norm_gelu_cases
     from bench.bench_patch_embed import eager_stack
-    from bench.bench_gelu_linear import eager_gelu_linear
+    from bench.bench_linear_act import eager_mlp
     from vit_fast.kernels.attention import attention, attention_linear, attention_linear_ref, attention_ref
-    from vit_fast.kernels.gelu_linear import gelu_linear
+    from vit_fast.kernels.linear_act import linear_act
     from vit_fast.kernels.patch_embed import patch_embed
 
     cfg = vit_fast.get_config(preset, **(DRY_OVERRIDES if dry_run else {}))
@@ -267,8 +267,9 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
         lambda bwd: ((attention_flops(batch, H, N, D, bwd) + qkv_gemm * (3 if bwd else 1)) / 1e12, "TFLOP"),
         autocast=True))
     cases.append(MicroCase(
-        "gelu_linear", f"{rows}x{K}->{C}", lambda: dict(h=act(rows, K), bias=par(K), weight=par(C, K)),
-        gelu_linear, {"eager": eager_gelu_linear}, lambda bwd: (2.0 * rows * C * K * (3 if bwd else 1) / 1e12, "TFLOP"),
+        "linear_act", f"{rows}x{C}->{K}->{C}",
+        lambda: dict(x=act(rows, C), w1=par(K, C), b1=par(K), w2=par(C, K)),
+        linear_act, {"eager": eager_mlp}, lambda bwd: (4.0 * rows * C * K * (3 if bwd else 1) / 1e12, "TFLOP"),
         autocast=True))
     Np = (img // P) ** 2
     cases.append(MicroCase(

@@ -1,7 +1,7 @@
 """``vit-fast check``: are the fused kernels right on this machine?
 
 Every kernel's forward output and every input gradient (layer_norm, add_layer_norm, bias_gelu,
-gelu_linear, bias_dropout_add, attention, patch_embed), then the whole model's logits and parameter gradients with
+linear_act, bias_dropout_add, attention, patch_embed), then the whole model's logits and parameter gradients with
 backend 'triton', are compared on random inputs with the same computation in float64 (the ``_ref``
 functions / the model on backend 'torch'). One table: op, shape, dtype, max abs error, relative error
 ||out - ref|| / ||ref||, bound, PASS/FAIL; exit status 1 on any failure.
@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-OPS = ("layer_norm", "add_layer_norm", "bias_gelu", "gelu_linear", "bias_dropout_add", "attention", "patch_embed",
+OPS = ("layer_norm", "add_layer_norm", "bias_gelu", "linear_act", "bias_dropout_add", "attention", "patch_embed",
        "model")
 CPU_DEPTH = 2
 
@@ -99,8 +99,8 @@ def check_op(op: str, fn: Callable, ref_fn: Callable, inputs: dict, grad_names: 
 def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: Sequence[str], seed: int) -> list[Row]:
     from ..kernels import attention as A
     from ..kernels import bias_gelu as G
-    from ..kernels import gelu_linear as GL
     from ..kernels import layer_norm as L
+    from ..kernels import linear_act as LA
     from ..kernels import patch_embed as P
 
     g = torch.Generator().manual_seed(seed)
@@ -126,12 +126,11 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
         inputs = dict(x=rand(B, N, F), bias=rand(F, scale=0.1), approximate=approximate)
         rows += check_op("bias_gelu", lambda **a: G.bias_gelu(**a), G.bias_gelu_ref, inputs, ["x", "bias"],
                          ["out"], [(B, N, F)], "elementwise", dtype, g)
-    if "gelu_linear" in ops:
-        approximate = "tanh" if cfg.act == "gelu_tanh" else "none"
-        inputs = dict(h=rand(B, N, F), bias=rand(F, scale=0.1), weight=rand(D, F, scale=F ** -0.5),
-                      approximate=approximate)
-        rows += check_op("gelu_linear", lambda **a: GL.gelu_linear(**a), GL.gelu_linear_ref, inputs,
-                         ["h", "bias", "weight"], ["out"], [(B, N, D)], "dot", dtype, g)
+    if "linear_act" in ops:
+        inputs = dict(x=rand(B, N, D), w1=rand(F, D, scale=D ** -0.5), b1=rand(F, scale=0.1),
+                      w2=rand(D, F, scale=F ** -0.5), activation=cfg.act)
+        rows += check_op("linear_act", lambda **a: LA.linear_act(**a), LA.linear_act_ref, inputs,
+                         ["x", "w1", "b1", "w2"], ["out"], [(B, N, D)], "dot", dtype, g)
     if "bias_dropout_add" in ops:  # dropout off: a random mask has no deterministic reference
         inputs = dict(x=rand(B, N, D), bias=rand(D, scale=0.1), residual=rand(B, N, D), p=0.0, training=False,
                       gamma=rand(D, scale=0.1))

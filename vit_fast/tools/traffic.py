@@ -14,8 +14,7 @@ as built (residual stream in fp32 under autocast, as timm) and with ``residual_i
 
 Counting runs at two small batches; every op is fitted as ``fixed + per_image * batch`` (weights and
 their gradients are the fixed part, activations the per-image part) and evaluated at the requested
-batch. Launch configurations chosen from the batch size (gelu_linear's dW row split) are those of the
-requested batch (``dw_split_planned_for``), so the fit stays exact. The interpreter is slow, so models are
+batch. The interpreter is slow, so models are
 also counted at depth 1 and 2 only: all blocks run the
 same ops on the same shapes, so every sum is affine in depth and is evaluated at the preset's depth
 (tests check both extrapolations against direct counts). The roofline lower bound of an op is max(FLOPs / peak, bytes / bandwidth) with the guide's
@@ -56,7 +55,7 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "l
               "_local_scalar_dense", "is_same_size", "_has_compatible_shallow_copy_type", "set_", "new_empty",
               "new_empty_strided", "_unsafe_view", "promote_types", "result_type"}
 _TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed",
-                    "gelu_linear": "GEMM", "linear_act": "GEMM"}
+                    "linear_act": "GEMM"}
 
 
 @dataclass
@@ -327,41 +326,15 @@ def build_model(path: str, preset: str, **overrides) -> torch.nn.Module:
     return vit_fast.create_model(preset, backend="triton", **overrides).train()
 
 
-@contextlib.contextmanager
-def dw_split_planned_for(rows_factor: float):
-    """Inside, gelu_linear splits its dW GEMM's rows as it would for ``rows_factor`` times the rows.
-
-    The split (and with it an fp32 partial buffer S x N x K and one more launch) is chosen from the
-    shape: a small counted batch would not split where the batch counted for does. Counting with the
-    target's split keeps the per-op fit exact: the partials are batch-independent (the fit's fixed part);
-    splits past the counted rows sum no rows but still write their partial tile, as the target's do."""
-    from vit_fast.kernels import gelu_linear
-
-    plan = gelu_linear.dw_splits
-
-    def planned(rows: int, out_tiles: int, block_rows: int) -> tuple[int, int]:
-        splits = plan(max(1, round(rows * rows_factor)), out_tiles, block_rows)[0]
-        steps = -(-max(rows, 1) // block_rows)
-        return splits, -(-steps // splits) * block_rows  # trailing splits may be empty
-
-    gelu_linear.dw_splits = planned
-    try:
-        yield
-    finally:
-        gelu_linear.dw_splits = plan
-
-
 def count_step(model: torch.nn.Module, batch: int, dtype: torch.dtype = torch.bfloat16, img_size: int = 224,
-               in_chans: int = 3, num_classes: int = 1000, memo: dict | None = None,
-               plan_batch: int | None = None) -> list[Op]:
-    """Ops of one forward + cross-entropy + backward at `batch`, under autocast to `dtype` (none for fp32);
-    launch configurations that depend on the batch are those of `plan_batch` (default: `batch`)."""
+               in_chans: int = 3, num_classes: int = 1000, memo: dict | None = None) -> list[Op]:
+    """Ops of one forward + cross-entropy + backward at `batch`, under autocast to `dtype` (none for fp32)."""
     gen = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, in_chans, img_size, img_size, generator=gen)
     y = torch.randint(0, max(num_classes, 1), (batch,), generator=gen)
     model.zero_grad(set_to_none=True)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    with dw_split_planned_for((plan_batch or batch) / batch), StepCounter(memo=memo) as counter:
+    with StepCounter(memo=memo) as counter:
         with autocast:
             out = model(x)
         loss = F.cross_entropy(out.float(), y) if num_classes else out.float().square().mean()
@@ -476,7 +449,7 @@ def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloa
     per_depth = []
     for depth in depths:
         model = build_model(path, preset, **{**overrides, "depth": depth})
-        counted = [count_step(model, b, plan_batch=batch, **kw) for b in batches]
+        counted = [count_step(model, b, **kw) for b in batches]
         ops = counted[0] if len(batches) == 1 else scale_ops(*counted, *batches, batch)
         per_depth.append(aggregate(ops, dtype))
     groups = per_depth[0] if len(depths) == 1 else extrapolate_depth(*per_depth, *depths, cfg.depth)

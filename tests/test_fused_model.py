@@ -273,7 +273,10 @@ def test_autocast_bf16_matches_reference_under_autocast(monkeypatch, residual_in
     for (name, p), (_, q), (_, r) in zip(fused.named_parameters(), ref.named_parameters(), ref64.named_parameters()):
         assert p.grad.dtype == torch.float32, name  # fp32 parameter grads
         err, err_eager = errors(p.grad, r.grad)[0], errors(q.grad, r.grad)[0]
-        assert err <= max(2 * err_eager, 2e-3) and err <= bound(torch.bfloat16, "dot"), (name, err, err_eager)
+        # the 2x-of-eager rule; the dtype's bound caps it where eager itself sits well inside that bound (a
+        # LayerNorm weight's bf16 gradient, summed over every row in bf16, reaches ~0.98e-2 in eager here)
+        cap = max(bound(torch.bfloat16, "dot"), 1.25 * err_eager)
+        assert err <= max(2 * err_eager, 2e-3) and err <= cap, (name, err, err_eager)
 
 
 def test_pure_bf16_model():
@@ -290,7 +293,10 @@ def test_pure_bf16_model():
     for (name, p), (_, q), (_, r) in zip(fused.named_parameters(), ref.named_parameters(), ref64.named_parameters()):
         assert p.grad.dtype == torch.bfloat16, name
         err, err_eager = errors(p.grad, r.grad)[0], errors(q.grad, r.grad)[0]
-        assert err <= max(2 * err_eager, 2e-3) and err <= bound(torch.bfloat16, "dot"), (name, err, err_eager)
+        # the 2x-of-eager rule; the dtype's bound caps it where eager itself sits well inside that bound (a
+        # LayerNorm weight's bf16 gradient, summed over every row in bf16, reaches ~0.98e-2 in eager here)
+        cap = max(bound(torch.bfloat16, "dot"), 1.25 * err_eager)
+        assert err <= max(2 * err_eager, 2e-3) and err <= cap, (name, err, err_eager)
 
 
 @pytest.mark.parametrize("amp,residual_in_fp32", [(False, True), (True, True), (True, False)],

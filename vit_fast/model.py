@@ -8,7 +8,7 @@ builds a preset. ``model.set_backend('torch' | 'triton' | 'auto')`` switches eve
 
 Fused path (backend resolving to 'triton', see vit_fast/backend.py): one ``patch_embed`` launch builds the
 whole token sequence (a dynamic-size pos_embed is resampled first, on the small tensor); the block loop
-carries (normed, residual) pairs so every residual join is fused with the LayerNorm that follows it
+carries (hidden, residual) pairs so every residual join is fused with the LayerNorm that follows it
 (``Block.forward_pair``): norm1 of block 0 is the only stand-alone LayerNorm, the last block's join
 computes the final norm (or, with fc_norm / no final norm, is a plain ``bias_dropout_add``).
 Under autocast the residual stream keeps the parameter dtype (fp32), as in the reference model (the
@@ -19,6 +19,7 @@ the branch dtype) where the reference returns fp32; the logits' dtype is the sam
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Optional
 
 import torch
@@ -26,9 +27,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .backend import check_backend, resolve_backend
-from .layers import (Block, LayerNorm, PatchEmbed, compute_dtype_for, has_hooks, init_weights_vit_timm,
-                     layer_norm_and_input, named_apply, patch_embed_kernel, resample_abs_pos_embed, sincos_2d_pos_embed,
-                     trunc_normal_)
+from .layers import (Block, LayerNorm, PatchEmbed, has_hooks, init_weights_vit_timm, named_apply, patch_embed_kernel,
+                     resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
 from .presets import GLOBAL_POOLS, ViTConfig, get_config
 
 
@@ -204,18 +204,10 @@ class VisionTransformer(nn.Module):
         return torch.get_autocast_dtype(x.device.type)
 
     def forward_features(self, x: torch.Tensor, pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embed(x, pos_embed)
-        if self._fuses_across_blocks(x):
-            return self._forward_blocks_fused(x)
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            for blk in self.blocks:
-                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
-        else:
-            x = self.blocks(x)
-        return self.norm(x)
+        return self._forward_blocks(self.embed(x, pos_embed))
 
     def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
-        """Whether the blocks run as one fused chain (``_forward_blocks_fused``). The chain calls
+        """Whether the blocks run as one fused chain (``_forward_blocks``). The chain calls
         ``Block.forward_pair`` directly, so with hooks anywhere in the blocks (forward or backward) they
         run one by one through ``__call__`` instead: FSDP2's fully_shard gathers parameters in its
         pre-forward hooks, and a user's feature hook expects to fire."""
@@ -231,30 +223,35 @@ class VisionTransformer(nn.Module):
                 and type(self).forward_features is VisionTransformer.forward_features
                 and not self.blocks[-1].draws_row_dropout_masks())
 
-    def _forward_blocks_fused(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
-                              outputs: Optional[list] = None) -> torch.Tensor:
-        """Blocks + final norm carrying (normed, residual): every join is fused with the next LayerNorm.
-        ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``).
-        ``depth``: the first blocks only (the final norm follows the last of them); ``outputs``: a list that
-        receives every block's output tokens (the residual stream after it, nothing extra computed)."""
+    def _forward_blocks(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
+                        outputs: Optional[list] = None) -> torch.Tensor:
+        """The block loop (the only one) and the final norm. Fused chain (``_fuses_across_blocks``): the
+        blocks pass (hidden, residual) pairs, every join fused with the next LayerNorm (the last block's
+        with the final norm); otherwise each block runs through ``__call__`` (hooks fire) on the stream.
+        ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``,
+        fused chain only). ``depth``: the first blocks only (the final norm follows the last of them);
+        ``outputs``: a list that receives every block's output tokens (the residual stream after it).
+        With grad checkpointing each block is recomputed in the backward: torch.utils.checkpoint restores
+        the CPU RNG state first, and the kernels draw their dropout seeds from it (next_seed), so the
+        recomputed masks are the same."""
         blocks = list(self.blocks)[:depth]
-        final_norm = self.norm if isinstance(self.norm, nn.LayerNorm) else None
-        norm1 = blocks[0].norm1
-        normed, residual = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
+        chained = self._fuses_across_blocks(x)
+        final_norm = self.norm if chained and isinstance(self.norm, nn.LayerNorm) else None
+        hidden, residual = blocks[0].norm1.with_input(x) if chained else (None, x)
         for i, blk in enumerate(blocks):
             last = i + 1 == len(blocks)
-            next_norm = final_norm if last else blocks[i + 1].norm1
-            keep_rows = last_keep_rows if last else None
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                # torch.utils.checkpoint restores the CPU RNG state before recomputing, and the kernels
-                # draw their dropout seeds from it (next_seed), so the recomputed masks are the same.
-                normed, residual = torch.utils.checkpoint.checkpoint(blk.forward_pair, normed, residual, next_norm,
-                                                                     keep_rows, use_reentrant=False)
+            if chained:
+                step = functools.partial(blk.forward_pair, next_norm=final_norm if last else blocks[i + 1].norm1,
+                                         keep_rows=last_keep_rows if last else None)
             else:
-                normed, residual = blk.forward_pair(normed, residual, next_norm, keep_rows)
+                step = functools.partial(_module_step, blk)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                hidden, residual = torch.utils.checkpoint.checkpoint(step, hidden, residual, use_reentrant=False)
+            else:
+                hidden, residual = step(hidden, residual)
             if outputs is not None:
                 outputs.append(residual)
-        return normed if final_norm is not None else self.norm(residual)
+        return hidden if final_norm is not None else self.norm(residual)
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
                               return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
@@ -274,18 +271,8 @@ class VisionTransformer(nn.Module):
         depth = max(take) + 1 if stop_early else len(self.blocks)
         B = x.shape[0]
         grid = self.patch_embed.check_input(x)
-        tokens = self.embed(x)
         outputs: list[torch.Tensor] = []
-        if self._fuses_across_blocks(tokens):
-            final = self._forward_blocks_fused(tokens, depth=depth, outputs=outputs)
-        else:
-            for blk in self.blocks[:depth]:
-                if self.grad_checkpointing and torch.is_grad_enabled():
-                    tokens = torch.utils.checkpoint.checkpoint(blk, tokens, use_reentrant=False)
-                else:
-                    tokens = blk(tokens)
-                outputs.append(tokens)
-            final = self.norm(tokens)
+        final = self._forward_blocks(self.embed(x), depth=depth, outputs=outputs)
         intermediates = [self.norm(y) if norm else y for i, y in enumerate(outputs) if i in take]
         prefix = [y[:, :self.num_prefix_tokens] for y in intermediates] if self.num_prefix_tokens else None
         intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
@@ -336,7 +323,7 @@ class VisionTransformer(nn.Module):
         if self._prunes_to_class_token(x):
             # the last block skips the other tokens' proj, MLP and joins; forward_features still
             # returns every token
-            return self.forward_head(self._forward_blocks_fused(self.embed(x), last_keep_rows=1))
+            return self.forward_head(self._forward_blocks(self.embed(x), last_keep_rows=1))
         return self.forward_head(self.forward_features(x))
 
     @torch.no_grad()
@@ -363,6 +350,11 @@ class VisionTransformer(nn.Module):
                 break
             x = blk(x)
         return {i % depth: maps[i % depth] for i in chosen}
+
+
+def _module_step(block: nn.Module, hidden: None, residual: torch.Tensor) -> tuple[None, torch.Tensor]:
+    """One block through ``__call__`` in the pair loop's shape (no fused hidden half)."""
+    return None, block(residual)
 
 
 def block_indices(depth: int, indices: int | Iterable[int] | None) -> list[int]:

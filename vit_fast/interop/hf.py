@@ -93,15 +93,13 @@ class HFViT(nn.Module):
         attentions = None
         if want_hidden or want_attentions:
             x = model.embed(pixel_values, pos_embed)
-            hidden_states, attentions = [x], []
-            for blk in model.blocks:
-                if want_attentions:
-                    attentions.append(blk.attn.attention_probs(blk.norm1(x)))
-                x = blk(x)
-                hidden_states.append(x)
-            sequence = model.norm(x)
-            hidden_states = tuple(hidden_states) if want_hidden else None
-            attentions = tuple(attentions) if want_attentions else None
+            outputs: list[torch.Tensor] = []
+            sequence = model._forward_blocks(x, outputs=outputs)
+            hidden_states = (x, *outputs)
+            if want_attentions:
+                attentions = tuple(blk.attn.attention_probs(blk.norm1(h))
+                                   for blk, h in zip(model.blocks, hidden_states))
+            hidden_states = hidden_states if want_hidden else None
         else:
             sequence, hidden_states = model.forward_features(pixel_values, pos_embed), None
         if self.is_classifier:

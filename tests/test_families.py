@@ -245,3 +245,133 @@ def test_attention_pool_matches_timm(backend):
     assert set(ours.state_dict()) == set(theirs.state_dict())
     _load_from(ours, theirs)
     _compare_module(ours.to(DEVICE), theirs.to(DEVICE), torch.randn(3, 11, 48, device=DEVICE), backend)
+
+
+# ------------------------------------------------------------------------------ families through vit_fast
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4)
+FAMILIES = {
+    "clip_quickgelu": dict(pre_norm=True, norm_eps=1e-5, act="quick_gelu", num_classes=10),
+    "clip_gelu": dict(pre_norm=True, norm_eps=1e-5, num_classes=10),
+    "siglip_map": dict(class_token=False, global_pool="map", act="gelu_tanh", num_classes=0),
+    "dinov2": dict(init_values=0.3, num_classes=5),
+    "dinov2_giant_swiglu": dict(init_values=0.3, mlp_layer="swiglu_packed", mlp_ratio=2.5, num_classes=5),
+    "swiglu_split": dict(mlp_layer="swiglu", mlp_ratio=1.5, num_classes=5),
+    "deit_distilled": dict(distilled=True, num_classes=7),
+    # SigLIP So400m's head shape: 2 heads of 72 (a non-power-of-two head_dim), MLP ratio 4304/1152
+    "so400m_head_dim_72": dict(embed_dim=144, num_heads=2, mlp_ratio=3.7362, class_token=False, global_pool="map",
+                               num_classes=0),
+}
+
+
+def timm_family(kind: str, seed: int = 0, **extra) -> nn.Module:
+    """timm's model of a tiny family config, weights perturbed (non-zero biases, LayerNorm affine, tokens)."""
+    from timm.models.deit import VisionTransformerDistilled
+    from timm.models.vision_transformer import VisionTransformer
+
+    cfg = {**TINY, **FAMILIES[kind], **extra}
+    cls = VisionTransformerDistilled if cfg.pop("distilled", False) else VisionTransformer
+    torch.manual_seed(seed)
+    ref = cls(**families.timm_kwargs(cfg))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return ref
+
+
+def _grads_match(fast: nn.Module, ref: nn.Module, rtol: float) -> None:
+    ours = dict(fast.named_parameters())
+    assert set(ours) == {k for k, _ in ref.named_parameters()}
+    for k, p in ref.named_parameters():
+        assert p.grad is not None and ours[k].grad is not None, k
+        assert_close(ours[k].grad, p.grad, rtol, f"grad {k}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_timm_family_through_optimize(kind, backend):
+    """optimize(timm model) for every family: same output and every parameter's gradient, both backends
+    (the fused path on the interpreter's kernels: pre_norm, QuickGELU, attention pool, SwiGLU, dist token)."""
+    import vit_fast
+
+    ref = timm_family(kind).eval()
+    fast = vit_fast.optimize(ref, backend=backend)
+    assert type(fast).__name__ == "VisionTransformer" and fast.config.backend == backend
+    x = _images(TINY)
+    out, expected = fast(x), ref(x)
+    assert_close(out, expected, FP32, "output")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    _grads_match(fast, ref, FP32)
+
+
+def test_distilled_train_and_eval_semantics():
+    """timm's VisionTransformerDistilled: eval averages the two heads; training returns (head, head_dist) only
+    with distilled training on; pre_logits averages the two tokens."""
+    import vit_fast
+
+    ref = timm_family("deit_distilled")
+    fast = vit_fast.optimize(ref.eval(), backend="triton")
+    x = _images(TINY)
+    assert_close(fast(x), ref(x), FP32, "eval logits")
+    fast.train(), ref.train()
+    assert_close(fast(x), ref(x), FP32, "training logits, distilled training off")
+    ref.set_distilled_training(True)
+    fast.set_distilled_training(True)
+    (a, b), (ra, rb) = fast(x), ref(x)
+    assert_close(a, ra, FP32, "head")
+    assert_close(b, rb, FP32, "head_dist")
+    assert_close(fast.forward_head(fast.forward_features(x), pre_logits=True),
+                 ref.forward_head(ref.forward_features(x), pre_logits=True), FP32, "pre_logits")
+    ref.eval(), fast.eval()
+    assert_close(fast(x), ref(x), FP32, "eval logits with distilled training on")
+    fast.reset_classifier(3)
+    assert fast.head.out_features == fast.head_dist.out_features == 3
+    with pytest.raises(ValueError, match="must stay 'token'"):
+        fast.reset_classifier(3, "avg")
+
+
+@pytest.mark.parametrize("kind", ["clip_quickgelu", "siglip_map", "dinov2_giant_swiglu"])
+def test_family_bf16_autocast(kind):
+    """Under bf16 autocast the fused model is within the bf16 bound of the float64 reference and at most 2x
+    timm's own autocast error (the guide's rule)."""
+    import vit_fast
+    from tests.numerics import bound, errors
+
+    ref = timm_family(kind).eval()
+    fast = vit_fast.optimize(ref, backend="triton")
+    x = _images(TINY)
+    out64 = timm_family(kind).double().eval()(x.double()).detach()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        err, err_eager = errors(fast(x), out64)[0], errors(ref(x), out64)[0]
+    assert err <= min(bound(torch.bfloat16, "dot"), 2 * err_eager + 1e-3), (err, err_eager)
+
+
+def test_family_compiles_fullgraph():
+    """One model with every family part (pre_norm, SwiGLU MLP, attention-pool head) under
+    torch.compile(fullgraph=True) on the fused path: same loss and gradients as eager."""
+    import vit_fast
+
+    ref = timm_family("siglip_map", pre_norm=True, mlp_layer="swiglu_packed", act="gelu").eval()
+    fast = vit_fast.optimize(ref, backend="triton")
+    x = _images(TINY)
+    compiled = torch.compile(lambda m, t: m(t).square().sum(), backend="aot_eager", fullgraph=True)
+    compiled(fast, x).backward()
+    grads = {k: p.grad.clone() for k, p in fast.named_parameters()}
+    fast.zero_grad()
+    fast(x).square().sum().backward()
+    for k, p in fast.named_parameters():
+        assert_close(grads[k], p.grad, FP32, f"compiled grad {k}")
+
+
+def test_family_checkpoint_round_trip(tmp_path):
+    """A family model saved under timm's names loads back (attn_pool.*, norm_pre.*, mlp.fc1 of 2F, dist_token)."""
+    import vit_fast
+    from vit_fast.interop.convert import load_checkpoint, save_checkpoint
+
+    for kind in ("siglip_map", "clip_quickgelu", "dinov2_giant_swiglu", "deit_distilled"):
+        fast = vit_fast.optimize(timm_family(kind).eval(), backend="torch")
+        save_checkpoint(fast, tmp_path / f"{kind}.safetensors")
+        again = vit_fast.VisionTransformer(fast.config.replace(weight_init="skip"))
+        load_checkpoint(again, tmp_path / f"{kind}.safetensors")
+        x = _images(TINY)
+        assert torch.equal(again(x), fast(x))

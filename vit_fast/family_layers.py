@@ -14,31 +14,23 @@ head and DINOv2-giant's SwiGLU MLP. Module and parameter names are timm's (``att
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .backend import check_backend, resolve_backend
 from .kernels.swiglu import swiglu, swiglu_packed
-from .layers import LayerNorm, Mlp, has_hooks
+from .layers import LayerNorm, Mlp, QuickGELU, has_hooks, quick_gelu  # noqa: F401  (re-exported)
 
 QUICK_GELU_ALPHA = 1.702
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(1.702 x) (OpenAI CLIP's activation); math in the input's dtype as timm and open_clip."""
-    return x * torch.sigmoid(QUICK_GELU_ALPHA * x)
 
 
 def quick_gelu_grad(x: torch.Tensor) -> torch.Tensor:
     """d quick_gelu / dx = s + 1.702 x s (1 - s), s = sigmoid(1.702 x): the backward math a fused kernel uses."""
     s = torch.sigmoid(QUICK_GELU_ALPHA * x)
     return s + QUICK_GELU_ALPHA * x * s * (1 - s)
-
-
-class QuickGELU(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quick_gelu(x)
 
 
 class SwiGLUPackedMlp(nn.Module):
@@ -75,6 +67,13 @@ class SwiGLUPackedMlp(nn.Module):
         """fc2's output without its bias (the fused residual join adds it, then drop2)."""
         return F.linear(self.hidden(x), self.fc2.weight)
 
+    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
+        """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
+        return self.fc2.bias, self.drop2.p
+
+    def draws_row_dropout_masks(self) -> bool:
+        return self.training and (self.drop1.p > 0 or self.drop2.p > 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.hidden(x)))
 
@@ -102,6 +101,9 @@ class SwiGLUMlp(nn.Module):
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.hidden(x), self.fc2.weight)
+
+    join_terms = SwiGLUPackedMlp.join_terms
+    draws_row_dropout_masks = SwiGLUPackedMlp.draws_row_dropout_masks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.hidden(x)))

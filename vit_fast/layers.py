@@ -229,17 +229,29 @@ class Attention(nn.Module):
         return self.proj_drop(self.proj(x))
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x): OpenAI CLIP's activation (timm / open_clip QuickGELU), in the input's dtype."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+class QuickGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quick_gelu(x)
+
+
 class Mlp(nn.Module):
-    """fc1 -> GELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp."""
+    """fc1 -> GELU (exact / tanh) or QuickGELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp.
+    QuickGELU has no fused activation kernel yet: on the fused path its hidden activation is materialised
+    (fc1 GEMM with bias, QuickGELU in torch, fc2 GEMM without bias; the joins stay fused)."""
 
     def __init__(self, in_features: int, hidden_features: int, act: str = "gelu", drop: float = 0.0,
                  backend: str = "auto"):
         super().__init__()
-        if act not in ("gelu", "gelu_tanh"):
-            raise ValueError(f"act must be 'gelu' (exact erf) or 'gelu_tanh', got {act!r}")
+        if act not in ("gelu", "gelu_tanh", "quick_gelu"):
+            raise ValueError(f"act must be 'gelu' (exact erf), 'gelu_tanh' or 'quick_gelu', got {act!r}")
         self.backend = check_backend(backend)
         self.fc1 = nn.Linear(in_features, hidden_features)
-        self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
+        self.act = QuickGELU() if act == "quick_gelu" else nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
         self.drop1 = nn.Dropout(drop)
         self.norm = nn.Identity()
         self.fc2 = nn.Linear(hidden_features, in_features)
@@ -248,7 +260,8 @@ class Mlp(nn.Module):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
         ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
-        if resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1) or has_hooks(self.act):
+        if (resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1) or has_hooks(self.act)
+                or isinstance(self.act, QuickGELU)):
             return self.norm(self.drop1(self.act(self.fc1(x))))
         x = bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias, self.act.approximate)
         if self.drop1.p > 0 and self.training:
@@ -260,7 +273,7 @@ class Mlp(nn.Module):
         bias, then ``gelu_linear`` (fc1 bias + GELU inside the fc2 GEMM). With drop1 active or an MLP
         norm the hidden activation is materialised: ``hidden`` then the fc2 GEMM."""
         if (resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
-                and not (self.drop1.p > 0 and self.training)):
+                and isinstance(self.act, nn.GELU) and not (self.drop1.p > 0 and self.training)):
             return gelu_linear(F.linear(x, self.fc1.weight), self.fc1.bias, self.fc2.weight, self.act.approximate)
         return F.linear(self.hidden(x), self.fc2.weight)
 
@@ -327,7 +340,7 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  qk_norm: bool = False, init_values: Optional[float] = None, proj_drop: float = 0.0,
                  attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6, act: str = "gelu",
-                 backend: str = "auto"):
+                 backend: str = "auto", mlp_layer: str = "mlp"):
         super().__init__()
         self.backend = check_backend(backend)
         self.norm1 = layer_norm(dim, norm_eps, backend)
@@ -336,7 +349,12 @@ class Block(nn.Module):
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = layer_norm(dim, norm_eps, backend)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, drop=proj_drop, backend=backend)
+        if mlp_layer == "mlp":
+            self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, drop=proj_drop, backend=backend)
+        else:  # SwiGLU (DINOv2-g); vit_fast/family_layers.py imports this module
+            from .family_layers import make_mlp
+
+            self.mlp = make_mlp(mlp_layer, dim, int(dim * mlp_ratio), act, proj_drop, backend=backend)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 

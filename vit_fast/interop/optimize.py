@@ -51,6 +51,8 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
                              + "\n  - ".join(problems))
         fast = from_timm(model)
         fast.set_grad_checkpointing(bool(getattr(model, "grad_checkpointing", False)))
+        if getattr(model, "distilled_training", False):
+            fast.set_distilled_training(True)
         names = {k: k for k in dict(model.named_parameters())}
     elif kind == "torchvision":
         fast = from_torchvision(model)
@@ -76,7 +78,7 @@ def source_kind(model: nn.Module) -> str:
         return "vit_fast"
     cls = type(model)
     where = f"{cls.__module__}.{cls.__qualname__}"
-    if where == "timm.models.vision_transformer.VisionTransformer":
+    if where in ("timm.models.vision_transformer.VisionTransformer", "timm.models.deit.VisionTransformerDistilled"):
         return "timm"
     if where == "torchvision.models.vision_transformer.VisionTransformer":
         return "torchvision"

@@ -375,3 +375,89 @@ def test_family_checkpoint_round_trip(tmp_path):
         load_checkpoint(again, tmp_path / f"{kind}.safetensors")
         x = _images(TINY)
         assert torch.equal(again(x), fast(x))
+
+
+# ------------------------------------------------------------------ transformers and open_clip sources
+def _perturbed(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", ["clip", "clip_projection", "siglip", "siglip_classifier", "dinov2",
+                                  "dinov2_swiglu"])
+def test_hf_family_through_optimize(kind, backend):
+    """optimize(transformers model): the source's output type and fields (last_hidden_state, pooler_output,
+    image_embeds, logits, loss) and every source parameter's gradient, both backends."""
+    import vit_fast
+
+    torch.manual_seed(0)
+    source = _perturbed(_hf_models()[kind]()).eval()
+    fast = vit_fast.optimize(source, backend=backend)
+    assert type(fast).__name__ == "HFVisionFamily"
+    x = _images({"img_size": 32})
+    labels = torch.tensor([1, 3]) if kind == "siglip_classifier" else None
+    kwargs = {"labels": labels} if labels is not None else {}
+    out, expected = fast(x, **kwargs), source(pixel_values=x, **kwargs)
+    assert type(out) is type(expected)
+    fields = [k for k, v in expected.items() if v is not None]
+    assert fields == [k for k, v in out.items() if v is not None]
+    for k in fields:
+        assert_close(out[k], expected[k], FP32, k)
+    loss, ref_loss = (sum(v.square().sum() for v in o.values() if v is not None and v.dim() > 0)
+                      for o in (out, expected))
+    loss.backward()
+    ref_loss.backward()
+    fast_params = dict(fast.named_parameters())
+    names = __import__("vit_fast.interop.optimize", fromlist=["x"])._family_names(
+        source, __import__("vit_fast.interop.optimize", fromlist=["x"]).hf_family_to_timm(source))
+    to_timm = families.hf_dinov2_to_timm if kind.startswith("dinov2") else families.hf_clip_siglip_to_timm
+    mapped = to_timm({k: p.grad for k, p in source.named_parameters() if p.grad is not None})
+    assert {"model." + k for k in mapped} == set(fast_params)
+    assert {"model." + n for v in names.values() for n in v} == set(fast_params)
+    for k, g in mapped.items():
+        assert_close(fast_params["model." + k].grad, g, FP32, f"grad {k}")
+    assert not fast(x, return_dict=False)[0].isnan().any()
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        fast(x, output_hidden_states=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_open_clip_through_optimize_and_from_open_clip(backend):
+    """optimize(open_clip VisionTransformer) and from_open_clip(model with .visual): the embedding
+    (ln_post(class token) @ proj) and every gradient; frozen source parameters stay frozen."""
+    import vit_fast
+    from open_clip.transformer import QuickGELU, VisionTransformer
+
+    torch.manual_seed(0)
+    visual = _perturbed(VisionTransformer(image_size=32, patch_size=8, width=64, layers=2, heads=4, mlp_ratio=4.0,
+                                          ls_init_value=0.3, output_dim=24, act_layer=QuickGELU)).eval()
+    visual.conv1.weight.requires_grad_(False)
+    fast = vit_fast.optimize(visual, backend=backend)
+    assert not fast.patch_embed.proj.weight.requires_grad and fast.head.bias is None
+    x = _images({"img_size": 32})
+    out, expected = fast(x), visual(x)
+    assert_close(out, expected, FP32, "embedding")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    mapped = families.open_clip_to_timm({k: p.grad for k, p in visual.named_parameters() if p.grad is not None})
+    ours = dict(fast.named_parameters())
+    for k, g in mapped.items():
+        assert_close(ours[k].grad, g, FP32, f"grad {k}")
+    holder = nn.Module()
+    holder.visual = visual
+    assert_close(vit_fast.from_open_clip(holder).set_backend(backend)(x), expected, FP32, "from_open_clip")
+
+
+def test_from_hf_family_model():
+    import vit_fast
+
+    torch.manual_seed(0)
+    source = _perturbed(_hf_models()["dinov2_swiglu"]()).eval()
+    fast = vit_fast.from_hf(source)
+    assert fast.config.mlp_layer == "swiglu_packed" and fast.config.init_values == 0.5
+    x = _images({"img_size": 32})
+    assert_close(fast(x), source(pixel_values=x).pooler_output, FP32, "pooled")

@@ -239,13 +239,23 @@ def hf_to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+HF_FAMILY_CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
+                     "SiglipForImageClassification", "Dinov2Model")
+
+
 def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
-    """A vit_fast model with the weights of a transformers ViTModel / ViTForImageClassification.
+    """A vit_fast model with the weights of a transformers ViTModel / ViTForImageClassification, or of a
+    CLIPVisionModel(WithProjection) / SiglipVisionModel / SiglipForImageClassification / Dinov2Model object
+    (config read exactly, see interop/families.py; CLIP's visual_projection becomes a bias-free head).
 
     Keeps Hugging Face's LayerNorm eps (1e-12) and GELU flavour. From a state dict, eps defaults to 1e-12
     and num_heads to the standard one for the width (pass num_heads=... otherwise). Eval outputs are
     identical; in training, hidden_dropout_prob also drops after the GELU here (timm's Mlp), which
     Hugging Face's ViTIntermediate does not."""
+    if isinstance(model_or_state_dict, nn.Module) and type(model_or_state_dict).__name__ in HF_FAMILY_CLASSES:
+        from .families import hf_config, hf_to_timm
+
+        return _build(hf_config(model_or_state_dict), hf_to_timm(model_or_state_dict), overrides)
     if isinstance(model_or_state_dict, nn.Module):
         hf = model_or_state_dict
         c = hf.config
@@ -265,6 +275,17 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
         sd = hf_to_timm_state_dict(model_or_state_dict)
         config = {**_timm_config_from_state_dict(sd, overrides), "norm_eps": 1e-12}
     return _build(config, sd, overrides)
+
+
+# ----------------------------------------------------------------------------------------- open_clip
+def from_open_clip(model, **overrides) -> VisionTransformer:
+    """A vit_fast model with the weights of an open_clip image tower: an open_clip VisionTransformer or a
+    CLIP model holding one as ``.visual``. ``proj`` becomes a bias-free head (forward returns x @ proj as
+    open_clip's does); LayerScale, QuickGELU / GELU and the LayerNorm eps are read from the modules."""
+    from .families import open_clip_config, open_clip_to_timm
+
+    visual = getattr(model, "visual", model)
+    return _build(open_clip_config(visual), open_clip_to_timm(visual.state_dict()), overrides)
 
 
 # --------------------------------------------------------------------------------------- torchvision

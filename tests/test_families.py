@@ -461,3 +461,28 @@ def test_from_hf_family_model():
     assert fast.config.mlp_layer == "swiglu_packed" and fast.config.init_values == 0.5
     x = _images({"img_size": 32})
     assert_close(fast(x), source(pixel_values=x).pooler_output, FP32, "pooled")
+
+
+def test_init_from_timm_clip_uses_the_local_weights(monkeypatch):
+    """``--init-from timm:vit_base_patch16_clip_224``: the timm model that timm.create_model(pretrained=True)
+    returns (here a tiny CLIP tower standing in for the cached weights) is converted with pre_norm and a
+    bias-free patch embedding, and loads into the preset model; the head of another class count is fresh."""
+    import vit_fast
+    from vit_fast.training import checkpoint as ckpt
+
+    clip = dict(FAMILIES["clip_gelu"], num_classes=1000)
+    calls = []
+
+    def cached_create_model(name, pretrained=False, **kwargs):
+        calls.append((name, pretrained))
+        return timm_family("clip_gelu", num_classes=1000)
+
+    monkeypatch.setattr(timm, "create_model", cached_create_model)
+    model = vit_fast.create_model("vit_base_patch16_clip_224", **{**TINY, "num_classes": 3})
+    assert model.config.pre_norm and model.patch_embed.proj.bias is None and clip["pre_norm"]
+    notes = ckpt.load_pretrained(model, "timm:vit_base_patch16_clip_224")
+    assert calls == [("vit_base_patch16_clip_224", True)]
+    assert any("head.weight re-initialised" in n for n in notes)
+    source = timm_family("clip_gelu", num_classes=1000)
+    assert torch.equal(model.norm_pre.weight, source.norm_pre.weight)
+    assert torch.equal(model.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight)

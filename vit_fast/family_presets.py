@@ -30,3 +30,17 @@ FAMILY_PRESETS: dict[str, dict] = {
     # DeiT with a distillation token and head
     "deit_base_distilled_patch16_224": dict(_B, patch_size=16, img_size=224, distilled=True),
 }
+
+_OPENAI_CLIP = dict(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
+_HALF = dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+_IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+# timm's data config of each family preset's default weights (crop and normalisation; tests/test_clients.py)
+FAMILY_DATA_CFG: dict[str, dict] = {
+    "vit_base_patch16_clip_224": dict(crop_pct=0.95, **_OPENAI_CLIP),
+    "vit_large_patch14_clip_224": dict(crop_pct=1.0, **_HALF),
+    "vit_base_patch16_clip_quickgelu_224": dict(crop_pct=1.0, **_OPENAI_CLIP),
+    "vit_base_patch16_siglip_224": dict(crop_pct=0.9, **_HALF),
+    "vit_so400m_patch14_siglip_224": dict(crop_pct=0.9, **_HALF),
+    **{name: dict(crop_pct=1.0, **_IMAGENET) for name in FAMILY_PRESETS if name.endswith("dinov2")},
+    "deit_base_distilled_patch16_224": dict(crop_pct=0.9, **_IMAGENET),
+}

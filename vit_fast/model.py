@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 from .backend import check_backend, resolve_backend
 from .layers import (Block, LayerNorm, PatchEmbed, has_hooks, init_weights_vit_timm, named_apply, patch_embed_kernel,
                      resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
-from .presets import GLOBAL_POOLS, ViTConfig, get_config
+from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
 
 
 class VisionTransformer(nn.Module):
@@ -37,10 +37,21 @@ class VisionTransformer(nn.Module):
         super().__init__()
         # Always a private copy: set_backend / reset_classifier must not change the caller's config.
         cfg = config.replace(**overrides) if config is not None else ViTConfig(**overrides)
+        if cfg.weight_init == "skip":  # weights come from elsewhere: the modules' own default init draws
+            with torch.random.fork_rng(devices=[]):  # nothing from the global generator (on CPU)
+                self._build(cfg)
+        else:
+            self._build(cfg)
+            self.init_weights()
+
+    def _build(self, cfg: ViTConfig) -> None:
         self.config = cfg
         self.num_classes = cfg.num_classes
         self.global_pool = cfg.global_pool
-        self.num_features = self.embed_dim = cfg.embed_dim
+        self.num_features = self.head_hidden_size = self.embed_dim = cfg.embed_dim
+        self.in_chans = cfg.in_chans
+        self.has_class_token = cfg.class_token
+        self.pool_include_prefix = False  # timm's option (pool the prefix tokens too) is not implemented
         self.num_prefix_tokens = cfg.num_prefix_tokens
         self.num_reg_tokens = cfg.reg_tokens
         self.no_embed_class = cfg.no_embed_class
@@ -74,6 +85,9 @@ class VisionTransformer(nn.Module):
                   drop_path=dpr[i], norm_eps=cfg.norm_eps, act=cfg.act, backend=cfg.backend,
                   mlp_layer=cfg.mlp_layer)
             for i in range(cfg.depth)])
+        # timm's feature-extraction description: every block's output, embed_dim channels at 1/patch
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=D, reduction=max(self.patch_embed.patch_size))
+                             for i in range(cfg.depth)]
         use_fc_norm = cfg.use_fc_norm
         final_norm = cfg.final_norm and not use_fc_norm
         self.norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if final_norm else nn.Identity()
@@ -90,9 +104,9 @@ class VisionTransformer(nn.Module):
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes, bias=cfg.head_bias) if cfg.num_classes > 0 else nn.Identity()
         self.head_dist = self._new_head(cfg.num_classes) if cfg.distilled else None
-
-        if cfg.weight_init != "skip":
-            self.init_weights()
+        # timm's data config (resolve_data_config); create_model / optimize put the preset's or source's
+        self.pretrained_cfg = dict(input_size=(cfg.in_chans, *cfg.img_size), fixed_input_size=not cfg.dynamic_img_size,
+                                   num_classes=cfg.num_classes, first_conv="patch_embed.proj", classifier="head")
 
     # ----------------------------------------------------------------------------------------- setup
     def init_weights(self) -> None:
@@ -123,9 +137,6 @@ class VisionTransformer(nn.Module):
             raise ValueError("set_distilled_training: the model has no distillation token (distilled=False)")
         self.distilled_training = bool(enable)
 
-    def get_classifier(self):
-        return (self.head, self.head_dist) if self.head_dist is not None else self.head
-
     def set_backend(self, backend: str) -> "VisionTransformer":
         """Route every module to 'torch' (reference), 'triton' (fused kernels) or 'auto'."""
         check_backend(backend)
@@ -135,8 +146,27 @@ class VisionTransformer(nn.Module):
         self.config.backend = backend
         return self
 
+    @property
+    def default_cfg(self) -> dict:
+        """timm's old name of ``pretrained_cfg`` (the same dict)."""
+        return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, value: dict) -> None:
+        self.pretrained_cfg = value
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
+
+    def get_classifier(self):
+        """The head; (head, head_dist) for a distilled model, as timm's VisionTransformerDistilled."""
+        return (self.head, self.head_dist) if self.head_dist is not None else self.head
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for timm's layer-wise lr decay (timm.optim, layer_decay): the embedding stem,
+        one group per block, the final norm last; the same regexes as timm's VisionTransformer."""
+        return dict(stem=r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre|dist_token",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         if global_pool is not None:
@@ -455,7 +485,9 @@ def create_model(name: str, **overrides) -> VisionTransformer:
     if overrides.pop("pretrained", False):
         raise ValueError("pretrained weights are not downloaded by vit_fast; build the model, then "
                          "load_checkpoint(model, path) or convert with from_timm / from_hf / from_torchvision")
-    return VisionTransformer(get_config(name, **overrides))
+    model = VisionTransformer(get_config(name, **overrides))
+    model.pretrained_cfg = pretrained_cfg(name)
+    return model
 
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:

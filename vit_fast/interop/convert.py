@@ -7,6 +7,7 @@ key or shape mismatch raises one ``CheckpointError`` that names them all.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -193,7 +194,11 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     else:
         sd = dict(model_or_state_dict)
         config = _timm_config_from_state_dict(sd, overrides)
-    return _build(config, sd, overrides)
+    model = _build(config, sd, overrides)
+    source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)
+    if source_cfg:  # the data config (mean, std, crop, interpolation) travels with the weights
+        model.pretrained_cfg = copy.deepcopy(dict(source_cfg))
+    return model
 
 
 # ------------------------------------------------------------------------------------- Hugging Face

@@ -7,9 +7,9 @@ Accepted sources and what comes back (same device, dtype, train/eval mode and re
   - timm VisionTransformer        -> vit_fast.VisionTransformer (timm's own module and parameter names;
                                      forward / forward_features / forward_head as timm's);
   - torchvision VisionTransformer -> vit_fast.VisionTransformer (forward(x) -> logits);
-  - transformers ViTModel / ViTForImageClassification -> ``HFViT``, a thin wrapper around a
-    vit_fast.VisionTransformer that takes ``pixel_values`` (positional or keyword), ``labels`` and
-    ``return_dict`` / ``output_hidden_states`` and returns the source model's output type;
+  - transformers ViTModel / ViTForImageClassification -> ``HFViT`` (interop/hf.py), a transformers
+    PreTrainedModel around a vit_fast.VisionTransformer with the source class's forward signature, outputs,
+    config and save_pretrained files (stock from_pretrained loads them);
   - a vit_fast VisionTransformer  -> the same object, switched to ``backend``.
 A source using a feature vit_fast does not implement raises one ValueError listing every such feature:
 the result is never a silently different model.
@@ -24,13 +24,14 @@ from .convert import (HF_FAMILY_CLASSES, from_hf, from_open_clip, from_timm, fro
                       timm_unsupported, torchvision_to_timm_state_dict)
 from .families import open_clip_to_timm
 from ..model import VisionTransformer
-from .hf import HFViT
 from .hf_families import HFVisionFamily
 
 
 def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True) -> nn.Module:
     """A vit_fast model with ``model``'s weights, head and forward signature, running ``backend``
     ('auto': the Triton kernels on CUDA tensors, the PyTorch reference elsewhere; 'triton'; 'torch').
+    Draws nothing from the global random generators (torch, numpy, random): the same seed gives the same
+    run as with the source model.
     ``residual_in_fp32=False`` keeps the residual stream in the autocast dtype under autocast (fewer bytes
     per step; numerics then differ from the source's fp32 stream)."""
     check_backend(backend)
@@ -66,7 +67,9 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
         fast = from_torchvision(model)
         names = _mapped_names(model, torchvision_to_timm_state_dict)
     else:  # transformers
-        fast = HFViT(model, from_hf(model))
+        from .hf import hf_wrap  # imports transformers
+
+        fast = hf_wrap(model, from_hf(model))
         names = {k: "model." + v for k, v in _mapped_names(model, hf_to_timm_state_dict).items()}
     fast = fast.to(device=device, dtype=dtype)
     _copy_requires_grad(model, fast, names)
@@ -75,7 +78,7 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
 
 
 def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
-    vit = fast.model if isinstance(fast, (HFViT, HFVisionFamily)) else fast
+    vit = fast if isinstance(fast, VisionTransformer) else fast.model  # HFViT / HFVisionFamily wrap one
     vit.residual_in_fp32 = vit.config.residual_in_fp32 = bool(residual_in_fp32)
     return fast
 

@@ -250,6 +250,7 @@ class Mlp(nn.Module):
         if act not in ("gelu", "gelu_tanh", "quick_gelu"):
             raise ValueError(f"act must be 'gelu' (exact erf), 'gelu_tanh' or 'quick_gelu', got {act!r}")
         self.backend = check_backend(backend)
+        self.act_name = act  # 'gelu' | 'gelu_tanh' | 'quick_gelu': the fused kernels' activation switch
         self.fc1 = nn.Linear(in_features, hidden_features)
         self.act = QuickGELU() if act == "quick_gelu" else nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
         self.drop1 = nn.Dropout(drop)

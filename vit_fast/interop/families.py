@@ -304,7 +304,7 @@ def hf_config(model: nn.Module) -> dict:
                    qkv_bias=c.qkv_bias, proj_drop_rate=c.hidden_dropout_prob, drop_path_rate=c.drop_path_rate)
         if c.use_swiglu_ffn:
             hidden = (int(hidden * 2 / 3) + 7) // 8 * 8
-            cfg.update(mlp_layer="swiglu_packed", mlp_ratio=2 * hidden / c.hidden_size)
+            cfg.update(mlp_layer="swiglu_packed", mlp_ratio=2 * hidden / c.hidden_size, act="gelu")  # SiLU gate
         else:
             cfg["mlp_ratio"] = hidden / c.hidden_size
         return cfg

@@ -165,7 +165,9 @@ class VisionTransformer(nn.Module):
     def group_matcher(self, coarse: bool = False) -> dict:
         """Parameter groups for timm's layer-wise lr decay (timm.optim, layer_decay): the embedding stem,
         one group per block, the final norm last; the same regexes as timm's VisionTransformer."""
-        return dict(stem=r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre|dist_token",
+        stem = (r"^cls_token|pos_embed|patch_embed|dist_token" if self.dist_token is not None  # timm's DeiT
+                else r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre")
+        return dict(stem=stem,
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:

@@ -23,6 +23,8 @@ setup(
             "timm",
             "transformers",
             "accelerate",
+            "open_clip_torch",  # tests/test_families.py: open_clip image towers (install it with --no-deps + ftfy)
+            "ftfy",
             "torchvision",
             "safetensors",
             "tqdm",

@@ -152,8 +152,7 @@ def test_open_clip_mapping_matches_source(quick):
     """open_clip VisionTransformer (QuickGELU or GELU, LayerScale) -> timm names: same embedding (x @ proj after
     ln_post on the class token) and the same gradient for every parameter, proj included."""
     oc = pytest.importorskip("open_clip.transformer")
-    from open_clip.transformer import QuickGELU
-
+    QuickGELU = oc.QuickGELU
     torch.manual_seed(0)
     visual = oc.VisionTransformer(image_size=32, patch_size=8, width=64, layers=2, heads=4, mlp_ratio=4.0,
                                   ls_init_value=0.3 if quick else None, output_dim=24,
@@ -430,8 +429,9 @@ def test_open_clip_through_optimize_and_from_open_clip(backend):
     """optimize(open_clip VisionTransformer) and from_open_clip(model with .visual): the embedding
     (ln_post(class token) @ proj) and every gradient; frozen source parameters stay frozen."""
     import vit_fast
-    from open_clip.transformer import QuickGELU, VisionTransformer
 
+    oc = pytest.importorskip("open_clip.transformer")
+    QuickGELU, VisionTransformer = oc.QuickGELU, oc.VisionTransformer
     torch.manual_seed(0)
     visual = _perturbed(VisionTransformer(image_size=32, patch_size=8, width=64, layers=2, heads=4, mlp_ratio=4.0,
                                           ls_init_value=0.3, output_dim=24, act_layer=QuickGELU)).eval()

@@ -28,6 +28,8 @@ setup(
             "transformers",
             "accelerate",
             "torchvision>=0.26",
+            "open_clip_torch",  # tests/test_families.py: open_clip image towers
+            "ftfy",
             "safetensors",
             "tqdm",
             "matplotlib",

@@ -4,7 +4,7 @@ A timm-compatible ViT (same parameter names, same numbers) whose building blocks
 pure-PyTorch reference path (backend='torch') and fused Triton kernels (backend='triton' / 'auto').
 """
 from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
-from .interop.convert import (CheckpointError, from_hf, from_timm, from_torchvision, load_checkpoint,
+from .interop.convert import (CheckpointError, from_hf, from_open_clip, from_timm, from_torchvision, load_checkpoint,
                       save_checkpoint)
 from .model import VisionTransformer, count_params, create_model, forward_flops
 from .interop.optimize import optimize
@@ -13,7 +13,7 @@ from .presets import PRESETS, ViTConfig, get_config, list_models
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "Block", "CheckpointError", "from_hf", "from_timm", "from_torchvision",
+    "Attention", "Block", "CheckpointError", "from_hf", "from_open_clip", "from_timm", "from_torchvision",
     "load_checkpoint", "save_checkpoint", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "PRESETS", "ViTConfig",
     "VisionTransformer", "count_params", "create_model", "forward_flops", "get_config", "list_models", "optimize",
     "resample_abs_pos_embed", "__version__",

@@ -230,17 +230,30 @@ class Attention(nn.Module):
         return self.proj_drop(self.proj(x))
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x): OpenAI CLIP's activation (timm / open_clip QuickGELU), in the input's dtype."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+class QuickGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quick_gelu(x)
+
+
 class Mlp(nn.Module):
-    """fc1 -> GELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp."""
+    """fc1 -> GELU (exact / tanh) or QuickGELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp.
+    On the fused path all three activations run in ``linear_act``'s epilogues; only with drop1 active or an
+    MLP norm is the hidden activation materialised (QuickGELU then in torch ops)."""
 
     def __init__(self, in_features: int, hidden_features: int, act: str = "gelu", drop: float = 0.0,
                  backend: str = "auto"):
         super().__init__()
-        if act not in ("gelu", "gelu_tanh"):
-            raise ValueError(f"act must be 'gelu' (exact erf) or 'gelu_tanh', got {act!r}")
+        if act not in ("gelu", "gelu_tanh", "quick_gelu"):
+            raise ValueError(f"act must be 'gelu' (exact erf), 'gelu_tanh' or 'quick_gelu', got {act!r}")
         self.backend = check_backend(backend)
+        self.act_name = act  # 'gelu' | 'gelu_tanh' | 'quick_gelu': the fused kernels' activation switch
         self.fc1 = nn.Linear(in_features, hidden_features)
-        self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
+        self.act = QuickGELU() if act == "quick_gelu" else nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
         self.drop1 = nn.Dropout(drop)
         self.norm = nn.Identity()
         self.fc2 = nn.Linear(hidden_features, in_features)
@@ -249,7 +262,8 @@ class Mlp(nn.Module):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
         ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
-        if resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1) or has_hooks(self.act):
+        if (resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1) or has_hooks(self.act)
+                or isinstance(self.act, QuickGELU)):
             return self.norm(self.drop1(self.act(self.fc1(x))))
         x = bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias, self.act.approximate)
         if self.drop1.p > 0 and self.training:
@@ -258,13 +272,13 @@ class Mlp(nn.Module):
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """Fused path, fc2 *without* its bias (the residual join adds it, then drop2): ``linear_act`` (fc1
-        as a Triton GEMM with bias + GELU in its epilogue, fc2 on cuBLAS, GELU' in the epilogue of fc2's
+        as a Triton GEMM with bias + activation in its epilogue, fc2 on cuBLAS, act' in the epilogue of fc2's
         dgrad GEMM). With drop1 active or an MLP norm the hidden activation goes through ``hidden`` then
         the fc2 GEMM."""
         if (resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
                 and not (self.drop1.p > 0 and self.training)):
-            act = "gelu_tanh" if self.act.approximate == "tanh" else "gelu"
-            return linear_act(x.to(compute_dtype_for(x)), self.fc1.weight, self.fc1.bias, self.fc2.weight, act)
+            return linear_act(x.to(compute_dtype_for(x)), self.fc1.weight, self.fc1.bias, self.fc2.weight,
+                              self.act_name)
         return F.linear(self.hidden(x), self.fc2.weight)
 
     def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
@@ -330,7 +344,7 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  qk_norm: bool = False, init_values: Optional[float] = None, proj_drop: float = 0.0,
                  attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6, act: str = "gelu",
-                 backend: str = "auto"):
+                 backend: str = "auto", mlp_layer: str = "mlp"):
         super().__init__()
         self.backend = check_backend(backend)
         self.norm1 = layer_norm(dim, norm_eps, backend)
@@ -339,7 +353,12 @@ class Block(nn.Module):
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = layer_norm(dim, norm_eps, backend)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, drop=proj_drop, backend=backend)
+        if mlp_layer == "mlp":
+            self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, drop=proj_drop, backend=backend)
+        else:  # SwiGLU (DINOv2-g); vit_fast/family_layers.py imports this module
+            from .family_layers import make_mlp
+
+            self.mlp = make_mlp(mlp_layer, dim, int(dim * mlp_ratio), act, proj_drop, backend=backend)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 

@@ -61,9 +61,12 @@ class VisionTransformer(nn.Module):
         self.residual_in_fp32 = cfg.residual_in_fp32
         D = cfg.embed_dim
 
-        self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, D,
+        self.distilled_training = False  # DeiT: both heads' outputs in training when True (set_distilled_training)
+        # timm: no patch bias when a pre-norm follows the embedding (CLIP)
+        self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, D, bias=not cfg.pre_norm,
                                       strict_img_size=not cfg.dynamic_img_size, backend=cfg.backend)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
         embed_len = self.patch_embed.num_patches + (0 if cfg.no_embed_class else self.num_prefix_tokens)
         if cfg.pos_embed == "none":
@@ -72,13 +75,15 @@ class VisionTransformer(nn.Module):
             # A fixed sin-cos embedding is a frozen Parameter (as in MAE) so checkpoints keep the key.
             self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, D), requires_grad=cfg.pos_embed == "learn")
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
+        self.norm_pre = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if cfg.pre_norm else nn.Identity()
 
         # stochastic depth decay rule; on CPU so building under `with torch.device('meta')` works
         dpr = [r.item() for r in torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu")]
         self.blocks = nn.Sequential(*[
             Block(D, cfg.num_heads, cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
                   init_values=cfg.init_values, proj_drop=cfg.proj_drop_rate, attn_drop=cfg.attn_drop_rate,
-                  drop_path=dpr[i], norm_eps=cfg.norm_eps, act=cfg.act, backend=cfg.backend)
+                  drop_path=dpr[i], norm_eps=cfg.norm_eps, act=cfg.act, backend=cfg.backend,
+                  mlp_layer=cfg.mlp_layer)
             for i in range(cfg.depth)])
         # timm's feature-extraction description: every block's output, embed_dim channels at 1/patch
         self.feature_info = [dict(module=f"blocks.{i}", num_chs=D, reduction=max(self.patch_embed.patch_size))
@@ -88,8 +93,17 @@ class VisionTransformer(nn.Module):
         self.norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if final_norm else nn.Identity()
         self.fc_norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if cfg.final_norm and use_fc_norm \
             else nn.Identity()
+        if cfg.global_pool == "map":  # SigLIP: timm's AttentionPoolLatent (vit_fast/family_layers.py)
+            from .family_layers import AttentionPoolLatent
+
+            self.attn_pool = AttentionPoolLatent(D, cfg.num_heads, cfg.mlp_ratio, qkv_bias=cfg.qkv_bias,
+                                                 norm_eps=cfg.norm_eps, act=cfg.act if cfg.mlp_layer == "mlp"
+                                                 else "gelu", backend=cfg.backend)
+        else:
+            self.attn_pool = None
         self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+        self.head = nn.Linear(D, cfg.num_classes, bias=cfg.head_bias) if cfg.num_classes > 0 else nn.Identity()
+        self.head_dist = self._new_head(cfg.num_classes) if cfg.distilled else None
         # timm's data config (resolve_data_config); create_model / optimize put the preset's or source's
         self.pretrained_cfg = dict(input_size=(cfg.in_chans, *cfg.img_size), fixed_input_size=not cfg.dynamic_img_size,
                                    num_classes=cfg.num_classes, first_conv="patch_embed.proj", classifier="head")
@@ -107,7 +121,21 @@ class VisionTransformer(nn.Module):
             nn.init.normal_(self.cls_token, std=1e-6)
         if self.reg_token is not None:
             nn.init.normal_(self.reg_token, std=1e-6)
+        if self.dist_token is not None:
+            trunc_normal_(self.dist_token, std=0.02)
         named_apply(init_weights_vit_timm, self)
+
+    def _new_head(self, num_classes: int, device=None) -> nn.Module:
+        if num_classes <= 0:
+            return nn.Identity()
+        return nn.Linear(self.embed_dim, num_classes, bias=self.config.head_bias, device=device)
+
+    def set_distilled_training(self, enable: bool = True) -> None:
+        """DeiT (timm's VisionTransformerDistilled): in training mode forward returns (head logits,
+        head_dist logits) when enabled; otherwise (and always in eval) the average of the two."""
+        if self.dist_token is None:
+            raise ValueError("set_distilled_training: the model has no distillation token (distilled=False)")
+        self.distilled_training = bool(enable)
 
     def set_backend(self, backend: str) -> "VisionTransformer":
         """Route every module to 'torch' (reference), 'triton' (fused kernels) or 'auto'."""
@@ -130,13 +158,16 @@ class VisionTransformer(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
-    def get_classifier(self) -> nn.Module:
-        return self.head
+    def get_classifier(self):
+        """The head; (head, head_dist) for a distilled model, as timm's VisionTransformerDistilled."""
+        return (self.head, self.head_dist) if self.head_dist is not None else self.head
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """Parameter groups for timm's layer-wise lr decay (timm.optim, layer_decay): the embedding stem,
         one group per block, the final norm last; the same regexes as timm's VisionTransformer."""
-        return dict(stem=r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre",
+        stem = (r"^cls_token|pos_embed|patch_embed|dist_token" if self.dist_token is not None  # timm's DeiT
+                else r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre")
+        return dict(stem=stem,
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
@@ -145,12 +176,23 @@ class VisionTransformer(nn.Module):
                 raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {global_pool!r}")
             if global_pool == "token" and self.cls_token is None:
                 raise ValueError("global_pool='token' needs a class token")
+            if self.dist_token is not None and global_pool not in ("", "token"):
+                raise ValueError("a distilled model's heads read the class and distillation tokens: global_pool "
+                                 f"must stay 'token', got {global_pool!r}")
+            if global_pool == "map" and self.attn_pool is None:
+                raise ValueError("reset_classifier cannot add attention pooling ('map'); build the model with it")
+            if global_pool != "map":
+                self.attn_pool = None
             self.global_pool = global_pool
         self.num_classes = num_classes
         device = self.embed_params_device()
-        self.head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            init_weights_vit_timm(self.head)
+        self.head = self._new_head(num_classes, device)
+        if self.head_dist is not None:
+            self.head_dist = self._new_head(num_classes, device)
+        for head in (self.head, self.head_dist):
+            if head is not None and num_classes > 0:
+                init_weights_vit_timm(head)
+                head.train(self.training)
         self.config = self.config.replace(num_classes=num_classes, global_pool=self.global_pool)
 
     def embed_params_device(self) -> torch.device:
@@ -158,7 +200,7 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names that should not get weight decay (besides the 1-D ones), as timm."""
-        return {name for name in ("pos_embed", "cls_token", "reg_token") if getattr(self, name) is not None}
+        return {name for name in ("pos_embed", "cls_token", "dist_token", "reg_token") if getattr(self, name) is not None}
 
     def flops_per_image(self, img_size=None) -> int:
         return forward_flops(self.config, img_size)
@@ -194,7 +236,7 @@ class VisionTransformer(nn.Module):
     def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int],
                    pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
         B = x.shape[0]
-        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         pos_embed = self._resized_pos_embed(grid) if pos_embed is None else pos_embed
         if pos_embed is None:
             x = torch.cat(prefix + [x], dim=1)
@@ -214,6 +256,7 @@ class VisionTransformer(nn.Module):
         residual_dtype = self._autocast_residual_dtype(x)
         if resolve_backend(self.patch_embed.backend, x) == "torch":
             tokens = self._pos_embed(self.patch_embed(x, any_size=pos_embed is not None), grid, pos_embed)
+            tokens = self.norm_pre(tokens)
             return tokens if residual_dtype is None else tokens.to(residual_dtype)
         pos_embed = self._resized_pos_embed(grid) if pos_embed is None else pos_embed
         covers_prefix = not self.no_embed_class
@@ -224,9 +267,12 @@ class VisionTransformer(nn.Module):
         # reference's dtype under AMP (fp32: timm's pos_embed add promotes it); an fp32 patch GEMM is <2%
         # of the FLOPs. With residual_in_fp32=False the kernel runs under autocast: tokens in its dtype.
         with torch.autocast(x.device.type, enabled=residual_dtype is not None):
+            # the distillation token follows the class token, as a register token would (config: no both)
             tokens = patch_embed_kernel(x, self.patch_embed.proj.weight, self.patch_embed.proj.bias, pos_embed,
-                                        self.cls_token, self.reg_token, covers_prefix)
-        return self.pos_drop(tokens)
+                                        self.cls_token, self.reg_token if self.dist_token is None else self.dist_token,
+                                        covers_prefix)
+        # pre_norm (CLIP): the layer_norm kernel on the stream, before block 0's norm1 (a second launch)
+        return self.norm_pre(self.pos_drop(tokens))
 
     def _autocast_residual_dtype(self, x: torch.Tensor) -> Optional[torch.dtype]:
         """The autocast dtype when the residual stream should be kept in it (residual_in_fp32=False under
@@ -338,6 +384,10 @@ class VisionTransformer(nn.Module):
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
         pool_type = self.global_pool if pool_type is None else pool_type
+        if pool_type == "map":
+            if self.attn_pool is None:
+                raise ValueError("pool_type='map' needs the attention-pool head (global_pool='map' at build time)")
+            return self.attn_pool(x)
         if pool_type == "token":
             return x[:, 0]
         if not pool_type:
@@ -349,7 +399,15 @@ class VisionTransformer(nn.Module):
             return x.amax(dim=1)
         return 0.5 * (x.amax(dim=1) + x.mean(dim=1))  # avgmax
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
+        if self.dist_token is not None:  # timm's VisionTransformerDistilled
+            x, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
+            if pre_logits:
+                return (x + x_dist) / 2
+            x, x_dist = self.head(x), self.head_dist(x_dist)
+            if self.distilled_training and self.training:
+                return x, x_dist
+            return (x + x_dist) / 2
         x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
 
@@ -358,7 +416,8 @@ class VisionTransformer(nn.Module):
         if self._prunes_to_class_token(x):
             # the last block skips the other tokens' proj, MLP and joins; forward_features still
             # returns every token
-            return self.forward_head(self._forward_blocks(self.embed(x), last_keep_rows=1))
+            keep = 1 if self.dist_token is None else 2  # the heads read the class (and distillation) token
+            return self.forward_head(self._forward_blocks(self.embed(x), last_keep_rows=keep))
         return self.forward_head(self.forward_features(x))
 
     @torch.no_grad()
@@ -416,8 +475,13 @@ def forward_flops(config: ViTConfig, img_size=None) -> int:
     D, N, F = cfg.embed_dim, cfg.num_tokens, cfg.mlp_hidden
     patches = cfg.grid_size[0] * cfg.grid_size[1]
     patch_k = cfg.in_chans * cfg.patch_size[0] * cfg.patch_size[1]
-    per_block = 2 * N * D * 3 * D + 2 * 2 * N * N * D + 2 * N * D * D + 2 * 2 * N * D * F
-    return 2 * patches * patch_k * D + cfg.depth * per_block + 2 * D * cfg.num_classes
+    # a SwiGLU MLP's fc1 is F wide (gate + value) and its fc2 reads F/2
+    mlp = 2 * N * D * F * (2 if cfg.mlp_layer == "mlp" else 1.5)
+    per_block = 2 * N * D * 3 * D + 2 * 2 * N * N * D + 2 * N * D * D + int(mlp)
+    heads = 2 if cfg.distilled else 1
+    # attention pool ('map'): q, kv over N tokens, one query's attention, proj, MLP on one token
+    pool = 2 * D * D + 2 * N * D * 2 * D + 2 * 2 * N * D + 2 * D * D + 2 * 2 * D * F if cfg.global_pool == "map" else 0
+    return 2 * patches * patch_k * D + cfg.depth * per_block + pool + heads * 2 * D * cfg.num_classes
 
 
 def create_model(name: str, **overrides) -> VisionTransformer:

@@ -9,9 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .family_presets import FAMILY_DATA_CFG, FAMILY_PRESETS
 from .layers import check_backend, to_2tuple
 
-GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
+GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "map", "")
+ACTS = ("gelu", "gelu_tanh", "quick_gelu")
+MLP_LAYERS = ("mlp", "swiglu_packed", "swiglu")
 POS_EMBEDS = ("learn", "sincos", "none")
 WEIGHT_INITS = ("", "skip")
 
@@ -22,7 +25,7 @@ class ViTConfig:
     patch_size: Union[int, tuple[int, int]] = 16
     in_chans: int = 3
     num_classes: int = 1000           # 0: no head, the model returns pooled features
-    global_pool: str = "token"        # 'token' | 'avg' | 'avgmax' | 'max' | '' (no pooling)
+    global_pool: str = "token"        # 'token' | 'avg' | 'avgmax' | 'max' | 'map' (attention pool, SigLIP) | 
     embed_dim: int = 768
     depth: int = 12
     num_heads: int = 12
@@ -43,7 +46,11 @@ class ViTConfig:
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0       # stochastic depth, linear 0 -> rate over depth
     norm_eps: float = 1e-6            # timm/torchvision 1e-6; Hugging Face 1e-12
-    act: str = "gelu"                 # 'gelu' (exact erf) | 'gelu_tanh'
+    act: str = "gelu"                 # 'gelu' (exact erf) | 'gelu_tanh' | 'quick_gelu' (x*sigmoid(1.702x), CLIP)
+    mlp_layer: str = "mlp"            # 'mlp' | 'swiglu_packed' (timm SwiGLUPacked, DINOv2-g) | 'swiglu' (SwiGLU)
+    pre_norm: bool = False            # LayerNorm norm_pre before block 0 (CLIP); the patch conv then has no bias
+    head_bias: bool = True            # False: a bias-free output projection (CLIP proj / visual_projection)
+    distilled: bool = False           # DeiT distillation token dist_token and second head head_dist
     weight_init: str = ""             # '' timm init | 'skip' (weights loaded right after)
     backend: str = "auto"             # Triton kernels on CUDA (or under TRITON_INTERPRET=1), else the reference
     residual_in_fp32: bool = True     # under autocast: residual stream in fp32 as timm; False: in the autocast
@@ -57,7 +64,11 @@ class ViTConfig:
             (self.global_pool in GLOBAL_POOLS, f"global_pool must be one of {GLOBAL_POOLS}"),
             (self.pos_embed in POS_EMBEDS, f"pos_embed must be one of {POS_EMBEDS}"),
             (self.weight_init in WEIGHT_INITS, f"weight_init must be one of {WEIGHT_INITS}"),
-            (self.act in ("gelu", "gelu_tanh"), "act must be 'gelu' or 'gelu_tanh'"),
+            (self.act in ACTS, f"act must be one of {ACTS}"),
+            (self.mlp_layer in MLP_LAYERS, f"mlp_layer must be one of {MLP_LAYERS}"),
+            (self.mlp_layer == "mlp" or self.act == "gelu", "act applies to mlp_layer='mlp' (SwiGLU gates with SiLU)"),
+            (not self.distilled or (self.class_token and self.reg_tokens == 0 and self.global_pool == "token"),
+             "distilled=True needs class_token=True, reg_tokens=0 and global_pool='token' (timm's DeiT)"),
             (self.class_token or self.global_pool != "token", "global_pool='token' needs class_token=True"),
             (self.embed_dim % self.num_heads == 0, "embed_dim must be divisible by num_heads"),
             (all(s % p == 0 for s, p in zip(self.img_size, self.patch_size)),
@@ -75,7 +86,7 @@ class ViTConfig:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return int(self.class_token) + self.reg_tokens
+        return int(self.class_token) + int(self.distilled) + self.reg_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +149,8 @@ PRESETS: dict[str, dict] = {
 }
 
 
+PRESETS.update(FAMILY_PRESETS)  # CLIP, SigLIP, DINOv2, DeiT distilled (vit_fast/family_presets.py)
+
 # Data configs of the presets' default weights in timm (resolve_data_config reads them): the augreg ViTs were
 # trained on inception-normalised images (0.5 / 0.5), DeiT-III on ImageNet's statistics; crop 1.0 at 384.
 _INCEPTION = dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
@@ -151,9 +164,10 @@ def pretrained_cfg(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
     img_size = to_2tuple(PRESETS[name].get("img_size", 224))
+    data = FAMILY_DATA_CFG.get(name) or dict(crop_pct=1.0 if min(img_size) >= 384 else 0.9,
+                                             **(_IMAGENET if name.startswith("deit") else _INCEPTION))
     return dict(architecture=name, input_size=(3, *img_size), fixed_input_size=True, interpolation="bicubic",
-                crop_pct=1.0 if min(img_size) >= 384 else 0.9, crop_mode="center",
-                **(_IMAGENET if name.startswith("deit") else _INCEPTION),
+                crop_mode="center", **data,
                 num_classes=PRESETS[name].get("num_classes", 1000), pool_size=None, first_conv="patch_embed.proj",
                 classifier="head")
 

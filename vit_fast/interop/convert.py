@@ -87,13 +87,19 @@ def timm_unsupported(model: nn.Module) -> list[str]:
     """Every feature of a timm model that vit_fast does not implement, one line each (empty: ``from_timm``
     converts it exactly). Never raises on another kind of model: a VisionTransformer subclass with other
     blocks (parallel-scaling, rel-pos, rope) gets its block kinds listed."""
+    from timm.layers import AttentionPoolLatent, GluMlp, QuickGELU, SwiGLU
+    from timm.layers.activations import GELU as TimmGELU
+    from timm.layers.activations import GELUTanh
     from timm.layers import LayerNorm as TimmLayerNorm
     from timm.layers import LayerScale, Mlp, PatchEmbed
     from timm.layers.drop import DropPath
+    from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import Attention, Block, VisionTransformer as TimmViT
 
-    allowed = {TimmViT, PatchEmbed, Block, Attention, Mlp, LayerScale, DropPath, TimmLayerNorm, nn.LayerNorm,
-               nn.Conv2d, nn.Linear, nn.GELU, nn.Dropout, nn.Identity, nn.Sequential, nn.ModuleList}
+    # the families (CLIP pre-norm and QuickGELU, SigLIP attention pool, DINOv2-g SwiGLU, DeiT distilled)
+    allowed = {TimmViT, VisionTransformerDistilled, PatchEmbed, Block, Attention, Mlp, GluMlp, SwiGLU, QuickGELU,
+               AttentionPoolLatent, LayerScale, DropPath, TimmLayerNorm, nn.LayerNorm, nn.Conv2d, nn.Linear,
+               nn.GELU, TimmGELU, GELUTanh, nn.SiLU, nn.Dropout, nn.Identity, nn.Sequential, nn.ModuleList}
     if not isinstance(model, TimmViT):
         return [f"model class {type(model).__module__}.{type(model).__qualname__} (not timm's VisionTransformer)"]
     foreign: dict[str, list[str]] = {}
@@ -103,8 +109,7 @@ def timm_unsupported(model: nn.Module) -> list[str]:
     problems = [f"module {name} ({len(paths)}x, e.g. {paths[0]!r})" for name, paths in foreign.items()]
     patch_embed = getattr(model, "patch_embed", None)
     problems += [name for name, bad in [
-        ("norm_pre (pre_norm=True)", not isinstance(getattr(model, "norm_pre", nn.Identity()), nn.Identity)),
-        ("attention pooling (global_pool='map'/'prr')", getattr(model, "attn_pool", None) is not None),
+        ("attention pooling 'prr'", getattr(model, "global_pool", "") == "prr"),
         ("patch_embed.norm", not isinstance(getattr(patch_embed, "norm", nn.Identity()), nn.Identity)),
         ("dynamic_img_pad", getattr(patch_embed, "dynamic_img_pad", False)),
         ("pool_include_prefix=True", getattr(model, "pool_include_prefix", False)),
@@ -121,9 +126,7 @@ def timm_unsupported(model: nn.Module) -> list[str]:
             problems.append("attention output norm (scale_attn_norm=True), blocks.0.attn.norm")
         if not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
             problems.append("MLP hidden norm (scale_mlp_norm=True), blocks.0.mlp.norm")
-        act = getattr(blk.mlp, "act", None)
-        if not isinstance(act, nn.GELU):
-            problems.append(f"MLP activation {type(act).__name__} (only GELU, exact or tanh)")
+        problems += _family_problems(model)
         if getattr(blk.attn.proj, "bias", None) is None or getattr(getattr(blk.mlp, "fc2", None), "bias", 1) is None:
             problems.append("projections without bias (proj_bias=False)")
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
@@ -134,36 +137,26 @@ def timm_unsupported(model: nn.Module) -> list[str]:
     return problems
 
 
+def _family_problems(model: nn.Module) -> list[str]:
+    """What ``families.timm_config`` cannot express (other MLP kinds and activations, attention-pool
+    variants, a patch bias that does not follow timm's pre_norm rule), one line each."""
+    from .families import timm_config
+
+    try:
+        timm_config(model)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
 def _timm_config_from_model(m: nn.Module) -> dict:
     problems = timm_unsupported(m)
     if problems:
         raise ValueError("from_timm: this timm model uses features vit_fast does not implement:\n  - "
                          + "\n  - ".join(problems))
-    blk = m.blocks[0] if len(m.blocks) else None
-    cfg = dict(
-        img_size=tuple(m.patch_embed.img_size), patch_size=tuple(m.patch_embed.patch_size),
-        in_chans=m.patch_embed.proj.in_channels, num_classes=m.num_classes, global_pool=m.global_pool,
-        embed_dim=m.embed_dim, depth=len(m.blocks), class_token=m.cls_token is not None,
-        reg_tokens=getattr(m, "num_reg_tokens", 0), no_embed_class=m.no_embed_class,
-        pos_embed="none" if m.pos_embed is None else "learn",
-        fc_norm=not isinstance(m.fc_norm, nn.Identity),
-        final_norm=not (isinstance(m.norm, nn.Identity) and isinstance(m.fc_norm, nn.Identity)),
-        dynamic_img_size=m.dynamic_img_size, drop_rate=m.head_drop.p, pos_drop_rate=m.pos_drop.p,
-    )
-    norms = [mod for mod in m.modules() if isinstance(mod, nn.LayerNorm)]
-    if norms:
-        cfg["norm_eps"] = norms[0].eps
-    if blk is not None:
-        gelu = blk.mlp.act
-        cfg.update(
-            num_heads=blk.attn.num_heads, mlp_ratio=blk.mlp.fc1.out_features / m.embed_dim,
-            qkv_bias=blk.attn.qkv.bias is not None, qk_norm=not isinstance(blk.attn.q_norm, nn.Identity),
-            init_values=float(blk.ls1.gamma.detach().flatten()[0]) if hasattr(blk.ls1, "gamma") else None,
-            proj_drop_rate=blk.attn.proj_drop.p, attn_drop_rate=blk.attn.attn_drop.p,
-            drop_path_rate=float(getattr(m.blocks[-1].drop_path1, "drop_prob", 0.0)),
-            act="gelu_tanh" if getattr(gelu, "approximate", "none") == "tanh" else "gelu",
-        )
-    return cfg
+    from .families import timm_config
+
+    return timm_config(m)
 
 
 def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor], overrides: Mapping = {}) -> dict:
@@ -256,13 +249,23 @@ def hf_to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+HF_FAMILY_CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
+                     "SiglipForImageClassification", "Dinov2Model")
+
+
 def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
-    """A vit_fast model with the weights of a transformers ViTModel / ViTForImageClassification.
+    """A vit_fast model with the weights of a transformers ViTModel / ViTForImageClassification, or of a
+    CLIPVisionModel(WithProjection) / SiglipVisionModel / SiglipForImageClassification / Dinov2Model object
+    (config read exactly, see interop/families.py; CLIP's visual_projection becomes a bias-free head).
 
     Keeps Hugging Face's LayerNorm eps (1e-12) and GELU flavour. From a state dict, eps defaults to 1e-12
     and num_heads to the standard one for the width (pass num_heads=... otherwise). Eval outputs are
     identical; in training, hidden_dropout_prob also drops after the GELU here (timm's Mlp), which
     Hugging Face's ViTIntermediate does not."""
+    if isinstance(model_or_state_dict, nn.Module) and type(model_or_state_dict).__name__ in HF_FAMILY_CLASSES:
+        from .families import hf_config, hf_to_timm
+
+        return _build(hf_config(model_or_state_dict), hf_to_timm(model_or_state_dict), overrides)
     if isinstance(model_or_state_dict, nn.Module):
         hf = model_or_state_dict
         c = hf.config
@@ -282,6 +285,17 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
         sd = hf_to_timm_state_dict(model_or_state_dict)
         config = {**_timm_config_from_state_dict(sd, overrides), "norm_eps": 1e-12}
     return _build(config, sd, overrides)
+
+
+# ----------------------------------------------------------------------------------------- open_clip
+def from_open_clip(model, **overrides) -> VisionTransformer:
+    """A vit_fast model with the weights of an open_clip image tower: an open_clip VisionTransformer or a
+    CLIP model holding one as ``.visual``. ``proj`` becomes a bias-free head (forward returns x @ proj as
+    open_clip's does); LayerScale, QuickGELU / GELU and the LayerNorm eps are read from the modules."""
+    from .families import open_clip_config, open_clip_to_timm
+
+    visual = getattr(model, "visual", model)
+    return _build(open_clip_config(visual), open_clip_to_timm(visual.state_dict()), overrides)
 
 
 # --------------------------------------------------------------------------------------- torchvision

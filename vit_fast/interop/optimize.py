@@ -20,9 +20,11 @@ import torch
 import torch.nn as nn
 
 from ..backend import check_backend, kernels_can_run_on
-from .convert import (from_hf, from_timm, from_torchvision, hf_to_timm_state_dict, timm_unsupported,
-                      torchvision_to_timm_state_dict)
+from .convert import (HF_FAMILY_CLASSES, from_hf, from_open_clip, from_timm, from_torchvision, hf_to_timm_state_dict,
+                      timm_unsupported, torchvision_to_timm_state_dict)
+from .families import open_clip_to_timm
 from ..model import VisionTransformer
+from .hf_families import HFVisionFamily
 
 
 def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True) -> nn.Module:
@@ -56,7 +58,15 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
                              + "\n  - ".join(problems))
         fast = from_timm(model)
         fast.set_grad_checkpointing(bool(getattr(model, "grad_checkpointing", False)))
+        if getattr(model, "distilled_training", False):
+            fast.set_distilled_training(True)
         names = {k: k for k in dict(model.named_parameters())}
+    elif kind == "open_clip":
+        fast = from_open_clip(model)
+        names = _family_names(model, open_clip_to_timm)
+    elif kind == "hf_family":
+        fast = HFVisionFamily(model, from_hf(model))
+        names = {k: ["model." + n for n in v] for k, v in _family_names(model, hf_family_to_timm(model)).items()}
     elif kind == "torchvision":
         fast = from_torchvision(model)
         names = _mapped_names(model, torchvision_to_timm_state_dict)
@@ -72,7 +82,7 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
 
 
 def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
-    vit = fast if isinstance(fast, VisionTransformer) else fast.model  # HFViT wraps one
+    vit = fast if isinstance(fast, VisionTransformer) else fast.model  # HFViT / HFVisionFamily wrap one
     vit.residual_in_fp32 = vit.config.residual_in_fp32 = bool(residual_in_fp32)
     return fast
 
@@ -83,15 +93,21 @@ def source_kind(model: nn.Module) -> str:
         return "vit_fast"
     cls = type(model)
     where = f"{cls.__module__}.{cls.__qualname__}"
-    if where == "timm.models.vision_transformer.VisionTransformer":
+    if where in ("timm.models.vision_transformer.VisionTransformer", "timm.models.deit.VisionTransformerDistilled"):
         return "timm"
     if where == "torchvision.models.vision_transformer.VisionTransformer":
         return "torchvision"
     if where in ("transformers.models.vit.modeling_vit.ViTModel",
                  "transformers.models.vit.modeling_vit.ViTForImageClassification"):
         return "hf"
-    raise ValueError(f"optimize: expected a timm VisionTransformer, a torchvision VisionTransformer, a transformers "
-                     f"ViTModel / ViTForImageClassification or a vit_fast VisionTransformer; got {where}")
+    if where.startswith("transformers.models.") and cls.__name__ in HF_FAMILY_CLASSES:
+        return "hf_family"
+    if where == "open_clip.transformer.VisionTransformer":
+        return "open_clip"
+    raise ValueError(f"optimize: expected a timm VisionTransformer (or VisionTransformerDistilled), a torchvision "
+                     f"VisionTransformer, a transformers ViTModel / ViTForImageClassification / "
+                     f"{' / '.join(HF_FAMILY_CLASSES)}, an open_clip VisionTransformer (model.visual) or a vit_fast "
+                     f"VisionTransformer; got {where}")
 
 
 def _device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -113,12 +129,35 @@ def _mapped_names(model: nn.Module, to_timm) -> dict[str, str]:
     return {names[int(i)]: new for new, index in mapped.items() for i in index.tolist()}
 
 
+def hf_family_to_timm(model: nn.Module):
+    """The state-dict key map of a transformers family model (the classifier drops SigLIP's unused head)."""
+    from .families import hf_clip_siglip_to_timm, hf_dinov2_to_timm
+
+    if type(model).__name__ == "Dinov2Model":
+        return hf_dinov2_to_timm
+    if type(model).__name__ == "SiglipForImageClassification":
+        return lambda sd: hf_clip_siglip_to_timm({k: v for k, v in sd.items() if not k.startswith("vision_model.head.")})
+    return hf_clip_siglip_to_timm
+
+
+def _family_names(model: nn.Module, to_timm) -> dict[str, list[str]]:
+    """Source parameter name -> the vit_fast names it feeds (``_mapped_names`` for the family mappings, which
+    also split a packed in_proj in two: SigLIP's head q | kv; those get a (3, 1) index tensor)."""
+    names = [name for name, _ in model.named_parameters()]
+    index = {name: torch.full((3, 1) if "in_proj" in name else (1,), float(i)) for i, name in enumerate(names)}
+    out: dict[str, list[str]] = {}
+    for new, t in to_timm(index).items():
+        for i in t.flatten().unique().tolist():
+            out.setdefault(names[int(i)], []).append(new)
+    return out
+
+
 def _copy_requires_grad(source: nn.Module, fast: nn.Module, names: dict[str, str]) -> None:
     """Frozen source parameters stay frozen (a fused qkv is trainable if any of q, k, v was)."""
     trainable: dict[str, bool] = {}
     for name, p in source.named_parameters():
-        if name in names:
-            trainable[names[name]] = trainable.get(names[name], False) or p.requires_grad
+        for new in ([names[name]] if isinstance(names.get(name), str) else names.get(name, ())):
+            trainable[new] = trainable.get(new, False) or p.requires_grad
     for name, p in fast.named_parameters():
         if name in trainable and p.requires_grad:  # keep frozen-by-design params (sin-cos pos_embed) frozen
             p.requires_grad_(trainable[name])

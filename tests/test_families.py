@@ -1,0 +1,488 @@
+"""The fine-tuning families (vit_fast/interop/families.py, family_layers.py, family_presets.py): presets
+against timm on the meta device; the transformers and open_clip key mappings and config extraction checked
+by loading the mapped weights into timm's model of that config and comparing outputs and every parameter
+gradient with the source (random weights, tiny configs); the family layers against timm's modules on both
+backends (kernels in the interpreter without a GPU)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.numerics import assert_close
+from vit_fast.family_layers import AttentionPoolLatent, SwiGLUMlp, SwiGLUPackedMlp, quick_gelu, quick_gelu_grad
+from vit_fast.family_presets import FAMILY_PRESETS
+from vit_fast.interop import families
+
+timm = pytest.importorskip("timm")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32 = 1e-5  # fp32 with dots, same math in a different order
+
+
+def _to2(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+# ------------------------------------------------------------------------------------------------ presets
+@pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
+def test_family_preset_matches_timm(name):
+    """Every family preset has the hyper-parameters of timm's model of that name (read from the model,
+    built on meta), widths compared as the integers the layers get (So400m MLP 4304, DINOv2-g fc1 8192)."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = timm.create_model(name)
+    got = families.timm_config(ref)
+    preset = {**families.FAMILY_DEFAULTS, "num_classes": 1000, "global_pool": "token", "class_token": True,
+              "init_values": None, "norm_eps": 1e-6, **FAMILY_PRESETS[name]}
+    for key, value in preset.items():
+        if key == "mlp_ratio":
+            assert int(preset["embed_dim"] * value) == int(got["embed_dim"] * got["mlp_ratio"]), key
+        elif key in ("img_size", "patch_size"):
+            assert _to2(value) == got[key], key
+        else:
+            assert got[key] == value, f"{name}: {key} preset {value!r} vs timm {got[key]!r}"
+    assert got["act"] in families.ACTS and got["mlp_layer"] in families.MLP_LAYERS
+
+
+def test_so400m_head_dim_is_72():
+    p = FAMILY_PRESETS["vit_so400m_patch14_siglip_224"]
+    assert p["embed_dim"] // p["num_heads"] == 72 and int(p["embed_dim"] * p["mlp_ratio"]) == 4304
+
+
+# ----------------------------------------------------------------------------------- mapping helpers
+def _timm_reference(cfg: dict, sd: dict) -> nn.Module:
+    """timm's VisionTransformer of ``cfg`` holding the mapped weights (a bias-free projection head gets a
+    zero bias, as timm's own open_clip converter does)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(**families.timm_kwargs(cfg))
+    sd = dict(sd)
+    if not cfg.get("head_bias", True) and "head.weight" in sd:
+        sd["head.bias"] = torch.zeros(sd["head.weight"].shape[0])
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+def _check_grads(source: nn.Module, reference: nn.Module, to_timm) -> None:
+    """Every source parameter's gradient, mapped like its weight, equals the timm reference's."""
+    grads = {k: p.grad for k, p in source.named_parameters() if p.grad is not None}
+    unused = [k for k, p in source.named_parameters() if p.grad is None]
+    # only SiglipForImageClassification's unused map head and Dinov2's masked-modelling token get none
+    assert all(".head." in k or k.endswith("mask_token") for k in unused), unused
+    mapped = to_timm(grads)
+    ref = dict(reference.named_parameters())
+    assert mapped, "no gradients mapped"
+    for k, g in mapped.items():
+        assert_close(ref[k].grad, g, FP32, f"grad {k}")
+
+
+def _images(cfg):
+    torch.manual_seed(0)
+    h, w = _to2(cfg["img_size"])
+    return torch.randn(2, cfg.get("in_chans", 3), h, w)
+
+
+# ------------------------------------------------------------------------------------------- transformers
+def _hf_models():
+    transformers = pytest.importorskip("transformers")
+    tiny = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                patch_size=8)
+    clip = transformers.CLIPVisionConfig(**tiny, projection_dim=24)
+    siglip = transformers.SiglipVisionConfig(**tiny)
+    dino = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+    return {
+        "clip": lambda: transformers.CLIPVisionModel(clip),
+        "clip_projection": lambda: transformers.CLIPVisionModelWithProjection(clip),
+        "siglip": lambda: transformers.SiglipVisionModel(siglip),
+        "siglip_classifier": lambda: transformers.SiglipForImageClassification(
+            transformers.SiglipConfig(vision_config=siglip.to_dict(), num_labels=5)),
+        "dinov2": lambda: transformers.Dinov2Model(transformers.Dinov2Config(**dino, layerscale_value=0.5)),
+        "dinov2_swiglu": lambda: transformers.Dinov2Model(transformers.Dinov2Config(**dino, use_swiglu_ffn=True,
+                                                                                      layerscale_value=0.5)),
+    }
+
+
+def _hf_output(model, x):
+    out = model(pixel_values=x)
+    name = type(model).__name__
+    if name == "CLIPVisionModelWithProjection":
+        return out.image_embeds
+    if name == "SiglipForImageClassification":
+        return out.logits
+    return out.pooler_output
+
+
+@pytest.mark.parametrize("kind", ["clip", "clip_projection", "siglip", "siglip_classifier", "dinov2",
+                                  "dinov2_swiglu"])
+def test_hf_mapping_matches_source(kind):
+    """transformers model -> (config, timm-named state dict) -> timm's model: the same pooled output /
+    projection / logits and the same gradient for every source parameter."""
+    torch.manual_seed(0)
+    source = _hf_models()[kind]().eval()
+    with torch.no_grad():  # fresh non-trivial LayerNorm affine and biases (HF inits them to 1 / 0)
+        for name, p in source.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    cfg = families.hf_config(source)
+    reference = _timm_reference(cfg, families.hf_to_timm(source))
+    x = _images(cfg)
+    out = _hf_output(source, x)
+    ref = reference(x)
+    assert_close(ref, out, FP32, "output")
+    (out.square().sum()).backward()
+    ref.square().sum().backward()
+    to_timm = families.hf_dinov2_to_timm if kind.startswith("dinov2") else families.hf_clip_siglip_to_timm
+    _check_grads(source, reference, to_timm)
+
+
+def test_hf_mapping_refuses_unknown_keys_and_classes():
+    with pytest.raises(ValueError, match="no vit_fast counterpart.*vision_model.encoder.layers.0.extra.weight"):
+        families.hf_clip_siglip_to_timm({"vision_model.encoder.layers.0.extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="needs q, k and v"):
+        families.hf_clip_siglip_to_timm({"vision_model.encoder.layers.0.self_attn.q_proj.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="expected a transformers CLIPVisionModel"):
+        families.hf_config(nn.Linear(2, 2))
+
+
+# -------------------------------------------------------------------------------------------- open_clip
+@pytest.mark.parametrize("quick", [True, False])
+def test_open_clip_mapping_matches_source(quick):
+    """open_clip VisionTransformer (QuickGELU or GELU, LayerScale) -> timm names: same embedding (x @ proj after
+    ln_post on the class token) and the same gradient for every parameter, proj included."""
+    oc = pytest.importorskip("open_clip.transformer")
+    QuickGELU = oc.QuickGELU
+    torch.manual_seed(0)
+    visual = oc.VisionTransformer(image_size=32, patch_size=8, width=64, layers=2, heads=4, mlp_ratio=4.0,
+                                  ls_init_value=0.3 if quick else None, output_dim=24,
+                                  act_layer=QuickGELU if quick else nn.GELU).eval()
+    with torch.no_grad():
+        for name, p in visual.named_parameters():
+            if name.endswith("bias") or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    cfg = families.open_clip_config(visual)
+    assert cfg["act"] == ("quick_gelu" if quick else "gelu") and cfg["num_classes"] == 24
+    reference = _timm_reference(cfg, families.open_clip_to_timm(visual.state_dict()))
+    x = _images(cfg)
+    out, ref = visual(x), reference(x)
+    assert_close(ref, out, FP32, "embedding")
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    _check_grads(visual, reference, families.open_clip_to_timm)
+
+
+def test_open_clip_refuses_what_it_cannot_map():
+    oc = pytest.importorskip("open_clip.transformer")
+    visual = oc.VisionTransformer(image_size=32, patch_size=8, width=64, layers=1, heads=4, mlp_ratio=4.0,
+                                  pool_type="avg", output_dim=8)
+    with pytest.raises(ValueError, match="pool_type other than 'tok'"):
+        families.open_clip_config(visual)
+    with pytest.raises(ValueError, match="expected an open_clip VisionTransformer"):
+        families.open_clip_config(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="no vit_fast counterpart.*text_projection"):
+        families.open_clip_to_timm({"text_projection": torch.zeros(1)})
+
+
+# --------------------------------------------------------------------------------------- family layers
+def test_quick_gelu_matches_timm_and_float64_derivative():
+    from timm.layers.activations import quick_gelu as timm_quick_gelu
+
+    x = torch.randn(1000, dtype=torch.float64) * 4
+    assert torch.equal(quick_gelu(x), timm_quick_gelu(x))
+    xg = x.clone().requires_grad_()
+    quick_gelu(xg).sum().backward()
+    assert_close(quick_gelu_grad(x), xg.grad, 1e-12, "QuickGELU'")
+
+
+def _load_from(ours: nn.Module, theirs: nn.Module) -> None:
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+
+
+def _compare_module(ours, theirs, x, backend):
+    ours.backend = backend
+    for m in ours.modules():
+        if hasattr(m, "backend"):
+            m.backend = backend
+    xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = ours(xo), theirs(xt)
+    assert_close(out, ref, FP32, "output")
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert_close(xo.grad, xt.grad, FP32, "input grad")
+    theirs_params = dict(theirs.named_parameters())
+    for k, p in ours.named_parameters():
+        assert_close(p.grad, theirs_params[k].grad, FP32, f"grad {k}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_swiglu_mlp_matches_timm(backend, packed):
+    from timm.layers import SwiGLU, SwiGLUPacked
+
+    torch.manual_seed(0)
+    if packed:
+        ours, theirs = SwiGLUPackedMlp(48, 2 * 40), SwiGLUPacked(48, 2 * 40)
+    else:
+        ours, theirs = SwiGLUMlp(48, 40), SwiGLU(48, 40)
+    _load_from(ours, theirs)
+    _compare_module(ours.to(DEVICE), theirs.to(DEVICE), torch.randn(2, 9, 48, device=DEVICE), backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_pool_matches_timm(backend):
+    """timm's AttentionPoolLatent (SigLIP 'map' head), head_dim 24, same names and state dict; output and
+    every gradient on both backends (the LayerNorm and MLP run vit_fast's kernels on the fused path)."""
+    from timm.layers import AttentionPoolLatent as TimmPool
+
+    torch.manual_seed(0)
+    ours = AttentionPoolLatent(48, num_heads=2, mlp_ratio=3.0, norm_eps=1e-6)
+    theirs = TimmPool(48, num_heads=2, mlp_ratio=3.0, norm_layer=nn.LayerNorm)
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    _load_from(ours, theirs)
+    _compare_module(ours.to(DEVICE), theirs.to(DEVICE), torch.randn(3, 11, 48, device=DEVICE), backend)
+
+
+# ------------------------------------------------------------------------------ families through vit_fast
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4)
+FAMILIES = {
+    "clip_quickgelu": dict(pre_norm=True, norm_eps=1e-5, act="quick_gelu", num_classes=10),
+    "clip_gelu": dict(pre_norm=True, norm_eps=1e-5, num_classes=10),
+    "siglip_map": dict(class_token=False, global_pool="map", act="gelu_tanh", num_classes=0),
+    "dinov2": dict(init_values=0.3, num_classes=5),
+    "dinov2_giant_swiglu": dict(init_values=0.3, mlp_layer="swiglu_packed", mlp_ratio=2.5, num_classes=5),
+    "swiglu_split": dict(mlp_layer="swiglu", mlp_ratio=1.5, num_classes=5),
+    "deit_distilled": dict(distilled=True, num_classes=7),
+    # SigLIP So400m's head shape: 2 heads of 72 (a non-power-of-two head_dim), MLP ratio 4304/1152
+    "so400m_head_dim_72": dict(embed_dim=144, num_heads=2, mlp_ratio=3.7362, class_token=False, global_pool="map",
+                               num_classes=0),
+}
+
+
+def timm_family(kind: str, seed: int = 0, **extra) -> nn.Module:
+    """timm's model of a tiny family config, weights perturbed (non-zero biases, LayerNorm affine, tokens)."""
+    from timm.models.deit import VisionTransformerDistilled
+    from timm.models.vision_transformer import VisionTransformer
+
+    cfg = {**TINY, **FAMILIES[kind], **extra}
+    cls = VisionTransformerDistilled if cfg.pop("distilled", False) else VisionTransformer
+    torch.manual_seed(seed)
+    ref = cls(**families.timm_kwargs(cfg))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return ref
+
+
+def _grads_match(fast: nn.Module, ref: nn.Module, rtol: float) -> None:
+    ours = dict(fast.named_parameters())
+    assert set(ours) == {k for k, _ in ref.named_parameters()}
+    for k, p in ref.named_parameters():
+        assert p.grad is not None and ours[k].grad is not None, k
+        assert_close(ours[k].grad, p.grad, rtol, f"grad {k}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_timm_family_through_optimize(kind, backend):
+    """optimize(timm model) for every family: same output and every parameter's gradient, both backends
+    (the fused path on the interpreter's kernels: pre_norm, QuickGELU, attention pool, SwiGLU, dist token)."""
+    import vit_fast
+
+    ref = timm_family(kind).eval()
+    fast = vit_fast.optimize(ref, backend=backend)
+    assert type(fast).__name__ == "VisionTransformer" and fast.config.backend == backend
+    x = _images(TINY)
+    out, expected = fast(x), ref(x)
+    assert_close(out, expected, FP32, "output")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    _grads_match(fast, ref, FP32)
+
+
+def test_distilled_train_and_eval_semantics():
+    """timm's VisionTransformerDistilled: eval averages the two heads; training returns (head, head_dist) only
+    with distilled training on; pre_logits averages the two tokens."""
+    import vit_fast
+
+    ref = timm_family("deit_distilled")
+    fast = vit_fast.optimize(ref.eval(), backend="triton")
+    x = _images(TINY)
+    assert_close(fast(x), ref(x), FP32, "eval logits")
+    fast.train(), ref.train()
+    assert_close(fast(x), ref(x), FP32, "training logits, distilled training off")
+    ref.set_distilled_training(True)
+    fast.set_distilled_training(True)
+    (a, b), (ra, rb) = fast(x), ref(x)
+    assert_close(a, ra, FP32, "head")
+    assert_close(b, rb, FP32, "head_dist")
+    assert_close(fast.forward_head(fast.forward_features(x), pre_logits=True),
+                 ref.forward_head(ref.forward_features(x), pre_logits=True), FP32, "pre_logits")
+    ref.eval(), fast.eval()
+    assert_close(fast(x), ref(x), FP32, "eval logits with distilled training on")
+    fast.reset_classifier(3)
+    assert fast.head.out_features == fast.head_dist.out_features == 3
+    with pytest.raises(ValueError, match="must stay 'token'"):
+        fast.reset_classifier(3, "avg")
+
+
+@pytest.mark.parametrize("kind", ["clip_quickgelu", "siglip_map", "dinov2_giant_swiglu"])
+def test_family_bf16_autocast(kind):
+    """Under bf16 autocast the fused model is within the bf16 bound of the float64 reference and at most 2x
+    timm's own autocast error (the guide's rule)."""
+    import vit_fast
+    from tests.numerics import bound, errors
+
+    ref = timm_family(kind).eval()
+    fast = vit_fast.optimize(ref, backend="triton")
+    x = _images(TINY)
+    out64 = timm_family(kind).double().eval()(x.double()).detach()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        err, err_eager = errors(fast(x), out64)[0], errors(ref(x), out64)[0]
+    assert err <= min(bound(torch.bfloat16, "dot"), 2 * err_eager + 1e-3), (err, err_eager)
+
+
+def test_family_compiles_fullgraph():
+    """One model with every family part (pre_norm, SwiGLU MLP, attention-pool head) under
+    torch.compile(fullgraph=True) on the fused path: same loss and gradients as eager."""
+    import vit_fast
+
+    ref = timm_family("siglip_map", pre_norm=True, mlp_layer="swiglu_packed", act="gelu").eval()
+    fast = vit_fast.optimize(ref, backend="triton")
+    x = _images(TINY)
+    compiled = torch.compile(lambda m, t: m(t).square().sum(), backend="aot_eager", fullgraph=True)
+    compiled(fast, x).backward()
+    grads = {k: p.grad.clone() for k, p in fast.named_parameters()}
+    fast.zero_grad()
+    fast(x).square().sum().backward()
+    for k, p in fast.named_parameters():
+        assert_close(grads[k], p.grad, FP32, f"compiled grad {k}")
+
+
+def test_family_checkpoint_round_trip(tmp_path):
+    """A family model saved under timm's names loads back (attn_pool.*, norm_pre.*, mlp.fc1 of 2F, dist_token)."""
+    import vit_fast
+    from vit_fast.interop.convert import load_checkpoint, save_checkpoint
+
+    for kind in ("siglip_map", "clip_quickgelu", "dinov2_giant_swiglu", "deit_distilled"):
+        fast = vit_fast.optimize(timm_family(kind).eval(), backend="torch")
+        save_checkpoint(fast, tmp_path / f"{kind}.safetensors")
+        again = vit_fast.VisionTransformer(fast.config.replace(weight_init="skip"))
+        load_checkpoint(again, tmp_path / f"{kind}.safetensors")
+        x = _images(TINY)
+        assert torch.equal(again(x), fast(x))
+
+
+# ------------------------------------------------------------------ transformers and open_clip sources
+def _perturbed(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", ["clip", "clip_projection", "siglip", "siglip_classifier", "dinov2",
+                                  "dinov2_swiglu"])
+def test_hf_family_through_optimize(kind, backend):
+    """optimize(transformers model): the source's output type and fields (last_hidden_state, pooler_output,
+    image_embeds, logits, loss) and every source parameter's gradient, both backends."""
+    import vit_fast
+
+    torch.manual_seed(0)
+    source = _perturbed(_hf_models()[kind]()).eval()
+    fast = vit_fast.optimize(source, backend=backend)
+    assert type(fast).__name__ == "HFVisionFamily"
+    x = _images({"img_size": 32})
+    labels = torch.tensor([1, 3]) if kind == "siglip_classifier" else None
+    kwargs = {"labels": labels} if labels is not None else {}
+    out, expected = fast(x, **kwargs), source(pixel_values=x, **kwargs)
+    assert type(out) is type(expected)
+    fields = [k for k, v in expected.items() if v is not None]
+    assert fields == [k for k, v in out.items() if v is not None]
+    for k in fields:
+        assert_close(out[k], expected[k], FP32, k)
+    loss, ref_loss = (sum(v.square().sum() for v in o.values() if v is not None and v.dim() > 0)
+                      for o in (out, expected))
+    loss.backward()
+    ref_loss.backward()
+    fast_params = dict(fast.named_parameters())
+    names = __import__("vit_fast.interop.optimize", fromlist=["x"])._family_names(
+        source, __import__("vit_fast.interop.optimize", fromlist=["x"]).hf_family_to_timm(source))
+    to_timm = families.hf_dinov2_to_timm if kind.startswith("dinov2") else families.hf_clip_siglip_to_timm
+    mapped = to_timm({k: p.grad for k, p in source.named_parameters() if p.grad is not None})
+    assert {"model." + k for k in mapped} == set(fast_params)
+    assert {"model." + n for v in names.values() for n in v} == set(fast_params)
+    for k, g in mapped.items():
+        assert_close(fast_params["model." + k].grad, g, FP32, f"grad {k}")
+    assert not fast(x, return_dict=False)[0].isnan().any()
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        fast(x, output_hidden_states=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_open_clip_through_optimize_and_from_open_clip(backend):
+    """optimize(open_clip VisionTransformer) and from_open_clip(model with .visual): the embedding
+    (ln_post(class token) @ proj) and every gradient; frozen source parameters stay frozen."""
+    import vit_fast
+
+    oc = pytest.importorskip("open_clip.transformer")
+    QuickGELU, VisionTransformer = oc.QuickGELU, oc.VisionTransformer
+    torch.manual_seed(0)
+    visual = _perturbed(VisionTransformer(image_size=32, patch_size=8, width=64, layers=2, heads=4, mlp_ratio=4.0,
+                                          ls_init_value=0.3, output_dim=24, act_layer=QuickGELU)).eval()
+    visual.conv1.weight.requires_grad_(False)
+    fast = vit_fast.optimize(visual, backend=backend)
+    assert not fast.patch_embed.proj.weight.requires_grad and fast.head.bias is None
+    x = _images({"img_size": 32})
+    out, expected = fast(x), visual(x)
+    assert_close(out, expected, FP32, "embedding")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    mapped = families.open_clip_to_timm({k: p.grad for k, p in visual.named_parameters() if p.grad is not None})
+    ours = dict(fast.named_parameters())
+    for k, g in mapped.items():
+        assert_close(ours[k].grad, g, FP32, f"grad {k}")
+    holder = nn.Module()
+    holder.visual = visual
+    assert_close(vit_fast.from_open_clip(holder).set_backend(backend)(x), expected, FP32, "from_open_clip")
+
+
+def test_from_hf_family_model():
+    import vit_fast
+
+    torch.manual_seed(0)
+    source = _perturbed(_hf_models()["dinov2_swiglu"]()).eval()
+    fast = vit_fast.from_hf(source)
+    assert fast.config.mlp_layer == "swiglu_packed" and fast.config.init_values == 0.5
+    x = _images({"img_size": 32})
+    assert_close(fast(x), source(pixel_values=x).pooler_output, FP32, "pooled")
+
+
+def test_init_from_timm_clip_uses_the_local_weights(monkeypatch):
+    """``--init-from timm:vit_base_patch16_clip_224``: the timm model that timm.create_model(pretrained=True)
+    returns (here a tiny CLIP tower standing in for the cached weights) is converted with pre_norm and a
+    bias-free patch embedding, and loads into the preset model; the head of another class count is fresh."""
+    import vit_fast
+    from vit_fast.training import checkpoint as ckpt
+
+    clip = dict(FAMILIES["clip_gelu"], num_classes=1000)
+    calls = []
+
+    def cached_create_model(name, pretrained=False, **kwargs):
+        calls.append((name, pretrained))
+        return timm_family("clip_gelu", num_classes=1000)
+
+    monkeypatch.setattr(timm, "create_model", cached_create_model)
+    model = vit_fast.create_model("vit_base_patch16_clip_224", **{**TINY, "num_classes": 3})
+    assert model.config.pre_norm and model.patch_embed.proj.bias is None and clip["pre_norm"]
+    notes = ckpt.load_pretrained(model, "timm:vit_base_patch16_clip_224")
+    assert calls == [("vit_base_patch16_clip_224", True)]
+    assert any("head.weight re-initialised" in n for n in notes)
+    source = timm_family("clip_gelu", num_classes=1000)
+    assert torch.equal(model.norm_pre.weight, source.norm_pre.weight)
+    assert torch.equal(model.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight)

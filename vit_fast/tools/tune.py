@@ -1,0 +1,64 @@
+"""`vit-fast tune`: measure the kernel configs and the per-fusion choices for one model on this GPU,
+print the table and write it to the autotune cache (vit_fast/tuning.py, vit_fast/kernels/_tuning.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vit-fast tune", description=__doc__,
+        epilog="Then `vit_fast.optimize(model, tune=True)` applies the cached choices (no timing). Without CUDA "
+               "nothing is timed: every fusion stays fused and the static configs are used.")
+    parser.add_argument("--model", default="vit_base_patch16_224", help="preset name (vit-fast info --list)")
+    parser.add_argument("--batch", type=int, default=64, help="images per step to tune for (default 64)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                        help="compute dtype: bf16/fp16 run under autocast with fp32 weights (default bf16)")
+    parser.add_argument("--img-size", type=int, default=None, help="square input size (default: the preset's)")
+    parser.add_argument("--eval", action="store_true", help="tune the model in eval mode (default: training mode)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="autotune cache folder (default $VIT_FAST_CACHE_DIR or ~/.cache/vit_fast)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON to PATH")
+    args = parser.parse_args(list(argv))
+    if args.batch < 1:
+        parser.error("--batch must be >= 1")
+
+    import torch
+
+    import vit_fast
+    from vit_fast import tuning
+    from vit_fast.kernels import _tuning
+
+    if args.cache_dir is not None:
+        _tuning._state.cache_dir = args.cache_dir
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    overrides = {} if args.img_size is None else {"img_size": args.img_size}
+    try:
+        model = vit_fast.create_model(args.model, **overrides).to(device).train(not args.eval)
+    except (ValueError, TypeError) as e:
+        print(f"vit-fast tune: {e}", file=sys.stderr)
+        return 2
+    if not _tuning.autotune_enabled():
+        print("vit-fast tune: VIT_FAST_AUTOTUNE=0 is set: nothing is timed", file=sys.stderr)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    env = _tuning.environment(device)
+    print(f"vit-fast tune: {args.model}, batch {args.batch}, {args.dtype}, {'train' if model.training else 'eval'}; "
+          f"{env['gpu']} (sm {env['capability'] or '-'}, driver {env['driver'] or '-'}), torch {env['torch']}, "
+          f"triton {env['triton']}, vit_fast {env['vit_fast']}")
+    result = tuning.tune_model(model, args.batch, dtype, refresh=True)
+    print(tuning.format_table(result))
+    if result.timed:
+        print(f"written to {_tuning.cache_for(device).path}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "batch": args.batch, "dtype": args.dtype, "env": env,
+                       "timed": result.timed, "fusions": [
+                           {"op": r.op, "times_ms": r.times_ms, "choice": r.choice} for r in result.fusions],
+                       "kernels": [{"key": k.key, "candidates": k.candidates, "times_ms": k.times_ms,
+                                    "choice": k.choice} for k in result.kernels]}, f, indent=1)
+    return 0

@@ -81,6 +81,29 @@ def test_ties_keep_the_static_first_candidate(cpu_tuning):
         assert _tuning.choose("op_tie", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[0]
 
 
+def test_a_candidate_that_cannot_run_here_is_skipped_and_other_errors_propagate(cpu_tuning):
+    from triton.runtime.errors import OutOfResources
+
+    class Failing(FakeTimer):
+        def __call__(self, fn, label):
+            super().__call__(fn, label)
+            if "narrow" in label:
+                raise OutOfResources(300000, 232448, "shared memory")
+            if "wide" in label and self.bug:
+                raise ZeroDivisionError("a bug in a launcher")
+            return 2.0 if "static" in label else 1.0
+
+    launch, _ = launches()
+    timer = Failing()
+    timer.bug = False
+    with cpu_tuning(timer):
+        assert _tuning.choose("op_oor", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]
+        assert _tuning.records()[0].times_ms[2] == float("inf")
+    timer.bug = True
+    with cpu_tuning(timer), pytest.raises(ZeroDivisionError):
+        _tuning.choose("op_oor", 2, CANDIDATES, launch, CPU, module=__name__)
+
+
 def test_cache_hit_in_a_new_process_state_and_miss_for_another_key(cpu_tuning):
     launch, _ = launches()
     with cpu_tuning(FakeTimer(wide=0.5)):
@@ -315,3 +338,30 @@ def test_forcing_each_fusion_choice_keeps_logits_and_gradients_within_bounds(eag
     out_ref.square().mean().backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_close(p.grad, q.grad, rtol, name)
+
+
+def _ddp_worker(rank: int, store: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = tiny_model()
+        timer = FakeTimer(**{"attention:eager": 0.5, "narrow": 0.1}) if rank == 0 else NoTimer()
+        with _tuning.overridden(timer=timer, device_types=("cpu",), cache_dir=f"{out_dir}/cache{rank}"):
+            result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+            chosen = _tuning.decisions()
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump({"choices": result.choices, "flags": tuning.fusion_choices(model), "decisions": chosen}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_ddp_rank0_measures_and_every_rank_ends_with_its_choices(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ddp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["flags"]["attention"] == "eager" and ranks[0]["choices"]["mlp"] == "fused"
+    assert not (tmp_path / "cache1").exists()  # rank 1 measured nothing and wrote nothing

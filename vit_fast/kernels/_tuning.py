@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import math
 import os
 import sys
 import tempfile
@@ -70,6 +71,7 @@ class _State:
     local_in_distributed: bool = False  # True while rank 0 times for everyone (tune_model)
     refresh: bool = False  # measure again, ignoring cached entries (`vit-fast tune`)
     decisions: dict = dataclasses.field(default_factory=dict)  # entry key -> chosen candidate (repr)
+    fast: dict = dataclasses.field(default_factory=dict)  # (op, key) -> index of the decided candidate
     log: list = dataclasses.field(default_factory=list)  # TuneRecord per timed choice, this process
 
 
@@ -107,6 +109,7 @@ def set_autotune(enabled: Optional[bool]) -> None:
     _state.enabled = enabled
     if enabled is False:
         _state.decisions.clear()
+        _state.fast.clear()
 
 
 def distributed_world() -> int:
@@ -331,20 +334,33 @@ def describe(candidate: Any) -> str:
     return repr(candidate)
 
 
+def _failed(e: BaseException) -> bool:
+    """A candidate that cannot run on this GPU (too much shared memory, a compile error) is skipped."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return isinstance(e, (OutOfResources, CompilationError))
+
+
 def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any],
            device: torch.device, module: Optional[str] = None) -> C:
-    """The config to launch ``op`` with for this ``key`` (shape bucket, dtype, arch: whatever selects a
-    config); see the module docstring for the order of sources. ``module``: whose source hash guards the
-    cached entry (default: the module that defines ``launch``)."""
+    """The config to launch ``op`` with for this ``key`` (shape bucket, dtype, arch: a hashable value
+    that determines the candidate list); see the module docstring for the order of sources. ``module``:
+    whose source hash guards the cached entry (default: the module that defines ``launch``). A candidate
+    that fails to compile or exceeds the GPU's resources is timed as infinitely slow."""
     if not candidates:
         raise ValueError(f"choose({op!r}): expected at least one candidate config")
-    if len(candidates) == 1:
+    if len(candidates) == 1 or not autotune_enabled():
         return candidates[0]
+    index = _state.fast.get((op, key))  # the hot path: decided before, in this process
+    if index is not None and index < len(candidates):
+        return candidates[index]
     ekey = entry_key(op, key)
     names = [describe(c) for c in candidates]
     with _lock:
-        decided = _state.decisions.get(ekey) if autotune_enabled() else None
+        decided = _state.decisions.get(ekey)
     if decided in names:
+        _state.fast[(op, key)] = names.index(decided)
         return candidates[names.index(decided)]
     if not may_use_cache() or device.type not in _state.device_types:
         return candidates[0]
@@ -354,16 +370,26 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
     if entry is not None and entry.get("choice") in names:
         with _lock:
             _state.decisions[ekey] = entry["choice"]
+            _state.fast[(op, key)] = names.index(entry["choice"])
         return candidates[names.index(entry["choice"])]
     if not can_time(device):
         return candidates[0]
-    times = [float(_state.timer(lambda c=c: launch(c), f"{op}:{name}")) for c, name in zip(candidates, names)]
+    times = []
+    for c, name in zip(candidates, names):
+        try:
+            times.append(float(_state.timer(lambda c=c: launch(c), f"{op}:{name}")))
+        except Exception as e:  # noqa: BLE001  (re-raised unless the candidate just cannot run here)
+            if not _failed(e):
+                raise
+            times.append(float("inf"))
     best = min(range(len(times)), key=lambda i: (times[i], i))  # ties: the earlier (static first)
     record = TuneRecord(op, ekey, tuple(names), tuple(times), best)
     with _lock:
         _state.decisions[ekey] = names[best]
+        _state.fast[(op, key)] = best
         _state.log.append(record)
-    cache.put({ekey: {"source": source, "choice": names[best], "candidates": names, "times_ms": times}})
+    cache.put({ekey: {"source": source, "choice": names[best], "candidates": names,
+                      "times_ms": [t if math.isfinite(t) else None for t in times]}})
     return candidates[best]
 
 
@@ -377,6 +403,7 @@ def install_decisions(chosen: dict[str, str]) -> None:
     """Adopt choices made elsewhere (rank 0's, after a broadcast)."""
     with _lock:
         _state.decisions.update(chosen)
+        _state.fast.clear()
 
 
 def records() -> list[TuneRecord]:
@@ -391,13 +418,14 @@ def refreshing() -> Iterator[None]:
     records made inside are kept afterwards."""
     global _state
     saved = _state
-    _state = dataclasses.replace(saved, refresh=True, decisions={}, log=[])
+    _state = dataclasses.replace(saved, refresh=True, decisions={}, fast={}, log=[])
     try:
         yield
     finally:
         inner, _state = _state, saved
         with _lock:
             saved.decisions.update(inner.decisions)
+            saved.fast.clear()
             saved.log.extend(inner.log)
 
 
@@ -412,6 +440,7 @@ def overridden(timer: Optional[Timer] = None, device_types: Optional[tuple[str, 
     saved = _state
     _state = dataclasses.replace(
         saved, decisions={} if fresh else saved.decisions, log=[] if fresh else saved.log,
+        fast={} if fresh else saved.fast,
         **{k: v for k, v in dict(timer=timer, device_types=device_types, enabled=enabled,
                                  local_in_distributed=local_in_distributed).items() if v is not None},
         **({} if cache_dir is None else {"cache_dir": str(cache_dir)}))

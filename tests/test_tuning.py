@@ -365,3 +365,17 @@ def test_under_ddp_rank0_measures_and_every_rank_ends_with_its_choices(tmp_path)
     assert ranks[0] == ranks[1]
     assert ranks[0]["flags"]["attention"] == "eager" and ranks[0]["choices"]["mlp"] == "fused"
     assert not (tmp_path / "cache1").exists()  # rank 1 measured nothing and wrote nothing
+
+
+def test_the_tune_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    from vit_fast.tools import cli
+
+    out = tmp_path / "tune.json"
+    assert cli.main(["tune", "--model", "vit_tiny_patch16_224", "--batch", "2", "--dtype", "bf16",
+                     "--cache-dir", str(tmp_path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "vit_tiny_patch16_224, batch 2, bf16" in text and "fusion attention" in text
+    data = json.loads(out.read_text())
+    assert [r["op"] for r in data["fusions"]] == list(tuning.FUSIONS) and data["timed"] is False
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--batch", "0"])

@@ -298,7 +298,7 @@ def _cached_rows(cache: _tuning.TuningCache, vit: nn.Module, batch_size: Optiona
 # ----------------------------------------------------------------------------------------- table
 def format_table(result: TuneResult) -> str:
     """The table `vit-fast tune` prints: op, candidates, times, choice, speedup."""
-    lines = [f"{'op':<34} {'candidates':<8} {'times (ms)':<40} {'choice':<40} speedup"]
+    lines = [f"{'op':<34} {'candidates':<10} {'times (ms)':<40} {'choice':<40} speedup"]
 
     def ms(t):
         return "-" if t is None else f"{t:.3f}"
@@ -306,11 +306,11 @@ def format_table(result: TuneResult) -> str:
     for r in result.fusions:
         times = "-" if r.times_ms is None else " / ".join(ms(t) for t in r.times_ms)
         speed = "-" if r.times_ms is None else f"{r.speedup:.2f}x"
-        lines.append(f"{'fusion ' + r.op:<34} {'2':<8} {times + ' (fused / eager)':<40} {r.choice:<40} {speed}")
+        lines.append(f"{'fusion ' + r.op:<34} {'2':<10} {times + ' (fused / eager)':<40} {r.choice:<40} {speed}")
     for k in result.kernels:
         times = " / ".join(ms(t) for t in k.times_ms)
         label = k.key if len(k.key) <= 34 else k.key[:31] + "..."
-        lines.append(f"{label:<34} {len(k.candidates):<8} {times:<40} "
+        lines.append(f"{label:<34} {len(k.candidates):<10} {times:<40} "
                      f"{'#%d %s' % (k.choice, k.candidates[k.choice])[:40]:<40} {k.speedup:.2f}x")
     if result.note:
         lines.append(f"({result.note})")

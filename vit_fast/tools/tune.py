@@ -28,37 +28,50 @@ def main(argv: Sequence[str]) -> int:
     if args.batch < 1:
         parser.error("--batch must be >= 1")
 
+    if args.cache_dir is not None:
+        from vit_fast.kernels import _tuning
+
+        _tuning._state.cache_dir = args.cache_dir
+    try:
+        report = tune_report(args.model, args.batch, args.dtype, img_size=args.img_size, train=not args.eval)
+    except (ValueError, TypeError) as e:
+        print(f"vit-fast tune: {e}", file=sys.stderr)
+        return 2
+    print(report["text"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "text"}, f, indent=1)
+    return 0
+
+
+def tune_report(model_name: str, batch: int, dtype: str = "bf16", img_size: int | None = None,
+                train: bool = True) -> dict:
+    """Tune ``model_name`` at ``batch`` / ``dtype`` ('fp32' | 'fp16' | 'bf16') on this machine's GPU (CPU:
+    nothing timed) and return {"text": the printed table, "model", "batch", "dtype", "env", "timed",
+    "fusions": [...], "kernels": [...]}: the stage `vit-fast bench --campaign` runs and includes."""
     import torch
 
     import vit_fast
     from vit_fast import tuning
     from vit_fast.kernels import _tuning
 
-    if args.cache_dir is not None:
-        _tuning._state.cache_dir = args.cache_dir
+    if dtype not in DTYPES:
+        raise ValueError(f"expected a dtype in {sorted(DTYPES)}, got {dtype!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    overrides = {} if args.img_size is None else {"img_size": args.img_size}
-    try:
-        model = vit_fast.create_model(args.model, **overrides).to(device).train(not args.eval)
-    except (ValueError, TypeError) as e:
-        print(f"vit-fast tune: {e}", file=sys.stderr)
-        return 2
-    if not _tuning.autotune_enabled():
-        print("vit-fast tune: VIT_FAST_AUTOTUNE=0 is set: nothing is timed", file=sys.stderr)
-    dtype = getattr(torch, DTYPES[args.dtype])
+    overrides = {} if img_size is None else {"img_size": img_size}
+    model = vit_fast.create_model(model_name, **overrides).to(device).train(train)
     env = _tuning.environment(device)
-    print(f"vit-fast tune: {args.model}, batch {args.batch}, {args.dtype}, {'train' if model.training else 'eval'}; "
-          f"{env['gpu']} (sm {env['capability'] or '-'}, driver {env['driver'] or '-'}), torch {env['torch']}, "
-          f"triton {env['triton']}, vit_fast {env['vit_fast']}")
-    result = tuning.tune_model(model, args.batch, dtype, refresh=True)
-    print(tuning.format_table(result))
+    lines = [f"vit-fast tune: {model_name}, batch {batch}, {dtype}, {'train' if train else 'eval'}; "
+             f"{env['gpu']} (sm {env['capability'] or '-'}, driver {env['driver'] or '-'}), torch {env['torch']}, "
+             f"triton {env['triton']}, vit_fast {env['vit_fast']}"]
+    if not _tuning.autotune_enabled():
+        lines.append("VIT_FAST_AUTOTUNE=0 is set: nothing is timed")
+    result = tuning.tune_model(model, batch, getattr(torch, DTYPES[dtype]), refresh=True)
+    lines.append(tuning.format_table(result))
     if result.timed:
-        print(f"written to {_tuning.cache_for(device).path}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "batch": args.batch, "dtype": args.dtype, "env": env,
-                       "timed": result.timed, "fusions": [
-                           {"op": r.op, "times_ms": r.times_ms, "choice": r.choice} for r in result.fusions],
-                       "kernels": [{"key": k.key, "candidates": k.candidates, "times_ms": k.times_ms,
-                                    "choice": k.choice} for k in result.kernels]}, f, indent=1)
-    return 0
+        lines.append(f"written to {_tuning.cache_for(device).path}")
+    return {"text": "\n".join(lines), "model": model_name, "batch": batch, "dtype": dtype, "env": env,
+            "timed": result.timed,
+            "fusions": [{"op": r.op, "times_ms": r.times_ms, "choice": r.choice} for r in result.fusions],
+            "kernels": [{"key": k.key, "candidates": k.candidates, "times_ms": k.times_ms, "choice": k.choice}
+                        for k in result.kernels]}

@@ -448,3 +448,58 @@ def overridden(timer: Optional[Timer] = None, device_types: Optional[tuple[str, 
         yield _state
     finally:
         _state = saved
+
+
+# ------------------------------------------------------------------------------------ candidates
+# Every variant of a static config below shrinks a tile or adds warps, so it holds no more registers
+# per thread than the static config that `vit-fast report` shows spill-free; one more pipeline stage
+# (GEMM-like loops) costs shared memory only, and a launch over the GPU's limit is skipped by choose().
+def _replace(cfg: Any, **changes: int) -> Any:
+    if isinstance(cfg, dict):
+        return {**cfg, **changes}
+    return dataclasses.replace(cfg, **changes)
+
+
+def _get(cfg: Any, name: str) -> int:
+    return cfg[name] if isinstance(cfg, dict) else getattr(cfg, name)
+
+
+def _unique(items: list) -> list:
+    out, seen = [], set()
+    for item in items:
+        if describe(item) not in seen:
+            seen.add(describe(item))
+            out.append(item)
+    return out
+
+
+def tile_candidates(static: Any, halve: Sequence[str] = ("block_m", "block_n"), warps: str = "num_warps",
+                    stages: Optional[str] = None, min_block: int = 16, max_warps: int = 8) -> list:
+    """``static`` first, then each ``halve`` field halved (kept >= ``min_block``: tl.dot's minimum), the
+    warps doubled (<= ``max_warps``) and, with ``stages`` (the field name), one more pipeline stage.
+    Works on frozen dataclasses and on dicts of launch parameters."""
+    out = [static]
+    for name in halve:
+        if _get(static, name) // 2 >= min_block:
+            out.append(_replace(static, **{name: _get(static, name) // 2}))
+    if _get(static, warps) * 2 <= max_warps:
+        out.append(_replace(static, **{warps: _get(static, warps) * 2}))
+    if stages is not None:
+        out.append(_replace(static, **{stages: _get(static, stages) + 1}))
+    return _unique(out)
+
+
+def row_candidates(block_m: int, block_n: int, warps: int, max_warps: int = 16) -> list[tuple[int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps) of a row-tile kernel: the static tile, half the rows with half the
+    warps, twice the rows with twice the warps (same elements per thread), and twice the warps."""
+    out = [(block_m, block_n, warps)]
+    if block_m >= 2 and warps >= 2:
+        out.append((block_m // 2, block_n, warps // 2))
+    if warps * 2 <= max_warps:
+        out += [(block_m * 2, block_n, warps * 2), (block_m, block_n, warps * 2)]
+    return _unique(out)
+
+
+def bucket(n: int) -> int:
+    """Shape bucket of a dimension that varies with the batch (rows, sequence length): the next power of two."""
+    return 1 << max(0, int(n) - 1).bit_length()

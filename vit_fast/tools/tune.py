@@ -28,12 +28,11 @@ def main(argv: Sequence[str]) -> int:
     if args.batch < 1:
         parser.error("--batch must be >= 1")
 
-    if args.cache_dir is not None:
-        from vit_fast.kernels import _tuning
+    from vit_fast.kernels import _tuning
 
-        _tuning._state.cache_dir = args.cache_dir
     try:
-        report = tune_report(args.model, args.batch, args.dtype, img_size=args.img_size, train=not args.eval)
+        with _tuning.overridden(cache_dir=args.cache_dir, fresh=False):
+            report = tune_report(args.model, args.batch, args.dtype, img_size=args.img_size, train=not args.eval)
     except (ValueError, TypeError) as e:
         print(f"vit-fast tune: {e}", file=sys.stderr)
         return 2

@@ -379,3 +379,63 @@ def test_the_tune_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert [r["op"] for r in data["fusions"]] == list(tuning.FUSIONS) and data["timed"] is False
     with pytest.raises(SystemExit):
         cli.main(["tune", "--batch", "0"])
+
+
+class LastWinsTimer:
+    """Runs every candidate twice (as do_bench would) and reports each later call as faster, so the last
+    candidate of every list wins: the launchers then run non-static configs."""
+
+    def __init__(self):
+        self.labels = []
+
+    def __call__(self, fn, label):
+        fn()
+        fn()
+        self.labels.append(label)
+        return 1000.0 - len(self.labels)
+
+
+def test_every_launcher_tunes_and_its_tuned_configs_keep_the_model_within_bounds(cpu_tuning):
+    """Kernels in the interpreter with timing allowed on CPU: every wired launcher times its candidates
+    (running each twice, so a launch that is not idempotent would corrupt the result), the last candidate
+    wins, and logits and every gradient still match the float64 reference."""
+    model = tiny_model(init_values=0.1)
+    ref = copy.deepcopy(model).set_backend("torch").double()
+    x = torch.randn(2, 3, 32, 32)
+    timer = LastWinsTimer()
+    with cpu_tuning(timer):
+        out = model(x)
+        out.square().mean().backward()
+        records = _tuning.records()
+    ops = {r.op for r in records}
+    assert {"patch_embed_fwd", "patch_embed_dweight", "attention_fwd", "attention_bwd", "gelu_linear_fwd",
+            "gelu_linear_dh", "gelu_linear_dw", "layer_norm_fwd", "layer_norm_bwd"} <= ops, ops
+    assert all(r.choice == len(r.candidates) - 1 for r in records)
+    out_ref = ref(x.double())
+    out_ref.square().mean().backward()
+    rtol = bound(torch.float32, "dot")
+    assert_close(out, out_ref, rtol, "logits")
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, rtol, name)
+
+
+def test_the_bias_gelu_and_bias_dropout_add_launchers_tune_too(cpu_tuning):
+    from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_dropout_add_ref, bias_gelu, bias_gelu_ref
+
+    x, bias, res, gamma = (torch.randn(s, dtype=torch.float64).float().requires_grad_() for s in
+                           ((3, 50, 192), (192,), (3, 50, 192), (192,)))
+    with cpu_tuning(LastWinsTimer()):
+        outs = [bias_gelu(x, bias), bias_dropout_add(x, bias, res, 0.0, True, gamma=gamma)]
+        for out in outs:
+            out.backward(torch.ones_like(out))
+        grads = [t.grad.clone() for t in (x, bias, res, gamma)]
+        assert {"bias_gelu_fwd", "bias_gelu_bwd", "bias_dropout_add_fwd", "bias_dropout_add_bwd"} <= {
+            r.op for r in _tuning.records()}
+    x64, bias64, res64, gamma64 = (t.detach().double().requires_grad_() for t in (x, bias, res, gamma))
+    refs = [bias_gelu_ref(x64, bias64), bias_dropout_add_ref(x64, bias64, res64, 0.0, True, gamma=gamma64)]
+    for ref in refs:
+        ref.backward(torch.ones_like(ref))
+    for out, ref in zip(outs, refs):
+        assert_close(out, ref, bound(torch.float32), "output")
+    for got, t in zip(grads, (x64, bias64, res64, gamma64)):
+        assert_close(got, t.grad, bound(torch.float32, "dot"), "grad")

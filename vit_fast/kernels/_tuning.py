@@ -464,7 +464,7 @@ def _get(cfg: Any, name: str) -> int:
     return cfg[name] if isinstance(cfg, dict) else getattr(cfg, name)
 
 
-def _unique(items: list) -> list:
+def unique(items: list) -> list:
     out, seen = [], set()
     for item in items:
         if describe(item) not in seen:
@@ -486,18 +486,22 @@ def tile_candidates(static: Any, halve: Sequence[str] = ("block_m", "block_n"), 
         out.append(_replace(static, **{warps: _get(static, warps) * 2}))
     if stages is not None:
         out.append(_replace(static, **{stages: _get(static, stages) + 1}))
-    return _unique(out)
+    return unique(out)
 
 
-def row_candidates(block_m: int, block_n: int, warps: int, max_warps: int = 16) -> list[tuple[int, int, int]]:
-    """(BLOCK_M, BLOCK_N, num_warps) of a row-tile kernel: the static tile, half the rows with half the
-    warps, twice the rows with twice the warps (same elements per thread), and twice the warps."""
+def row_candidates(block_m: int, block_n: int, warps: int, grow: bool = True,
+                   max_warps: int = 16) -> list[tuple[int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps) of a row-tile kernel: the static tile, half the rows, twice the warps
+    (both fewer elements per thread) and, with ``grow``, twice the rows with twice the warps (as many
+    elements per thread as the static tile)."""
     out = [(block_m, block_n, warps)]
-    if block_m >= 2 and warps >= 2:
-        out.append((block_m // 2, block_n, warps // 2))
+    if block_m >= 2:
+        out.append((block_m // 2, block_n, warps))
     if warps * 2 <= max_warps:
-        out += [(block_m * 2, block_n, warps * 2), (block_m, block_n, warps * 2)]
-    return _unique(out)
+        out.append((block_m, block_n, warps * 2))
+        if grow:
+            out.append((block_m * 2, block_n, warps * 2))
+    return unique(out)
 
 
 def bucket(n: int) -> int:

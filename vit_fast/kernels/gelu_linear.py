@@ -58,6 +58,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _tuning
+from ._tuning import bucket
 from ._utils import (
     LAUNCH_DEFAULT_STAGES,
     TRITON_DTYPE_NAMES,
@@ -258,14 +260,23 @@ def gelu_linear_fwd(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch
     y = torch.empty((m, n), device=h.device, dtype=h.dtype)
     if m == 0:
         return y
-    precision = input_precision(h.dtype)
-    t = gelu_linear_config(h.dtype, gpu_arch(h.device), precision).fwd
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    _gelu_linear_fwd_kernel[grid](
-        y, h, bias, weight, h.stride(0), weight.stride(0), y.stride(0), m, n, k,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, HAS_BIAS=bias is not None,
-        APPROX_TANH=approximate == "tanh", INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
+    precision, arch = input_precision(h.dtype), gpu_arch(h.device)
+
+    def launch(t: GemmTile) -> None:
+        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+        _gelu_linear_fwd_kernel[grid](
+            y, h, bias, weight, h.stride(0), weight.stride(0), y.stride(0), m, n, k,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, HAS_BIAS=bias is not None,
+            APPROX_TANH=approximate == "tanh", INPUT_PRECISION=precision, num_warps=t.num_warps,
+            num_stages=t.num_stages)
+    key = (bucket(m), n, k, str(h.dtype), arch, precision, bias is not None, approximate)
+    launch(_tuning.choose("gelu_linear_fwd", key, _candidates(gelu_linear_config(h.dtype, arch, precision).fwd),
+                          launch, h.device))
     return y
+
+
+def _candidates(t: GemmTile) -> list[GemmTile]:
+    return _tuning.tile_candidates(t, ("block_m", "block_n"), stages="num_stages")
 
 
 @gelu_linear_fwd.register_fake
@@ -287,36 +298,38 @@ def gelu_linear_bwd(dy: torch.Tensor, h: torch.Tensor, bias: Optional[torch.Tens
     dh = torch.empty((m, k), device=h.device, dtype=h.dtype)
     if m == 0:
         return dh, (torch.zeros_like(bias) if has_bias else h.new_empty(0)), _no_or_zero_dw(weight, needs_dw)
-    precision = input_precision(h.dtype)
-    cfg = gelu_linear_config(h.dtype, gpu_arch(h.device), precision)
+    precision, arch = input_precision(h.dtype), gpu_arch(h.device)
+    cfg = gelu_linear_config(h.dtype, arch, precision)
     common = dict(GROUP_M=GROUP_M, HAS_BIAS=has_bias, APPROX_TANH=approximate == "tanh", INPUT_PRECISION=precision)
+    key = (bucket(m), n, k, str(h.dtype), arch, precision, has_bias, approximate)
 
-    t = cfg.dh
-    row_tiles = triton.cdiv(m, t.block_m)
-    partial = torch.empty((1, row_tiles, k), device=h.device, dtype=torch.float32) if has_bias else None
-    _gelu_linear_dh_kernel[(row_tiles * triton.cdiv(k, t.block_n),)](
-        dh, partial, dy, h, bias, weight, dy.stride(0), h.stride(0), weight.stride(0), dh.stride(0), m, n, k,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
-        **common)
-    dbias = sum_partials(partial, bias.dtype)[0] if has_bias else h.new_empty(0)
+    def launch_dh(t: GemmTile) -> torch.Tensor:
+        row_tiles = triton.cdiv(m, t.block_m)
+        partial = torch.empty((1, row_tiles, k), device=h.device, dtype=torch.float32) if has_bias else None
+        _gelu_linear_dh_kernel[(row_tiles * triton.cdiv(k, t.block_n),)](
+            dh, partial, dy, h, bias, weight, dy.stride(0), h.stride(0), weight.stride(0), dh.stride(0), m, n, k,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+            **common)
+        return sum_partials(partial, bias.dtype)[0] if has_bias else h.new_empty(0)
+    dbias = launch_dh(_tuning.choose("gelu_linear_dh", key, _candidates(cfg.dh), launch_dh, h.device))
     if not needs_dw:
         return dh, dbias, weight.new_empty(0)
 
-    t = cfg.dw
-    out_tiles = triton.cdiv(n, t.block_m) * triton.cdiv(k, t.block_n)
-    splits, rows_per_split = (_split_rows(m, dw_split, t.block_k) if dw_split > 0
-                              else dw_splits(m, out_tiles, t.block_k))
-    if splits > 1:
-        dw = torch.empty((splits, n, k), device=h.device, dtype=torch.float32)
-    else:
-        dw = torch.empty((n, k), device=h.device, dtype=weight.dtype)
-    _gelu_linear_dw_kernel[(out_tiles, splits)](
-        dw, dy, h, bias, dy.stride(0), h.stride(0), dw.stride(-2), m, n, k, rows_per_split,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=splits > 1, num_warps=t.num_warps,
-        num_stages=t.num_stages, **common)
-    if splits > 1:
-        dw = sum_partials(dw.view(1, splits, n * k), weight.dtype).view(n, k)
-    return dh, dbias, dw
+    def launch_dw(t: GemmTile) -> torch.Tensor:
+        out_tiles = triton.cdiv(n, t.block_m) * triton.cdiv(k, t.block_n)
+        splits, rows_per_split = (_split_rows(m, dw_split, t.block_k) if dw_split > 0
+                                  else dw_splits(m, out_tiles, t.block_k))
+        if splits > 1:
+            dw = torch.empty((splits, n, k), device=h.device, dtype=torch.float32)
+        else:
+            dw = torch.empty((n, k), device=h.device, dtype=weight.dtype)
+        _gelu_linear_dw_kernel[(out_tiles, splits)](
+            dw, dy, h, bias, dy.stride(0), h.stride(0), dw.stride(-2), m, n, k, rows_per_split,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=splits > 1, num_warps=t.num_warps,
+            num_stages=t.num_stages, **common)
+        return sum_partials(dw.view(1, splits, n * k), weight.dtype).view(n, k) if splits > 1 else dw
+    return dh, dbias, launch_dw(_tuning.choose("gelu_linear_dw", key + (dw_split,), _candidates(cfg.dw), launch_dw,
+                                               h.device))
 
 
 @gelu_linear_bwd.register_fake

@@ -5,6 +5,8 @@ fp16, fp32; sm_80 and sm_90) and fails on any spill, any shared memory over the 
 compile error, or a dot compiled without tensor-core instructions. Results are cached on disk
 (~/.cache/vit_fast/aot); a cold run compiles in 2 processes.
 """
+import importlib
+import sys
 import types
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 import vit_fast
 from vit_fast.tools import report
-from vit_fast.kernels._utils import TRITON_DTYPE_NAMES, AotSpec
+from vit_fast.kernels._aot import TRITON_DTYPE_NAMES, AotSpec
 
 from . import fixture_kernels as fixture
 
@@ -59,6 +61,80 @@ def _fixture_module():
                     dict(BLOCK=128), 4),
         ]
     return types.SimpleNamespace(aot_specs=aot_specs)
+
+
+_HELPER_SRC = """import triton
+import triton.language as tl
+
+SCALE = tl.constexpr({scale})
+
+
+@triton.jit
+def helper(x):
+    return {body}
+
+
+@triton.jit
+def unrelated(x):
+    return {unrelated}
+"""
+_KERNEL_SRC = """import triton
+import triton.language as tl
+
+import cachekey_helper as H
+from cachekey_helper import helper
+
+
+@triton.jit
+def direct_kernel(X, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(X + offs, helper(tl.load(X + offs)))
+
+
+@triton.jit
+def module_kernel(X, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(X + offs, H.helper(tl.load(X + offs)))
+"""
+
+
+def test_cache_key_covers_inlined_helpers(monkeypatch, tmp_path):
+    """The compile-cache key changes when a jit helper the kernel inlines changes (called directly or
+    through its module, living in another file) or a constexpr global it reads changes, and stays
+    when an unrelated function of the same file changes."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+
+    def keys(scale="2.0", body="x * SCALE", unrelated="x + 1.0"):
+        (tmp_path / "cachekey_helper.py").write_text(_HELPER_SRC.format(scale=scale, body=body, unrelated=unrelated))
+        (tmp_path / "cachekey_kernel.py").write_text(_KERNEL_SRC)
+        for name in ("cachekey_helper", "cachekey_kernel"):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        importlib.invalidate_caches()
+        mod = importlib.import_module("cachekey_kernel")
+        sig = {"X": "*fp32", "BLOCK": "constexpr"}
+        return [report.spec_key(AotSpec(name, getattr(mod, name), sig, dict(BLOCK=16), 4), 80)
+                for name in ("direct_kernel", "module_kernel")]
+
+    base = keys()
+    assert base == keys(), "the key is stable for unchanged sources"
+    helper_edited = keys(body="x * SCALE * 0.5")
+    constant_edited = keys(scale="3.0")
+    for edited in (helper_edited, constant_edited):
+        assert all(a != b for a, b in zip(base, edited))
+    assert keys(unrelated="x - 1.0") == base
+    sources = dict(report.inlined_sources(importlib.import_module("cachekey_kernel").module_kernel))
+    assert set(sources) == {"cachekey_kernel.module_kernel", "cachekey_helper.helper", "cachekey_helper.SCALE"}
+
+
+def test_report_quick_mode_covers_one_preset_one_dtype_both_archs():
+    args = report.build_parser().parse_args(["--quick"])
+    assert args.quick and args.presets is None and args.dtypes is None  # main() fills in the quick lists
+    assert report.QUICK_PRESETS == ("vit_base_patch16_224",) and report.QUICK_DTYPES == ("bf16",)
+    quick = report.collect_specs(report.QUICK_PRESETS, report.QUICK_DTYPES, report.ARCHS, pure=False)
+    uses = {use for _, _, _, us in quick.values() for use in us}
+    assert uses == {"vit_base_patch16_224/bf16"}, uses  # autocast only: no " pure" entries
+    assert {arch for _, arch, _, _ in quick.values()} == set(report.ARCHS)
 
 
 def test_report_sees_good_spilling_and_broken_kernels(monkeypatch, tmp_path):

@@ -1,5 +1,16 @@
 """Triton kernels of vit_fast, installed as ``vit_fast.kernels`` (never import this folder as ``kernels``).
 
-One module per op family (layer_norm, bias_gelu, attention, patch_embed); ``_utils`` holds the
-launcher helpers they share. Importing this package runs nothing on a device and compiles nothing.
+One module per op family, each laid out in the same sections (jit kernels, configs, validation and
+launchers (custom ops), autograd, functional, reference, ahead-of-time specs; CONTRIBUTING.md):
+``layer_norm``, ``bias_gelu``, ``gelu_linear``, ``attention``, ``patch_embed``. What they share lives
+in files named for what it holds, and no op imports another op's private names:
+
+  _utils.py  interpreter detection (the one TRITON_INTERPRET parser), input checks, device policy,
+             dropout seeds and the Philox keep-mask, arch lookup, how many programs fill a GPU
+  _math.py   constants (log2 e, ln 2, GELU's) and the GELU value/derivative jit math
+  _rows.py   (M, N) row views, row-input checks, the fixed-order partial-sum reduction
+  _join.py   the residual-join jit math (bias, dropout, LayerScale, drop-path) and its validation
+  _aot.py    AotSpec and the signature helpers behind each module's ``aot_specs`` (``vit-fast report``)
+
+Importing this package runs nothing on a device and compiles nothing.
 """

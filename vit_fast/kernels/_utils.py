@@ -1,24 +1,27 @@
-"""Launcher helpers shared by every kernel family: input checks, device policy, dropout seeds,
-architecture lookup for the config tables, and the ahead-of-time compile spec the GPU-readiness
-report consumes. Nothing here touches a device at import time.
+"""Launcher helpers shared by every kernel family: whether the Triton interpreter is on, input
+checks, device policy, dropout seeds, architecture lookup for the config tables and how many
+programs fill a GPU. Nothing here touches a device at import time.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 import triton
 import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TRITON_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# The values Triton's own getenv_bool (triton/_C, read by triton.knobs.runtime.interpret) takes as
+# true, compared case-insensitively; anything else (unset, "", "0", "false", "2") is false.
+_TRUE_VALUES = ("1", "true", "on", "yes", "y")
 
 
 def interpreter_active() -> bool:
-    """True when Triton runs kernels on CPU tensors with its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels on CPU tensors with its interpreter. The one place the project
+    reads TRITON_INTERPRET; parsed as Triton parses it (``1``, ``true``, ``on``, ``yes``, ``y``, any
+    case), read at every call (tests and tools set it at run time). Importing this module imports
+    triton, but Triton reads the variable at launch time, so setting it after the import still works."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE_VALUES
 
 
 def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
@@ -121,30 +124,19 @@ def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-# Triton's CUDA default (CUDAOptions.num_stages): what a launch that passes no num_stages compiles with.
-LAUNCH_DEFAULT_STAGES = 3
+# SMs of the GPUs the config tables are written for (A100 SXM, H100 SXM), for launches that size
+# their grid from the architecture rather than from the device they run on.
+SM_COUNT = {80: 108, 90: 132}
 
 
-@dataclass(frozen=True)
-class AotSpec:
-    """One kernel launch as the GPU-readiness report compiles it ahead of time (GUIDE.md 3b).
-
-    ``signature`` maps every kernel argument to a Triton type string ('*bf16', 'i32', 'fp32',
-    'constexpr'); ``constexprs`` gives the values of the constexpr arguments.
-    """
-
-    name: str  # e.g. "layer_norm_fwd"
-    fn: Callable[..., Any]  # the @triton.jit kernel
-    signature: dict[str, str]
-    constexprs: dict[str, Any]
-    num_warps: int
-    num_stages: int = LAUNCH_DEFAULT_STAGES
-    has_dot: bool = False  # True where the PTX should use tensor-core instructions
-    note: str = field(default="")  # which shape/config this entry serves
-    # Arguments a real launch specialises as multiples of 16 (aligned pointers, strides): compile
-    # them with attrs={(i,): [["tt.divisibility", 16]]}, else the AOT build gets scalar, unvectorised
-    # loads and reports registers/spills a real launch does not have.
-    divisible_by_16: tuple[str, ...] = ()
+def programs_to_fill(device_or_arch: torch.device | int, per_sm: int) -> int:
+    """The one policy for how many programs fill a GPU: ``per_sm`` programs on every SM, of the CUDA
+    device itself (queried at launch, never at import) or of the architecture's reference GPU
+    (``SM_COUNT``) when given an arch int. Launches use it to split reductions (rows of the fp32
+    partial buffers), so the split is fixed per device and shape and the result reproducible."""
+    if isinstance(device_or_arch, int):
+        return per_sm * SM_COUNT[device_or_arch]
+    return per_sm * torch.cuda.get_device_properties(device_or_arch).multi_processor_count
 
 
 def compute_dtype_for(t: torch.Tensor) -> torch.dtype:

@@ -13,7 +13,7 @@ included), so the kernels see the biased q, k, v and run the math above unchange
 detached; its gradient d(b) = sum over batch and tokens of d(qkv) comes from the attention backward
 instead: the dK/dV and dQ programs write fp32 column sums of their final dk, dv, dq tiles (valid rows
 only, before rounding) into row b * tiles + tile of a (3, G, C) buffer (constexpr BIAS_GRAD), and
-``sum_partials`` (kernels/bias_gelu.py) adds the G rows in a fixed order and writes d(b) in the bias's
+``sum_partials`` (kernels/_rows.py) adds the G rows in a fixed order and writes d(b) in the bias's
 dtype (fp32 under autocast). So the eager addmm backward's separate sum over the (B, N, 3C) gradient
 (a full extra read of it per block) is gone, with no algebra on the bias: the kernels' rounding is
 exactly that of unbiased attention on eager's qkv, however large the bias is next to x @ W^T.
@@ -67,35 +67,33 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-import triton
 import torch.nn.functional as F
+import triton
 import triton.language as tl
 
 from . import _tuning
+from ._aot import TRITON_DTYPE_NAMES, AotSpec
+from ._math import LN2, LOG2E
+from ._rows import sum_partials
 from ._tuning import bucket
 from ._utils import (
-    TRITON_DTYPE_NAMES,
-    AotSpec,
     check_float,
     check_kernel_device,
     check_ndim,
     check_shape,
     dropout_keep_mask,
     gpu_arch,
-    input_precision as dot_input_precision,
     next_power_of_2,
     next_seed,
     seed_value,
 )
-from .bias_gelu import sum_partials
+from ._utils import input_precision as dot_input_precision
 
 MAX_HEAD_DIM = 128
 MAX_GRID = 2**31 - 1
 
 
-# --------------------------------------------------------------------------------------------- #
-# Triton kernels
-# --------------------------------------------------------------------------------------------- #
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _program_tile(seq_len, BLOCK: tl.constexpr):
     """(batch * head index, the program's row indices) of a 1-D grid of B * H * cdiv(N, BLOCK)."""
@@ -170,7 +168,7 @@ def _attention_fwd_kernel(
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -197,38 +195,32 @@ def _attention_fwd_kernel(
     acc = acc / l_i[:, None]
     tl.store(_head(Out, bh, num_heads, stride_ob, stride_oh) + _tile(rows, offs_d, stride_on, stride_od, False),
              acc.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural log
+    lse = (m_i + tl.log2(l_i)) * LN2  # back to natural log
     tl.store(Lse + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
 
 
 @triton.jit
 def _bwd_dkdv(
-    DK, DV, PK, PV, Q, K, V, O, DO, Lse, bh, tile, partial_row,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_gb, stride_gh, stride_gn, stride_gd,
-    stride_db, stride_dh, stride_dn, stride_dd,
-    num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    dk_head, dv_head, PK, PV, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+    stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+    seq_len, head_dim, scale, dropout_p, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles.
-    delta_i = rowsum(dO_i * out_i) is recomputed for each q tile from out and dO (no pre-pass)."""
+    delta_i = rowsum(dO_i * out_i) is recomputed for each q tile from out and dO (no pre-pass).
+    ``*_head`` point at head (b, h) of each tensor; the strides are its row and column strides."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = cols < seq_len
     d_ok = offs_d < head_dim
-    k = _load(_head(K, bh, num_heads, stride_kb, stride_kh), cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
-    v = _load(_head(V, bh, num_heads, stride_vb, stride_vh), cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
-    o_head = _head(O, bh, num_heads, stride_ob, stride_oh)
-    do_head = _head(DO, bh, num_heads, stride_gb, stride_gh)
+    k = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
+    v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
     row_base = bh.to(tl.int64) * seq_len
 
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
@@ -239,7 +231,7 @@ def _bwd_dkdv(
         o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         # Padded q rows get lse = +inf, hence probability exactly 0.
-        lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E
         pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
         if DROPOUT:
@@ -254,8 +246,8 @@ def _bwd_dkdv(
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
     dk = dk * scale
-    tl.store(_head(DK, bh, num_heads, stride_db, stride_dh) + offsets, dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(_head(DV, bh, num_heads, stride_db, stride_dh) + offsets, dv.to(DV.dtype.element_ty), mask=mask)
+    tl.store(dk_head + offsets, dk.to(dk_head.dtype.element_ty), mask=mask)
+    tl.store(dv_head + offsets, dv.to(dv_head.dtype.element_ty), mask=mask)
     if BIAS_GRAD:  # padded k/v rows hold junk (p of a zero key), hence the row mask
         _store_column_sums(PK, dk, col_ok, offs_d, d_ok, partial_row, head_dim)
         _store_column_sums(PV, dv, col_ok, offs_d, d_ok, partial_row, head_dim)
@@ -263,14 +255,10 @@ def _bwd_dkdv(
 
 @triton.jit
 def _bwd_dq(
-    DQ, PQ, Q, K, V, O, DO, Lse, bh, tile, partial_row,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_gb, stride_gh, stride_gn, stride_gd,
-    stride_db, stride_dh, stride_dn, stride_dd,
-    num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    dq_head, PQ, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+    stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+    seq_len, head_dim, scale, dropout_p, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
@@ -281,15 +269,13 @@ def _bwd_dq(
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
     row_base = bh.to(tl.int64) * seq_len
-    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    do = _load(_head(DO, bh, num_heads, stride_gb, stride_gh), rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
-    o = _load(_head(O, bh, num_heads, stride_ob, stride_oh), rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
+    q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+    o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
-    v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
+    lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E
 
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
@@ -308,8 +294,8 @@ def _bwd_dq(
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
 
     dq = dq * scale
-    tl.store(_head(DQ, bh, num_heads, stride_db, stride_dh) + _tile(rows, offs_d, stride_dn, stride_dd, False),
-             dq.to(DQ.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
+    tl.store(dq_head + _tile(rows, offs_d, stride_dn, stride_dd, False), dq.to(dq_head.dtype.element_ty),
+             mask=_tile_mask(row_ok, d_ok, False))
     if BIAS_GRAD:
         _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, partial_row, head_dim)
 
@@ -342,17 +328,22 @@ def _attention_bwd_kernel(
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
     partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
-    _bwd_dkdv(DK, DV, PK, PV, Q, K, V, O, DO, Lse, bh, tile, partial_row,
-              stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-              stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
-              stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd,
-              num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    # Each phase gets its heads' pointers computed at its call (not kept live across phase 1).
+    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh), _head(DV, bh, num_heads, stride_db, stride_dh), PK, PV,
+              _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
+              _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
+              _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
+              stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+              seq_len, head_dim, scale, dropout_p, inv_keep, seed,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
-    _bwd_dq(DQ, PQ, Q, K, V, O, DO, Lse, bh, tile, partial_row,
-            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
-            stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd,
-            num_heads, seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh), PQ,
+            _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
+            _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
+            _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
+            stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+            seq_len, head_dim, scale, dropout_p, inv_keep, seed,
             BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
 
 
@@ -374,14 +365,14 @@ def _attention_probs_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * LOG2E
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
-        p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * (scale * 1.4426950408889634) - lse2[:, None])
+        p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * (scale * LOG2E) - lse2[:, None])
         tl.store(p_rows + cols[None, :], p, mask=r_ok[:, None] & col_ok[None, :])
 
 
@@ -393,9 +384,7 @@ def _attention_dropout_mask_kernel(Keep, seq_len, dropout_p, seed, BLOCK: tl.con
     tl.store(Keep + offsets, dropout_keep_mask(seed, offsets, dropout_p).to(tl.int8), mask=local < seq_len * seq_len)
 
 
-# --------------------------------------------------------------------------------------------- #
-# Config table and grid
-# --------------------------------------------------------------------------------------------- #
+# ------------------------------------------------------------------------------------------ configs
 @dataclass(frozen=True)
 class Tile:
     block_m: int  # q rows (per program, or per loop step in dK/dV)
@@ -422,11 +411,10 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
                      input_precision: str | None = None) -> AttentionConfig:
     """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
 
-    Every entry compiles for sm_80 and sm_90 without register spills, with and without dropout and
-    the qkv bias's gradient partials (checked with triton.compile + cuobjdump over aot_specs,
-    ``vit-fast report``). The tiles were sized when the kernels still added the qkv bias themselves
-    (the spill notes below are from then); they now hold fewer live values, and larger tiles are worth
-    timing on a GPU before any change. fp32 depends on the dot
+    ``vit-fast report`` compiles every entry for sm_80 and sm_90, with and without dropout and the
+    qkv bias's gradient partials, and prints its registers and spills. The tiles were sized when the
+    kernels still added the qkv bias themselves (the notes below are from then); they now hold fewer
+    live values, and larger tiles are worth timing on a GPU before any change. fp32 depends on the dot
     precision (default: the torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller
     tiles than tf32 ones. The backward's two phases share one launch, hence one warp count.
     Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
@@ -474,9 +462,7 @@ def _block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-# --------------------------------------------------------------------------------------------- #
-# Validation, allocation and launchers
-# --------------------------------------------------------------------------------------------- #
+# ------------------------------------------------------------ validation and launchers (custom ops)
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Every allocation of the launchers goes through here (tests track and poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -514,9 +500,10 @@ def _check_packed(op: str, qkv: torch.Tensor, num_heads: int) -> int:
     return head_dim
 
 
-def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> None:
+def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> int:
     """x (B, N, C_in), the qkv Linear's weight (3 * H * D, C_in) and optional bias (3 * H * D,), on one
-    device that runs the kernels, of one dtype unless autocast picks the GEMM's: checked before the GEMM."""
+    device that runs the kernels, of one dtype unless autocast picks the GEMM's: checked before the GEMM
+    (the qkv it produces then needs no check of its own). Returns head_dim."""
     check_float(op, "x", x)
     check_ndim(op, "x", x, 3)
     if x.shape[1] < 1:
@@ -539,6 +526,9 @@ def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         if t is not None and t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             raise ValueError(f"{op}: expected {name} with x's dtype {x.dtype} (outside autocast), got {t.dtype}")
     check_kernel_device(op, x)
+    head_dim = weight.shape[0] // (3 * num_heads)
+    _check_head_dim(op, head_dim)
+    return head_dim
 
 
 def _check_separate(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -632,11 +622,10 @@ def _bwd_candidates(static: AttentionConfig) -> list[AttentionConfig]:
 @torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
 def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32)."""
-    D = _check_packed("attention_fwd", qkv, num_heads)
-    _check_dropout("attention_fwd", dropout_p)
-    check_kernel_device("attention_fwd", qkv)
-    B, N, _ = qkv.shape
+    """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32). Inputs were
+    validated by the calling functional."""
+    B, N, width = qkv.shape
+    D = width // (3 * num_heads)
     out = _empty((B, N, num_heads * D), qkv.dtype, qkv.device)
     lse = _empty((B, num_heads, N), torch.float32, qkv.device)
     _launch_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p,
@@ -676,10 +665,8 @@ def _(grad_out, qkv, qkv_bias, out, lse, num_heads, scale, dropout_p, seed):
 @torch.library.custom_op("vit_fast::attention_qkv_fwd", mutates_args=())
 def attention_qkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float,
                       seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Separate (B, H, N, D) q, k, v of any strides -> (out (B, H, N, D) contiguous, lse (B, H, N))."""
-    _check_separate("attention_qkv_fwd", q, k, v)
-    _check_dropout("attention_qkv_fwd", dropout_p)
-    check_kernel_device("attention_qkv_fwd", q, k, v)
+    """Separate (B, H, N, D) q, k, v of any strides -> (out (B, H, N, D) contiguous, lse (B, H, N)).
+    Inputs were validated by ``attention_qkv``."""
     B, H, N, D = q.shape
     out = _empty((B, H, N, D), q.dtype, q.device)
     lse = _empty((B, H, N), torch.float32, q.device)
@@ -709,9 +696,15 @@ def _(grad_out, q, k, v, out, lse, scale, dropout_p, seed):
     return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
 
 
-# --------------------------------------------------------------------------------------------- #
-# Autograd and public functionals
-# --------------------------------------------------------------------------------------------- #
+def _check_attention(op: str, qkv: torch.Tensor, num_heads: int, dropout_p: float) -> int:
+    """Every check of the packed functionals, once per call; returns head_dim."""
+    head_dim = _check_packed(op, qkv, num_heads)
+    _check_dropout(op, dropout_p)
+    check_kernel_device(op, qkv)
+    return head_dim
+
+
+# ----------------------------------------------------------------------------------------- autograd
 class AttentionFunction(torch.autograd.Function):
     """qkv_bias: the qkv Linear's bias already inside qkv (added by the GEMM with the bias detached), or
     None. It is an input only so that the backward returns its gradient, from the kernel's partials."""
@@ -748,18 +741,18 @@ class AttentionQKVFunction(torch.autograd.Function):
         return *attention_qkv_bwd(grad_out, *tensors, *ctx.args, seed), None, None, None
 
 
-def _dropout_and_seed(op: str, dropout_p: float, training: bool) -> tuple[float, Optional[torch.Tensor]]:
-    """(p, seed): a ``next_seed()`` tensor only when dropout is active (else None, nothing drawn)."""
-    _check_dropout(op, dropout_p)
+# --------------------------------------------------------------------------------------- functional
+def _dropout_and_seed(dropout_p: float, training: bool) -> tuple[float, Optional[torch.Tensor]]:
+    """(p, seed): a ``next_seed()`` tensor only when dropout is active (else None, nothing drawn).
+    dropout_p was checked by the caller."""
     p = float(dropout_p) if training else 0.0
     return p, (next_seed() if p > 0.0 else None)
 
 
-def _attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None, dropout_p: float,
+def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale: float | None, dropout_p: float,
                         training: bool, qkv_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    head_dim = _check_packed("attention", qkv, num_heads)
-    check_kernel_device("attention", qkv)
-    p, seed = _dropout_and_seed("attention", dropout_p, training)
+    """The packed path after validation (done once, by the public functional that calls this)."""
+    p, seed = _dropout_and_seed(dropout_p, training)
     scale = head_dim**-0.5 if scale is None else float(scale)
     return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed)
 
@@ -767,13 +760,15 @@ def _attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None, 
 def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
                        training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
-    return _attention_with_lse(qkv, num_heads, scale, dropout_p, training)
+    head_dim = _check_attention("attention", qkv, num_heads, dropout_p)
+    return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training)
 
 
 def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
               training: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D)."""
-    return _attention_with_lse(qkv, num_heads, scale, dropout_p, training)[0]
+    head_dim = _check_attention("attention", qkv, num_heads, dropout_p)
+    return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training)[0]
 
 
 def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
@@ -786,10 +781,11 @@ def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     separate sum over d(qkv): the Linear sees the bias detached, the attention Function returns d(bias).
     ``return_lse``: also return the fp32 log-sum-exp (B, H, N) for ``attention_probs`` (which then takes
     the biased qkv, F.linear(x, weight, bias))."""
-    _check_linear("attention_linear", x, weight, bias, num_heads)
-    qkv = F.linear(x, weight, None if bias is None else bias.detach())
+    head_dim = _check_linear("attention_linear", x, weight, bias, num_heads)
+    _check_dropout("attention_linear", dropout_p)
+    qkv = F.linear(x, weight, None if bias is None else bias.detach())  # contiguous (B, N, 3 * H * D)
     grad_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
-    out, lse = _attention_with_lse(qkv, num_heads, scale, dropout_p, training, grad_bias)
+    out, lse = _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, grad_bias)
     return (out, lse) if return_lse else out
 
 
@@ -797,8 +793,9 @@ def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                   dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale) v for (B, H, N, D) tensors of any strides -> (B, H, N, D)."""
     _check_separate("attention_qkv", q, k, v)
+    _check_dropout("attention_qkv", dropout_p)
     check_kernel_device("attention_qkv", q, k, v)
-    p, seed = _dropout_and_seed("attention_qkv", dropout_p, training)
+    p, seed = _dropout_and_seed(dropout_p, training)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return AttentionQKVFunction.apply(q, k, v, scale, p, seed)[0]
 
@@ -849,9 +846,37 @@ def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, 
     return keep.view(batch, num_heads, seq_len, seq_len).bool()
 
 
-# --------------------------------------------------------------------------------------------- #
-# Ahead-of-time compile specs (GPU-readiness report)
-# --------------------------------------------------------------------------------------------- #
+# ---------------------------------------------------------------------------------------- reference
+def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                      dropout_p: float = 0.0, training: bool = False, dropout_mask: torch.Tensor | None = None):
+    """Eager attention as timm computes it, in the inputs' dtype. ``dropout_mask`` (bool keep mask)
+    replaces the random draw, so a test can hand the reference the kernel's exact mask."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attn = ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+    if dropout_mask is not None:
+        attn = attn * dropout_mask * (0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p))
+    elif training and dropout_p > 0.0:
+        attn = torch.nn.functional.dropout(attn, dropout_p)
+    return attn @ v
+
+
+def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
+                  training: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D)."""
+    B, N, width = qkv.shape
+    q, k, v = qkv.reshape(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    out = attention_qkv_ref(q, k, v, scale, dropout_p, training, dropout_mask)
+    return out.transpose(1, 2).reshape(B, N, width // 3)
+
+
+def attention_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                         scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
+                         dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``attention_linear``: timm's qkv Linear, then ``attention_ref``."""
+    return attention_ref(F.linear(x, weight, bias), num_heads, scale, dropout_p, training, dropout_mask)
+
+
+# ------------------------------------------------------------------------------ ahead-of-time specs
 _FLOAT_ARGS = ("scale", "dropout_p", "inv_keep")
 
 
@@ -931,35 +956,3 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
                                     INPUT_PRECISION=precision), cfg.dq,
                                f"N={tokens} D={D} attention maps", values, tensor_cores))
     return specs
-
-
-# --------------------------------------------------------------------------------------------- #
-# Pure-PyTorch references (CPU path and test oracle)
-# --------------------------------------------------------------------------------------------- #
-def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                      dropout_p: float = 0.0, training: bool = False, dropout_mask: torch.Tensor | None = None):
-    """Eager attention as timm computes it, in the inputs' dtype. ``dropout_mask`` (bool keep mask)
-    replaces the random draw, so a test can hand the reference the kernel's exact mask."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    attn = ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-    if dropout_mask is not None:
-        attn = attn * dropout_mask * (0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p))
-    elif training and dropout_p > 0.0:
-        attn = torch.nn.functional.dropout(attn, dropout_p)
-    return attn @ v
-
-
-def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
-                  training: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for ``attention``: timm's split of the packed qkv, eager attention, (B, N, H * D)."""
-    B, N, width = qkv.shape
-    q, k, v = qkv.reshape(B, N, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
-    out = attention_qkv_ref(q, k, v, scale, dropout_p, training, dropout_mask)
-    return out.transpose(1, 2).reshape(B, N, width // 3)
-
-
-def attention_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
-                         scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
-                         dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for ``attention_linear``: timm's qkv Linear, then ``attention_ref``."""
-    return attention_ref(F.linear(x, weight, bias), num_heads, scale, dropout_p, training, dropout_mask)

@@ -42,14 +42,13 @@ sums of the per-program fp32 partials; no atomics). Eager PyTorch for bias_gelu 
 add (3s) + gelu (2s) = 5s forward and 6s+ backward.
 
 Limits: widths 1..16384 tested 64..16384 (5120 = ViT-H); any leading shape, 0 rows included.
-Compiled for sm_80 / sm_90 (aot_specs with the launch's 16-divisibility, the report's presets,
-every flag combination): 28-106 registers, no spills.
+aot_specs lists every launch (the report's presets, every flag combination) for
+``vit-fast report``, which compiles each for sm_80 / sm_90 and prints its registers and spills.
 Inputs whose last dimension is not contiguous are copied once (documented "copy at most");
 row strides are passed to the kernels.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
@@ -58,108 +57,24 @@ import triton
 import triton.language as tl
 
 from . import _tuning
-from ._tuning import bucket
-from ._utils import (
-    LAUNCH_DEFAULT_STAGES,
-    TRITON_DTYPE_NAMES,
-    AotSpec,
-    check_float,
-    check_kernel_device,
-    check_shape,
-    dropout_keep_mask,
-    next_power_of_2,
-    next_seed,
-    seed_value,
-    unit_stride,
+from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
+from ._math import gelu_fwd_bwd
+from ._rows import (
+    as_rows,
+    check_param,
+    check_rows_input,
+    num_partials,
+    param_grad_dtype,
+    sum_partials,
+    sum_partials_block_n,
+    sum_partials_spec,
 )
-
-_SQRT1_2 = tl.constexpr(0.7071067811865476)  # jit globals must be constexpr
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+from ._tuning import bucket
+from ._utils import check_kernel_device, next_power_of_2, seed_value, unit_stride
 
 
-# --------------------------------------------------------------------------- shared jit helpers
-@triton.jit
-def _tanh(u):
-    # tanh from exp (saturates to +-1 without overflow trouble: exp(+inf) -> 1 - 0)
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
-
-
-@triton.jit
-def _gelu_fwd_bwd(h, APPROX_TANH: tl.constexpr):
-    """(GELU(h), GELU'(h)) in fp32."""
-    if APPROX_TANH:
-        t = _tanh((h + 0.044715 * h * h * h) * _SQRT_2_OVER_PI)  # tensor first: constexpr * tensor breaks the interpreter
-        y = 0.5 * h * (1.0 + t)
-        dy = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * h * h)
-    else:
-        cdf = 0.5 * (1.0 + tl.math.erf(h * _SQRT1_2))
-        y = h * cdf
-        dy = cdf + h * tl.exp(-0.5 * h * h) * _INV_SQRT_2PI
-    return y, dy
-
-
-@triton.jit
-def _dropout(v, seed, offsets, p, HAS_DROPOUT: tl.constexpr):
-    """Inverted dropout of v; also its backward (the same mask and scale)."""
-    if HAS_DROPOUT:
-        v = tl.where(dropout_keep_mask(seed, offsets, p), v / (1.0 - p), 0.0)
-    return v
-
-
-@triton.jit
-def residual_join_fwd(residual, x, bias, gamma, scale, seed, offsets, p,
-                      HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      HAS_DROPOUT: tl.constexpr):
-    """residual + scale * gamma * dropout(x + bias), fp32 tiles (absent factors are not read)."""
-    branch = x
-    if HAS_BIAS:
-        branch = branch + bias
-    branch = _dropout(branch, seed, offsets, p, HAS_DROPOUT)
-    if HAS_GAMMA:
-        branch = branch * gamma
-    if HAS_SCALE:
-        branch = branch * scale
-    return residual + branch
-
-
-@triton.jit
-def residual_join_bwd(g, x, bias, gamma, scale, seed, offsets, p,
-                      HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      HAS_DROPOUT: tl.constexpr):
-    """From g = d(out): (dx, dgamma term). dx = g * scale * gamma * mask/(1-p) (also d bias);
-    the dgamma term g * scale * dropout(x + bias) is only computed (and x only needed) with gamma."""
-    if HAS_SCALE:
-        g = g * scale
-    dgamma_term = g
-    if HAS_GAMMA:
-        branch = x
-        if HAS_BIAS:
-            branch = branch + bias
-        dgamma_term = g * _dropout(branch, seed, offsets, p, HAS_DROPOUT)
-        g = g * gamma
-    return _dropout(g, seed, offsets, p, HAS_DROPOUT), dgamma_term
-
-
-@triton.jit
-def _sum_partials_kernel(
-    OUT,  # (K, N) column sums, in the parameters' dtype
-    PARTIAL,  # (K, G, N) fp32 per-program partial sums, contiguous
-    G, N,  # programs that wrote partials, width
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    k = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):  # fixed order: bitwise reproducible
-        g = g0 + tl.arange(0, BLOCK_G)
-        mask = (g[:, None] < G) & (cols[None, :] < N)
-        tile = tl.load(PARTIAL + (k * G + g[:, None]).to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
-        acc += tl.sum(tile, axis=0)
-    tl.store(OUT + k * N + cols, acc.to(OUT.dtype.element_ty), mask=cols < N)
-
-
-# --------------------------------------------------------------------------- kernels
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _bias_gelu_fwd_kernel(
     Y,  # (M, N) output
@@ -175,7 +90,7 @@ def _bias_gelu_fwd_kernel(
     h = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    y, _ = _gelu_fwd_bwd(h, APPROX_TANH)
+    y, _ = gelu_fwd_bwd(h, APPROX_TANH)
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -197,7 +112,7 @@ def _bias_gelu_bwd_kernel(
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         h = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32) + bias
         dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        _, dgelu = _gelu_fwd_bwd(h, APPROX_TANH)
+        _, dgelu = gelu_fwd_bwd(h, APPROX_TANH)
         dx = tl.where(mask, dy * dgelu, 0.0)
         tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         acc += tl.sum(dx, axis=0)
@@ -265,52 +180,18 @@ def _bias_dropout_add_bwd_kernel(
         tl.store(PARTIAL + gamma_row * N + cols, acc_dgamma, mask=cols < N)
 
 
-# --------------------------------------------------------------------------- configs and launchers
+# ------------------------------------------------------------------------------------------ configs
 def tile_config(n: int, arch: int = 80) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the elementwise row-tile kernels: 2048-element tiles at
     most 256 columns wide (ViT widths 768..16384 are multiples of 256, 1408 of 128), 8 elements
-    per thread: the Philox draw and the GELU derivative stay under ~100 registers, no spills
-    (aot_specs compiled for sm_80 / sm_90). The same table serves both architectures."""
+    per thread, so the Philox draw and the GELU derivative stay in registers (``vit-fast report``
+    checks it for sm_80 / sm_90). The same table serves both architectures."""
     block_n = min(256, next_power_of_2(n))
     block_m = max(1, 2048 // block_n)
     return block_m, block_n, max(1, block_m * block_n // 256)
 
 
-def num_partials(row_tiles: int, col_tiles: int, device: torch.device) -> int:
-    """Programs along the rows of a backward launch (= rows of the fp32 partial buffer): about
-    four programs per SM over the whole grid. Fixed per device and shape, so reproducible."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:  # interpreter: a few partials so the multi-program reduction is exercised
-        target = 3 * col_tiles
-    return max(1, min(row_tiles, triton.cdiv(target, col_tiles)))
-
-
-def sum_partials(partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """(K, G, N) fp32 -> (K, N) column sums over G in a fixed order, in out_dtype. One launch."""
-    k, g, n = partial.shape
-    out = torch.empty((k, n), device=partial.device, dtype=out_dtype)
-    block_n = min(256, next_power_of_2(n))
-    _sum_partials_kernel[(k, triton.cdiv(n, block_n))](out, partial, g, n, BLOCK_G=16, BLOCK_N=block_n, num_warps=4)
-    return out
-
-
-def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(M, N) view with contiguous columns; copies only when the last dim is strided (or stride 0)."""
-    rows = t.reshape(-1, n)
-    return rows if rows.stride(-1) == 1 or rows.shape[0] == 0 else rows.contiguous()
-
-
-def param_grad_dtype(params: list[torch.Tensor]) -> torch.dtype:
-    """dtype the partial-sum reduction writes: the parameters' own when they agree, else fp32."""
-    return params[0].dtype if params and all(t.dtype == params[0].dtype for t in params) else torch.float32
-
-
-def stores_dx(p: float, gamma, sample_scale, grad_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
-    """Whether a residual join's backward must write dx: not when dx is the incoming gradient."""
-    return p > 0 or gamma is not None or sample_scale is not None or grad_dtype != x_dtype
-
-
+# ------------------------------------------------------------ validation and launchers (custom ops)
 @torch.library.custom_op("vit_fast::bias_gelu_fwd", mutates_args=())
 def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str) -> torch.Tensor:
     """x: (M, N) with contiguous columns. Returns GELU(x + bias) (M, N) in x.dtype."""
@@ -437,7 +318,7 @@ def _(dout, x, bias, gamma, sample_scale, p, seed):
     return (x.new_empty(x.shape if store_dx else (0,)), x.new_empty((len(params), x.shape[1]), dtype=param_dtype))
 
 
-# --------------------------------------------------------------------------- autograd and public API
+# ----------------------------------------------------------------------------------------- autograd
 class BiasGeluFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, approximate):
@@ -476,61 +357,15 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         return dx, dbias, dout.to(ctx.res_dtype), dgamma, None, None, None
 
 
-def _check_rows_input(op: str, x: torch.Tensor) -> int:
-    check_float(op, "x", x)
-    if x.dim() < 2:
-        raise ValueError(f"{op}: expected x with at least 2 dims (..., N), got shape {tuple(x.shape)}")
-    return x.shape[-1]
-
-
-def _check_param(op: str, name: str, t: Optional[torch.Tensor], n: int) -> None:
-    if t is not None:
-        check_float(op, name, t)
-        check_shape(op, name, t, (n,))
-
-
-def _check_sample_scale(op: str, sample_scale: Optional[torch.Tensor], x: torch.Tensor) -> None:
-    if sample_scale is None:
-        return
-    check_float(op, "sample_scale", sample_scale, (torch.float32,))
-    check_shape(op, "sample_scale", sample_scale, (x.shape[0],))
-
-
-def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optional[torch.Tensor],
-                 gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], p: float, training: bool,
-                 *more: Optional[torch.Tensor], bias_name: str = "bias",
-                 p_name: str = "p") -> tuple[float, Optional[torch.Tensor]]:
-    """Validate a residual join's inputs (x already checked) and pick its dropout: returns (p, seed),
-    seed a ``next_seed()`` tensor; p = 0 and seed None (nothing drawn from torch's generator) in eval
-    mode or for p = 0."""
-    n = x.shape[-1]
-    check_float(op, "residual", residual)
-    check_shape(op, "residual", residual, tuple(x.shape))
-    _check_param(op, bias_name, bias, n)
-    _check_param(op, "gamma", gamma, n)
-    _check_sample_scale(op, sample_scale, x)
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{op}: expected dropout probability {p_name} in [0, 1], got {p}")
-    check_kernel_device(op, x, residual, bias, gamma, sample_scale, *more)
-    p = float(p) if training else 0.0
-    return p, (next_seed() if p > 0 else None)
-
-
+# --------------------------------------------------------------------------------------- functional
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
     """GELU(x + bias) over the last dim of x (..., N); bias (N,) or None. See the module docstring."""
-    n = _check_rows_input("bias_gelu", x)
-    _check_param("bias_gelu", "bias", bias, n)
+    n = check_rows_input("bias_gelu", x)
+    check_param("bias_gelu", "bias", bias, n)
     if approximate not in ("none", "tanh"):
         raise ValueError(f"bias_gelu: expected approximate 'none' or 'tanh', got {approximate!r}")
     check_kernel_device("bias_gelu", x, bias)
     return BiasGeluFunction.apply(x, unit_stride(bias), approximate)
-
-
-def bias_gelu_ref(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
-    """Pure-PyTorch reference (math in fp32 for half inputs, result in x.dtype)."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    h = x.to(compute) + bias.to(compute) if bias is not None else x.to(compute)
-    return F.gelu(h, approximate=approximate).to(x.dtype)
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
@@ -540,10 +375,18 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
 
     x, residual: (B, ..., N); bias, gamma: (N,) or None; sample_scale: (B,) fp32 or None.
     """
-    _check_rows_input("bias_dropout_add", x)
+    check_rows_input("bias_dropout_add", x)
     p, seed = prepare_join("bias_dropout_add", x, residual, bias, gamma, sample_scale, p, training)
     bias, gamma, sample_scale = map(unit_stride, (bias, gamma, sample_scale))
     return BiasDropoutAddFunction.apply(x, bias, residual, gamma, sample_scale, p, seed)
+
+
+# ---------------------------------------------------------------------------------------- reference
+def bias_gelu_ref(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "none") -> torch.Tensor:
+    """Pure-PyTorch reference (math in fp32 for half inputs, result in x.dtype)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(compute) + bias.to(compute) if bias is not None else x.to(compute)
+    return F.gelu(h, approximate=approximate).to(x.dtype)
 
 
 def bias_dropout_add_ref(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
@@ -562,24 +405,7 @@ def bias_dropout_add_ref(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     return residual + branch
 
 
-# --------------------------------------------------------------------------- ahead-of-time specs
-def kernel_signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
-    """Full Triton signature of a jit kernel: 'constexpr' for the given constexprs, else types[name]
-    (names missing from types are row strides / sizes: 'i32')."""
-    names = inspect.signature(fn.fn).parameters
-    return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
-
-
-def divisible_args(signature: dict[str, str], values: dict[str, int]) -> tuple[str, ...]:
-    """Arguments a real launch specialises as multiples of 16 (AotSpec.divisible_by_16): every
-    pointer (torch allocations, and the model's row views of them, are 16-byte aligned) and the
-    integers whose launch value in ``values`` is a multiple of 16 (row strides and widths of
-    multiple-of-16 widths, and 0 for an absent tensor's stride). Integers without a value (rows M,
-    programs G: they depend on the batch) are not claimed."""
-    return tuple(a for a, t in signature.items()
-                 if t.startswith("*") or (t == "i32" and a in values and values[a] % 16 == 0))
-
-
+# ------------------------------------------------------------------------------ ahead-of-time specs
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch this module makes for a ViT block: bias_gelu at mlp_hidden (both GELU forms),
@@ -616,8 +442,6 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                     add("bias_dropout_add_fwd", _bias_dropout_add_fwd_kernel, width, c, warps, note, stream)
                     add("bias_dropout_add_bwd", _bias_dropout_add_bwd_kernel, width,
                         dict(c, STORE_DX=gamma or scale or drop or stream is not types), warps, note, stream)
-    types = dict(types, OUT=par)  # the reduction writes parameter grads
-    for n in sorted({width, mlp_hidden}):
-        add("sum_partials", _sum_partials_kernel, n, dict(BLOCK_G=16, BLOCK_N=min(256, next_power_of_2(n))), 4,
-            f"N={n}")
+    for n in sorted({width, mlp_hidden}):  # the reduction writes parameter grads
+        specs.append(sum_partials_spec(par, sum_partials_block_n(n), f"N={n}", width=n))
     return specs

@@ -12,7 +12,7 @@ Math, u = h + bias, g = GELU(u) (exact erf form, or approximate='tanh'):
     dh    = (dy @ W) * GELU'(u)       _gelu_linear_dh_kernel: GEMM M x K x N; GELU' in the epilogue,
                                       which loads the h tile of the output tile
     dbias = sum_rows dh               the dh epilogue writes fp32 column sums per row tile, reduced in a
-                                      fixed order by bias_gelu.sum_partials (no atomics)
+                                      fixed order by _rows.sum_partials (no atomics)
     dW    = dy^T @ g                  _gelu_linear_dw_kernel: GEMM N x K over the rows, g recomputed from h
                                       as the operand is loaded. One program per output tile; when there are
                                       too few output tiles to fill a GPU (ViT-Ti: 192 x 768) the rows are
@@ -41,12 +41,9 @@ Per row and MLP, K = 4C, N = C: forward 5C s, backward 14C s (+ weights). The un
 between two cuBLAS GEMMs: 13C s forward, 22C s backward) also writes g and reads it back twice (fwd GEMM,
 dW GEMM) and writes dg and reads it back: 16C s more per row, and it keeps g (4C s per row) alive for
 backward, which this op does not.
-Compiled for sm_80 / sm_90 (aot_specs: every table entry, both GELU forms, split and not, bf16 / fp16 with
-fp32 or own-dtype parameters, fp32 IEEE and tf32): 0 spill bytes everywhere; 16-bit tiles use mma (sm_80) /
-wgmma (sm_90). Registers (shared memory): sm_80 fwd 128x128x32 w8 128-255 (48 KB), dh 128x64x64 w8
-128-161 (64 KB), dW 128x128x32 w8 128-168 (48 KB); sm_90 fwd 128x256x32 w8 206-250 (97 KB), dh 128x64x64
-w8 103-128 (121 KB), dW 256x128x32 w8 204-240 (97 KB); fp32 IEEE 64x64 tiles 104-245 (<= 25 KB), tf32
-128x64x32 w8 80-176 (<= 73 KB). The exact-erf forward on sm_80 sits at 255 registers: a wider tile spills.
+aot_specs lists every table entry (both GELU forms, split and not, bf16 / fp16 with fp32 or own-dtype
+parameters, fp32 IEEE and tf32); ``vit-fast report`` compiles each for sm_80 / sm_90 and prints its
+registers, spills, shared memory and tensor-core use (16-bit tiles: mma on sm_80, wgmma on sm_90).
 """
 from __future__ import annotations
 
@@ -59,24 +56,16 @@ import triton
 import triton.language as tl
 
 from . import _tuning
+from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._math import gelu_fwd_bwd
+from ._rows import as_rows, sum_partials, sum_partials_spec
 from ._tuning import bucket
-from ._utils import (
-    LAUNCH_DEFAULT_STAGES,
-    TRITON_DTYPE_NAMES,
-    AotSpec,
-    check_float,
-    check_kernel_device,
-    check_ndim,
-    gpu_arch,
-    input_precision,
-    unit_stride,
-)
-from .bias_gelu import _gelu_fwd_bwd, _sum_partials_kernel, as_rows, divisible_args, kernel_signature, sum_partials
+from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, unit_stride
 
 OP = "gelu_linear"
 
 
-# --------------------------------------------------------------------------- kernels
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """(tile_m, tile_n) of program pid, GROUP_M row tiles at a time sharing column tiles (L2 reuse)."""
@@ -108,7 +97,7 @@ def _gelu_linear_fwd_kernel(
         u = tl.load(h_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0).to(tl.float32)
         if HAS_BIAS:
             u += tl.load(BIAS + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        g, _ = _gelu_fwd_bwd(u, APPROX_TANH)  # padded k columns: GELU(0) = 0
+        g, _ = gelu_fwd_bwd(u, APPROX_TANH)  # padded k columns: GELU(0) = 0
         w = tl.load(w_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
         acc = tl.dot(g.to(H.dtype.element_ty), w.to(H.dtype.element_ty), acc, input_precision=INPUT_PRECISION)
         h_ptrs += BLOCK_K
@@ -146,7 +135,7 @@ def _gelu_linear_dh_kernel(
     u = tl.load(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         u += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    _, dgelu = _gelu_fwd_bwd(u, APPROX_TANH)
+    _, dgelu = gelu_fwd_bwd(u, APPROX_TANH)
     dh = tl.where(mask, acc * dgelu, 0.0)
     tl.store(DH + rows.to(tl.int64)[:, None] * stride_dhm + cols[None, :], dh.to(DH.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -182,7 +171,7 @@ def _gelu_linear_dw_kernel(
                     other=0.0).to(tl.float32)
         if HAS_BIAS:
             u += bias
-        g, _ = _gelu_fwd_bwd(u, APPROX_TANH)  # padded rows meet zero columns of dy^T
+        g, _ = gelu_fwd_bwd(u, APPROX_TANH)  # padded rows meet zero columns of dy^T
         acc = tl.dot(dy_t.to(H.dtype.element_ty), g.to(H.dtype.element_ty), acc, input_precision=INPUT_PRECISION)
     mask = out_ok[:, None] & col_ok[None, :]
     if SPLIT:
@@ -191,7 +180,7 @@ def _gelu_linear_dw_kernel(
         tl.store(DW + outs[:, None] * stride_dwn + cols[None, :], acc.to(DW.dtype.element_ty), mask=mask)
 
 
-# --------------------------------------------------------------------------- config table
+# ------------------------------------------------------------------------------------------ configs
 @dataclass(frozen=True)
 class GemmTile:
     block_m: int  # output tile rows (dW: rows of dW = N outputs)
@@ -220,8 +209,8 @@ def gelu_linear_config(dtype: torch.dtype, arch: int, precision: str | None = No
     dimension (fwd: per BLOCK_N columns of y, dW: per BLOCK_M rows of W), so sm_90 takes those
     tiles 256 wide; sm_80's register file only fits 128 without spills. The dh kernel's epilogue
     holds the accumulator and the h tile at once, hence its narrower tile. IEEE fp32 dots run on the
-    FMA units and take small tiles. Every entry compiles for sm_80 and sm_90 without spills
-    (aot_specs / `vit-fast report`; figures in the module docstring)."""
+    FMA units and take small tiles. ``vit-fast report`` compiles every entry for sm_80 and sm_90
+    and prints its registers and spills."""
     if dtype == torch.float32 and (precision or input_precision(dtype)) == "ieee":
         tile = GemmTile(64, 64, 32, 4, 2)  # dW's transposed dy operand spills at BLOCK_K = 32
         return GeluLinearConfig(fwd=tile, dh=tile, dw=GemmTile(64, 64, 16, 4, 2))
@@ -250,7 +239,7 @@ def _split_rows(rows: int, splits: int, block_rows: int) -> tuple[int, int]:
     return triton.cdiv(max(rows, 1), per_split), per_split
 
 
-# --------------------------------------------------------------------------- launchers
+# ------------------------------------------------------------ validation and launchers (custom ops)
 @torch.library.custom_op("vit_fast::gelu_linear_fwd", mutates_args=())
 def gelu_linear_fwd(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                     approximate: str) -> torch.Tensor:
@@ -343,7 +332,19 @@ def _no_or_zero_dw(weight: torch.Tensor, needs_dw: bool) -> torch.Tensor:
     return torch.zeros_like(weight, memory_format=torch.contiguous_format) if needs_dw else weight.new_empty(0)
 
 
-# --------------------------------------------------------------------------- autograd and public API
+def check_dtypes(op: str, h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor) -> None:
+    """All one dtype, or autocast's mix: fp16/bf16 h with fp32 weight (and fp32 bias)."""
+    params = [t for t in (weight, bias) if t is not None]
+    same = all(t.dtype == h.dtype for t in params)
+    autocast = h.dtype in (torch.float16, torch.bfloat16) and all(t.dtype == torch.float32 for t in params)
+    if not (same or autocast):
+        got = ", ".join(f"{name} {t.dtype}" for name, t in (("h", h), ("weight", weight), ("bias", bias))
+                        if t is not None)
+        raise ValueError(f"{op}: expected h, weight and bias of one dtype, or fp16/bf16 h with fp32 weight "
+                         f"and bias (autocast); got {got}")
+
+
+# ----------------------------------------------------------------------------------------- autograd
 class GeluLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, bias, weight, approximate):
@@ -361,18 +362,7 @@ class GeluLinearFunction(torch.autograd.Function):
         return dh.view(ctx.shape), (dbias if bias is not None else None), (dw if needs_dw else None), None
 
 
-def check_dtypes(op: str, h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor) -> None:
-    """All one dtype, or autocast's mix: fp16/bf16 h with fp32 weight (and fp32 bias)."""
-    params = [t for t in (weight, bias) if t is not None]
-    same = all(t.dtype == h.dtype for t in params)
-    autocast = h.dtype in (torch.float16, torch.bfloat16) and all(t.dtype == torch.float32 for t in params)
-    if not (same or autocast):
-        got = ", ".join(f"{name} {t.dtype}" for name, t in (("h", h), ("weight", weight), ("bias", bias))
-                        if t is not None)
-        raise ValueError(f"{op}: expected h, weight and bias of one dtype, or fp16/bf16 h with fp32 weight "
-                         f"and bias (autocast); got {got}")
-
-
+# --------------------------------------------------------------------------------------- functional
 def gelu_linear(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                 approximate: str = "none") -> torch.Tensor:
     """GELU(h + bias) @ weight^T: h (..., K), bias (K,) or None, weight (N, K) -> (..., N) in h.dtype.
@@ -395,6 +385,7 @@ def gelu_linear(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Ten
     return GeluLinearFunction.apply(h, unit_stride(bias), weight, approximate)
 
 
+# ---------------------------------------------------------------------------------------- reference
 def gelu_linear_ref(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                     approximate: str = "none") -> torch.Tensor:
     """Pure-PyTorch reference computing what the kernels compute: GELU in fp32 (or fp64), g and the
@@ -404,7 +395,7 @@ def gelu_linear_ref(h: torch.Tensor, bias: Optional[torch.Tensor], weight: torch
     return F.linear(F.gelu(u, approximate=approximate).to(h.dtype), weight.to(h.dtype))
 
 
-# --------------------------------------------------------------------------- ahead-of-time specs
+# ------------------------------------------------------------------------------ ahead-of-time specs
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch of one ViT MLP's gelu_linear (N = width, K = mlp_hidden): forward, dh and dW
@@ -437,9 +428,5 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             for split in (False, True):
                 add("gelu_linear_dw", _gelu_linear_dw_kernel, cfg.dw, dict(c, SPLIT=split),
                     dict(types, DW="*fp32") if split else types, tensor_cores, f"{note} split={split}")
-    types = dict(OUT=par, PARTIAL="*fp32")
-    signature = kernel_signature(_sum_partials_kernel, types, dict(BLOCK_G=16, BLOCK_N=256))
-    specs.append(AotSpec("sum_partials", _sum_partials_kernel, signature, dict(BLOCK_G=16, BLOCK_N=256), 4,
-                         LAUNCH_DEFAULT_STAGES, False,
-                         f"N={k} (dbias) and N*K (split dW)", divisible_by_16=divisible_args(signature, dict(N=k))))
+    specs.append(sum_partials_spec(par, 256, f"N={k} (dbias) and N*K (split dW)", width=k))
     return specs

@@ -5,7 +5,7 @@ Math, x viewed as M rows of width N, statistics in fp32:
 
 * ``layer_norm``: ``y = (x - mean) * rstd * w + b``, ``rstd = 1 / sqrt(var + eps)`` (biased var).
 * ``add_layer_norm``: ``h = residual + s[b] * gamma * dropout(x + branch_bias)`` (every factor
-  optional, see ``bias_gelu.residual_join_fwd``, whose @triton.jit math this kernel shares),
+  optional, see ``_join.residual_join_fwd``, the @triton.jit math bias_dropout_add shares too),
   ``normed = LN(h)``; returns ``(normed, h)``. The LN is taken of h *as stored* (rounded to the
   residual dtype), exactly what an unfused ``h = h + branch; y = norm(h)`` computes, and the
   backward uses the same stored h.
@@ -14,7 +14,7 @@ Math, x viewed as M rows of width N, statistics in fp32:
   ``dresidual = dh``; ``dx = dh * s * gamma * mask/(1-p)`` (``residual_join_bwd``);
   ``dw = sum_rows dy * xhat``, ``db = sum_rows dy``, ``dgamma = sum_rows dh * s * dropout(x + bb)``,
   ``dbranch_bias = sum_rows dx``. Parameter grads are per-program fp32 partial rows (each
-  program walks a fixed set of row tiles) summed by ``bias_gelu.sum_partials`` in a fixed order:
+  program walks a fixed set of row tiles) summed by ``_rows.sum_partials`` in a fixed order:
   no atomics, bitwise reproducible. No gradient for sample_scale.
 
 Dtypes: x fp32/fp16/bf16; weight, bias, branch_bias, gamma may be fp32 while x is half (autocast;
@@ -39,12 +39,11 @@ The unfused eager path moves add 3s + LN 2s = 5s forward (7s with a separate bia
 dropout), and backward 4s+ plus separate parameter-grad reductions.
 
 Limits: N from 1 to 8192 in one tile per row (tested 64..8192, incl. 192..1664 ViT widths).
-Compiled for sm_80 / sm_90 (aot_specs with the launch's 16-divisibility; the report's presets,
-widths 192..1280, bf16/fp16/fp32, every flag combination): forward 30-74 registers, backward
-57-175, no spills. Wider rows are outside the presets and were last compiled without the
-divisibility attributes: then at 8192 the join backward with LayerScale spilled up to 176 bytes
-per thread (32 warps cap registers at 64), correct but slower. Any leading shape, 0 rows
-included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no recompile).
+aot_specs lists every launch of the report's presets (widths 192..1280, bf16/fp16/fp32, every flag
+combination); ``vit-fast report`` compiles them for sm_80 / sm_90 and prints registers and spills.
+Rows wider than the presets' may spill in the join backward (32 warps cap registers at 64): correct
+but slower. Any leading shape, 0 rows included; eps is a runtime argument (1e-6 timm, 1e-12 HF: no
+recompile).
 Inputs whose last dimension is not contiguous are copied once; row strides are passed through.
 """
 from __future__ import annotations
@@ -57,29 +56,17 @@ import triton
 import triton.language as tl
 
 from . import _tuning
+from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
+from ._rows import as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket
-from ._utils import (FLOAT_DTYPES, LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, check_kernel_device,
-                     next_power_of_2, seed_value, unit_stride)
-from .bias_gelu import (
-    _check_param,
-    _check_rows_input,
-    as_rows,
-    bias_dropout_add_bwd,
-    bias_dropout_add_ref,
-    divisible_args,
-    kernel_signature,
-    num_partials,
-    param_grad_dtype,
-    prepare_join,
-    residual_join_bwd,
-    residual_join_fwd,
-    stores_dx,
-    sum_partials,
-)
+from ._utils import FLOAT_DTYPES, check_kernel_device, next_power_of_2, seed_value, unit_stride
+from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
 
 
+# -------------------------------------------------------------------------------------- jit kernels
 @triton.jit
 def _layer_norm_fwd_kernel(
     Y, H_OUT, MEAN, RSTD,  # (M, N) normed; (M, N) new residual (HAS_RESIDUAL); (M,) fp32 stats
@@ -184,6 +171,7 @@ def _layer_norm_bwd_kernel(
         tl.store(PARTIAL + (bb_slice * G + pid) * N + cols, acc_dbb, mask=col_ok)
 
 
+# ------------------------------------------------------------------------------------------ configs
 # Backward tiles that differ from the forward's (BLOCK_N -> (BLOCK_M, num_warps)): at most two rows
 # and 8 elements per thread. The forward's 8-warp tiles of 4-8 rows (and 16 warps for one 2048 row)
 # leave ptxas spilling one register (8 B/thread) in some flag combinations on sm_80 or sm_90.
@@ -194,9 +182,9 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
     """(BLOCK_M, BLOCK_N, num_warps) of the forward (or, with ``backward``, the backward) kernel: a
     whole padded row per tile (statistics in registers). Forward: rows stacked to 2048 elements for
     narrow widths with 8 elements per thread; single-row tiles (widths > 1024) get 4-8 elements per
-    thread, up to 32 warps. Backward: ``_BWD_TILES`` where set. Every entry for the report's presets
-    (widths 192..1280, bf16/fp16/fp32) compiles for sm_80 and sm_90 without spills (aot_specs with
-    the launch's 16-divisibility). One table for both archs; launchers and aot_specs both call this."""
+    thread, up to 32 warps. Backward: ``_BWD_TILES`` where set. ``vit-fast report`` compiles every
+    entry of the report's presets for sm_80 and sm_90. One table for both archs; launchers and
+    aot_specs both call this."""
     block_n = next_power_of_2(n)
     if backward and block_n in _BWD_TILES:
         block_m, warps = _BWD_TILES[block_n]
@@ -207,6 +195,7 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
     return 1, block_n, min(32, block_n // 128)
 
 
+# ------------------------------------------------------------ validation and launchers (custom ops)
 @torch.library.custom_op("vit_fast::add_layer_norm_fwd", mutates_args=())
 def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
                        branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
@@ -292,6 +281,25 @@ def _(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rs
             h.new_empty((len(params), h.shape[1]), dtype=param_grad_dtype(params)))
 
 
+def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
+    n = check_rows_input(op, x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            raise ValueError(f"{op}: expected {name} as a tensor of shape ({n},), got None")
+        check_param(op, name, t, n)
+    if n > MAX_WIDTH:
+        raise ValueError(f"{op}: expected a hidden size of at most {MAX_WIDTH}, got {n}")
+    if not eps > 0:
+        raise ValueError(f"{op}: expected eps > 0, got {eps}")
+    return n
+
+
+def _check_out_dtype(name: str, out_dtype: Optional[torch.dtype]) -> None:
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected out_dtype to be one of {FLOAT_DTYPES} or None, got {out_dtype}")
+
+
+# ----------------------------------------------------------------------------------------- autograd
 class AddLayerNormFunction(torch.autograd.Function):
     """(normed, h) = add_layer_norm(...); with residual None it is the plain LayerNorm (returns normed,
     or with ``return_input`` (normed, x): x's gradient from its other uses joins dx in the kernel)."""
@@ -349,24 +357,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         return dx, dh.to(ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None, None, None
 
 
-def _check_ln_inputs(op: str, x, weight, bias, eps) -> int:
-    n = _check_rows_input(op, x)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            raise ValueError(f"{op}: expected {name} as a tensor of shape ({n},), got None")
-        _check_param(op, name, t, n)
-    if n > MAX_WIDTH:
-        raise ValueError(f"{op}: expected a hidden size of at most {MAX_WIDTH}, got {n}")
-    if not eps > 0:
-        raise ValueError(f"{op}: expected eps > 0, got {eps}")
-    return n
-
-
-def _check_out_dtype(name: str, out_dtype: Optional[torch.dtype]) -> None:
-    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: expected out_dtype to be one of {FLOAT_DTYPES} or None, got {out_dtype}")
-
-
+# --------------------------------------------------------------------------------------- functional
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6,
                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """LayerNorm over the last dim of x (..., N); weight, bias (N,). Output in ``out_dtype`` (default
@@ -392,12 +383,6 @@ def layer_norm_and_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return AddLayerNormFunction.apply(x, None, weight, bias, None, None, None, float(eps), 0.0, None, out_dtype, True)
 
 
-def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Reference: F.layer_norm in fp32 (fp64 stays fp64), result in x.dtype."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    return F.layer_norm(x.to(compute), x.shape[-1:], weight.to(compute), bias.to(compute), eps).to(x.dtype)
-
-
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float = 1e-6, *, branch_bias: Optional[torch.Tensor] = None,
                    gamma: Optional[torch.Tensor] = None, sample_scale: Optional[torch.Tensor] = None,
@@ -414,6 +399,13 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     return AddLayerNormFunction.apply(x, residual, weight, bias, branch_bias, gamma, sample_scale, float(eps), p, seed)
 
 
+# ---------------------------------------------------------------------------------------- reference
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Reference: F.layer_norm in fp32 (fp64 stays fp64), result in x.dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return F.layer_norm(x.to(compute), x.shape[-1:], weight.to(compute), bias.to(compute), eps).to(x.dtype)
+
+
 def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                        eps: float = 1e-6, *, branch_bias: Optional[torch.Tensor] = None,
                        gamma: Optional[torch.Tensor] = None, sample_scale: Optional[torch.Tensor] = None,
@@ -426,6 +418,7 @@ def add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return layer_norm_ref(h, weight, bias, eps).to(x.dtype), h
 
 
+# ------------------------------------------------------------------------------ ahead-of-time specs
 def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every LayerNorm launch for a ViT of this width: plain LN (final norm / first norm) and the

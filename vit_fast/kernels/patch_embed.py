@@ -52,14 +52,23 @@ import triton
 import triton.language as tl
 
 from . import _tuning
+from ._aot import TRITON_DTYPE_NAMES, AotSpec
 from ._tuning import bucket
-from ._utils import (FLOAT_DTYPES, AotSpec, TRITON_DTYPE_NAMES, check_float, check_kernel_device, check_ndim, check_shape,
-                     compute_dtype_for, gpu_arch)
+from ._utils import (
+    FLOAT_DTYPES,
+    SM_COUNT,
+    check_float,
+    check_kernel_device,
+    check_ndim,
+    check_shape,
+    compute_dtype_for,
+    gpu_arch,
+)
 
 OP = "patch_embed"
 
 
-# --------------------------------------------------------------------------------------- kernels
+# -------------------------------------------------------------------------------------- jit kernels
 # K is walked in tiles of CHANS channels x ROWS patch rows x PATCH_PAD columns (PATCH_PAD = next power of
 # two >= P): tile t covers channels c0 = (t // STEPS) * CHANS ... and rows py0 = (t % STEPS) * ROWS ...
 # CHANS > 1 only for P <= 2, where one channel's patch is under the 16 K-columns tl.dot needs. Inside a tile
@@ -280,7 +289,7 @@ def _patch_embed_dimages_kernel(
     tl.store(DX + img[:, None] + gpix[None, :], acc.to(DX.dtype.element_ty), mask=mask_m[:, None] & valid[None, :])
 
 
-# ---------------------------------------------------------------------------------- config table
+# ------------------------------------------------------------------------------------------ configs
 # Per arch and compute-dtype width: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each GEMM.
 # M = patches, N = width D, K = pixels per patch. fwd tiles (M, N) over K; dweight tiles (N, K) over M
 # (split into S chunks); dimages tiles (M, K) over N. fp32 compute (IEEE dots run on FMA units, TF32
@@ -292,7 +301,7 @@ _CONFIGS = {
     (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
 }
 _REDUCE = dict(BLOCK=1024, BATCH_TILE=8, num_warps=8, num_stages=1)  # batch sums: 8 x 128 tiles
-_NUM_SMS = {80: 108, 90: 132}  # the dW split aims at ~2 programs per SM
+_DW_PROGRAMS_PER_SM = 2  # the dW split fills the GPU with ~2 programs per SM (_utils.programs_to_fill)
 
 
 def patch_embed_config(arch: int, dtype: torch.dtype) -> dict:
@@ -301,7 +310,7 @@ def patch_embed_config(arch: int, dtype: torch.dtype) -> dict:
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
     cfg = {kernel: dict(zip(names, entry)) for kernel, entry in table.items()}
     cfg["reduce"] = dict(_REDUCE)
-    cfg["num_sms"] = _NUM_SMS[arch]
+    cfg["num_sms"] = SM_COUNT[arch]
     return cfg
 
 
@@ -309,7 +318,7 @@ def _dweight_split(M: int, D: int, k_tiles: int, cfg: dict) -> tuple[int, int]:
     """(S, row blocks per split): a fixed cut of the patch axis for the dW partials (depends on shape only)."""
     tiles = triton.cdiv(D, cfg["BLOCK_N"]) * k_tiles
     m_blocks = triton.cdiv(M, cfg["BLOCK_M"])
-    splits = min(m_blocks, max(1, triton.cdiv(2 * cfg["num_sms"], tiles)))
+    splits = min(m_blocks, max(1, triton.cdiv(_DW_PROGRAMS_PER_SM * cfg["num_sms"], tiles)))
     per_split = triton.cdiv(m_blocks, splits)
     return triton.cdiv(m_blocks, per_split), per_split
 
@@ -335,58 +344,7 @@ def _gemm_launch(cfg: dict, dtype: torch.dtype, patch: int, in_chans: int) -> tu
     return constexprs, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), k_tiles
 
 
-def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size: int = 16, in_chans: int = 3,
-              img_size: int = 224, batch: int = 256, pos_embed_covers_prefix: bool = True,
-              param_dtype: torch.dtype = torch.float32, images_dtype: torch.dtype = torch.float32,
-              **_) -> list[AotSpec]:
-    """Every launch of one training step's patch embedding (forward, dW/dbias partials, reduction, and
-    dimages for images that require grad), for contiguous square images of ``img_size`` and a class
-    token plus ``tokens - 1 - patches`` register tokens. Defaults: mixed precision (fp32 images and
-    parameters, ``dtype`` compute). Integer arguments take the values this launch would pass, so unit
-    strides become constexpr 1 and multiples of 16 land in divisible_by_16, as Triton specialises them."""
-    cfg = patch_embed_config(arch, dtype)
-    P, C, D, T = patch_size, in_chans, width, tokens
-    Wp = img_size // P
-    Np = Wp * Wp
-    prefix, K, M = T - Np, C * P * P, batch * Np
-    cdt, img, par = (TRITON_DTYPE_NAMES[d] for d in (dtype, images_dtype, param_dtype))
-    k_tiles = _gemm_launch(cfg["dweight"], dtype, P, C)[2]
-    splits, per_split = _dweight_split(M, D, k_tiles, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
-    image_strides = dict(b=C * img_size * img_size, c=img_size * img_size, h=img_size, w=1)
-    values = dict(  # every integer argument of the four kernels at this launch
-        {f"sx{k}": v for k, v in image_strides.items()}, **{f"sg{k}": v for k, v in image_strides.items()},
-        swd=K, swc=P * P, swy=P, swx=1, spt=D, spd=1, srt=D, sdb=T * D, sdt=D, sdd=1,
-        M=M, D=D, C=C, K=K, Np=Np, Wp=Wp, T=T, prefix=prefix, pos_base=0 if pos_embed_covers_prefix else prefix,
-        blocks_per_split=per_split, S=splits, B=batch)
-    flags = dict(HAS_BIAS=True, HAS_CLS=int(prefix > 0), HAS_REG=prefix > 1)
-    note = f"N={T} D={D} P={P} C={C} {img_size}px {cdt} compute, {img} images, {par} params"
-    kernels = [  # (name, kernel, pointer types, flags, config)
-        ("patch_embed_fwd", _patch_embed_fwd_kernel,
-         dict(Out=cdt, X=img, W=par, Bias=par, Pos=par, Cls=par, Reg=par),
-         dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg["fwd"]),
-        ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
-         dict(HAS_BIAS=True), cfg["dweight"]),
-        ("patch_embed_reduce", _patch_embed_reduce_kernel,
-         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), dict(flags, HAS_DW=True),
-         cfg["reduce"]),
-        ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg["dimages"]),
-    ]
-    specs = []
-    for name, fn, pointers, constexprs, launch in kernels:
-        if "PATCH" in fn.arg_names:
-            constexprs = dict(constexprs, **_gemm_launch(launch, dtype, P, C)[0])
-        else:
-            constexprs = dict(constexprs, BLOCK=launch["BLOCK"], BATCH_TILE=launch["BATCH_TILE"])
-        constexprs.update({a: 1 for a in fn.arg_names if values.get(a) == 1})
-        signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers else "i32"
-                     for a in fn.arg_names}
-        divisible = tuple(a for a, t in signature.items() if t.startswith("*") or (t == "i32" and values[a] % 16 == 0))
-        specs.append(AotSpec(name, fn, signature, constexprs, launch["num_warps"], launch["num_stages"],
-                             has_dot=name != "patch_embed_reduce", note=note, divisible_by_16=divisible))
-    return specs
-
-
-# ------------------------------------------------------------------------------------ validation
+# ------------------------------------------------------------ validation and launchers (custom ops)
 def _check_compute_dtype(dtype: torch.dtype) -> None:
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"{OP}: expected a compute dtype in (float32, float16, bfloat16), got {dtype}")
@@ -431,7 +389,6 @@ def _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_em
     return prefix + num_patches
 
 
-# ------------------------------------------------------------------------------------- launchers
 @torch.library.custom_op("vit_fast::patch_embed_fwd", mutates_args=())
 def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
@@ -556,7 +513,7 @@ def _(dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed
         images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages, needs_proj_grads)]
 
 
-# -------------------------------------------------------------------------------------- autograd
+# ----------------------------------------------------------------------------------------- autograd
 class PatchEmbedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype):
@@ -577,7 +534,7 @@ class PatchEmbedFunction(torch.autograd.Function):
                 wanted(5, dreg), None, None)
 
 
-# ------------------------------------------------------------------------------------ functional
+# --------------------------------------------------------------------------------------- functional
 def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pos_embed: torch.Tensor,
                 cls_token: Optional[torch.Tensor] = None, reg_tokens: Optional[torch.Tensor] = None,
                 pos_embed_covers_prefix: bool = True) -> torch.Tensor:
@@ -589,6 +546,7 @@ def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                                     pos_embed_covers_prefix, compute_dtype)
 
 
+# ---------------------------------------------------------------------------------------- reference
 def patch_embed_ref(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pos_embed: torch.Tensor,
                     cls_token: Optional[torch.Tensor] = None, reg_tokens: Optional[torch.Tensor] = None,
                     pos_embed_covers_prefix: bool = True) -> torch.Tensor:
@@ -603,3 +561,55 @@ def patch_embed_ref(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     else:
         x = torch.cat(prefix + [x + pos_embed], dim=1)
     return x.to(compute_dtype_for(images))
+
+
+# ------------------------------------------------------------------------------ ahead-of-time specs
+def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size: int = 16, in_chans: int = 3,
+              img_size: int = 224, batch: int = 256, pos_embed_covers_prefix: bool = True,
+              param_dtype: torch.dtype = torch.float32, images_dtype: torch.dtype = torch.float32,
+              **_) -> list[AotSpec]:
+    """Every launch of one training step's patch embedding (forward, dW/dbias partials, reduction, and
+    dimages for images that require grad), for contiguous square images of ``img_size`` and a class
+    token plus ``tokens - 1 - patches`` register tokens. Defaults: mixed precision (fp32 images and
+    parameters, ``dtype`` compute). Integer arguments take the values this launch would pass, so unit
+    strides become constexpr 1 and multiples of 16 land in divisible_by_16, as Triton specialises them."""
+    cfg = patch_embed_config(arch, dtype)
+    P, C, D, T = patch_size, in_chans, width, tokens
+    Wp = img_size // P
+    Np = Wp * Wp
+    prefix, K, M = T - Np, C * P * P, batch * Np
+    cdt, img, par = (TRITON_DTYPE_NAMES[d] for d in (dtype, images_dtype, param_dtype))
+    k_tiles = _gemm_launch(cfg["dweight"], dtype, P, C)[2]
+    splits, per_split = _dweight_split(M, D, k_tiles, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+    image_strides = dict(b=C * img_size * img_size, c=img_size * img_size, h=img_size, w=1)
+    values = dict(  # every integer argument of the four kernels at this launch
+        {f"sx{k}": v for k, v in image_strides.items()}, **{f"sg{k}": v for k, v in image_strides.items()},
+        swd=K, swc=P * P, swy=P, swx=1, spt=D, spd=1, srt=D, sdb=T * D, sdt=D, sdd=1,
+        M=M, D=D, C=C, K=K, Np=Np, Wp=Wp, T=T, prefix=prefix, pos_base=0 if pos_embed_covers_prefix else prefix,
+        blocks_per_split=per_split, S=splits, B=batch)
+    flags = dict(HAS_BIAS=True, HAS_CLS=int(prefix > 0), HAS_REG=prefix > 1)
+    note = f"N={T} D={D} P={P} C={C} {img_size}px {cdt} compute, {img} images, {par} params"
+    kernels = [  # (name, kernel, pointer types, flags, config)
+        ("patch_embed_fwd", _patch_embed_fwd_kernel,
+         dict(Out=cdt, X=img, W=par, Bias=par, Pos=par, Cls=par, Reg=par),
+         dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg["fwd"]),
+        ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
+         dict(HAS_BIAS=True), cfg["dweight"]),
+        ("patch_embed_reduce", _patch_embed_reduce_kernel,
+         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), dict(flags, HAS_DW=True),
+         cfg["reduce"]),
+        ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg["dimages"]),
+    ]
+    specs = []
+    for name, fn, pointers, constexprs, launch in kernels:
+        if "PATCH" in fn.arg_names:
+            constexprs = dict(constexprs, **_gemm_launch(launch, dtype, P, C)[0])
+        else:
+            constexprs = dict(constexprs, BLOCK=launch["BLOCK"], BATCH_TILE=launch["BATCH_TILE"])
+        constexprs.update({a: 1 for a in fn.arg_names if values.get(a) == 1})
+        signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers else "i32"
+                     for a in fn.arg_names}
+        divisible = tuple(a for a, t in signature.items() if t.startswith("*") or (t == "i32" and values[a] % 16 == 0))
+        specs.append(AotSpec(name, fn, signature, constexprs, launch["num_warps"], launch["num_stages"],
+                             has_dot=name != "patch_embed_reduce", note=note, divisible_by_16=divisible))
+    return specs

@@ -224,7 +224,9 @@ def print_table(rows: list[Row], out=None) -> None:
 def _ensure_interpreter(argv: Sequence[str]) -> None:
     """Without CUDA the kernels need TRITON_INTERPRET=1 before triton is imported: set it, or, when
     triton is already loaded (importing vit_fast loads it), re-run this command with it set."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    from vit_fast.kernels._utils import interpreter_active
+
+    if torch.cuda.is_available() or interpreter_active():
         return
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton" in sys.modules:

@@ -14,8 +14,6 @@ the interpreter; never used on a GPU, and a no-op unless TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 _installed = False
@@ -24,7 +22,9 @@ _installed = False
 def install_bf16_shims() -> bool:
     """Patch the interpreter (once); returns whether the shims are active."""
     global _installed
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    from vit_fast.kernels._utils import interpreter_active
+
+    if not interpreter_active():
         return False
     if _installed:
         return True

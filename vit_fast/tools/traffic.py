@@ -542,7 +542,9 @@ def format_summary(results: list[PathResult]) -> str:
 
 def fused_model_available() -> tuple[bool, str]:
     """The fused path is counted on CPU in the Triton interpreter, which must be on before kernels are defined."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    from vit_fast.kernels._utils import interpreter_active
+
+    if not interpreter_active():
         return False, "the fused path is counted in the Triton interpreter; set TRITON_INTERPRET=1 before triton is imported"
     return True, ""
 
@@ -565,7 +567,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
     fused_paths = [p for p in args.paths if p.startswith("vit_fast")]
-    if fused_paths and os.environ.get("TRITON_INTERPRET") != "1":
+    from vit_fast.kernels._utils import interpreter_active
+
+    if fused_paths and not interpreter_active():
         # The fused path is counted in the interpreter, which must be on before any kernel is defined.
         if "triton" in sys.modules:
             argv = sys.argv[1:] if argv is None else list(argv)

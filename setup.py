@@ -22,6 +22,7 @@ setup(
             "hypothesis",
             "timm",
             "transformers",
+            "accelerate",
             "torchvision",
             "safetensors",
             "tqdm",

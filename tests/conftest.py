@@ -1,10 +1,17 @@
-"""Test session setup: run the Triton kernels in the interpreter when there is no GPU.
+"""Test session setup and the fixtures every test file shares.
 
 TRITON_INTERPRET must be set before triton is imported anywhere, so this happens at the top of
 the first conftest pytest loads. On a CUDA machine the same tests run the compiled kernels.
+
+Fixtures: ``poisoned_allocations`` (the one NaN-poisoning mechanism; kernel test files switch it on for
+every test with ``pytestmark = pytest.mark.usefixtures("poisoned_allocations")``) and ``traffic`` (the one
+interpreter instrumentation: launches, loads and stores). Shared constants and comparison helpers
+(DEVICE, DTYPES, assert_close, check_matches_reference, ...) live in tests/numerics.py.
 """
 import os
 
+import numpy as np
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -21,3 +28,74 @@ if interpreter_active():
     from vit_fast.tools.interpreter import install_bf16_shims
 
     install_bf16_shims()
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Every torch.empty (the launchers' only allocator) comes back filled with NaN (integer tensors: -1),
+    so an output element or partial-sum row that a kernel forgets to write fails the comparison."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t if t.dtype == torch.bool or t.is_complex() else t.fill_(-1)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+class Traffic:
+    """Kernel launches and interpreter loads/stores, attributed to tensors by address."""
+
+    def __init__(self):
+        self.launches: list[str] = []
+        self.accesses: dict[str, list[np.ndarray]] = {"read": [], "write": []}
+
+    def record(self, kind, ptrs, mask):
+        addresses = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data]
+        self.accesses[kind].append(addresses.astype(np.uint64))
+        self.accesses[kind + "_size"] = ptrs.get_element_ty().primitive_bitwidth // 8
+
+    def bytes(self, kind: str, t: torch.Tensor) -> int:
+        """Bytes of `kind` ('read'/'write') that fell inside t's storage."""
+        start = t.untyped_storage().data_ptr()
+        end = start + t.untyped_storage().nbytes()
+        total = 0
+        for addresses in self.accesses[kind]:
+            total += int(((addresses >= start) & (addresses < end)).sum()) * t.element_size()
+        return total
+
+    def clear(self):
+        self.__init__()
+
+
+@pytest.fixture
+def traffic(monkeypatch):
+    """A Traffic record of every kernel launch and interpreter load / store while the test runs."""
+    from vit_fast.kernels._utils import interpreter_active
+
+    if not interpreter_active():
+        pytest.skip("counts loads and stores inside the Triton interpreter (TRITON_INTERPRET=1)")
+    from triton.runtime import interpreter as interp
+
+    rec = Traffic()
+    load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
+    run = interp.InterpretedFunction.run
+
+    def counted_load(self, ptrs, mask, *rest):
+        rec.record("read", ptrs, mask)
+        return load(self, ptrs, mask, *rest)
+
+    def counted_store(self, ptrs, value, mask, *rest):
+        rec.record("write", ptrs, mask)
+        return store(self, ptrs, value, mask, *rest)
+
+    def counted_run(self, *args, grid, warmup, **kwargs):
+        rec.launches.append(self.fn.__name__)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", counted_load)
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", counted_store)
+    monkeypatch.setattr(interp.InterpretedFunction, "run", counted_run)
+    return rec

@@ -12,21 +12,10 @@ import torch.nn.functional as F
 
 import vit_fast.kernels._utils as kutils
 from vit_fast.kernels import attention as A
-from tests.numerics import assert_close, bound, errors
+from tests.numerics import DEVICE, DTYPES, assert_close, bound, dtype_id, errors
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-dtype_id = lambda v: str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None  # noqa: E731
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
 SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the "+ small atol" of the 2x rule
-
-
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    """Every allocation of the launchers is filled with NaN (or -1) before the kernels run."""
-    def empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
-    monkeypatch.setattr(A, "_empty", empty)
 
 
 def make_qkv(B, N, H, D, dtype, seed=0):
@@ -324,7 +313,7 @@ def test_torch_compile_fullgraph():
 def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
     """No .item() graph break (the seed is a tensor), a fresh mask per call, eager's mask and dqkv
     for the same torch.manual_seed."""
-    from tests.test_bias_gelu import check_compiled_dropout
+    from tests.numerics import check_compiled_dropout
 
     # through attention_linear: the qkv GEMM and the (dqkv, dbias) op trace too
     inputs = [t.requires_grad_() for t in make_linear(1, 20, 2, 32, torch.float32)]

@@ -1,130 +1,21 @@
 """kernels/bias_gelu.py: bias_gelu and bias_dropout_add against float64 references, forward and
-backward, plus dropout statistics, launches and bytes per element (interpreter counters).
-
-The poisoning fixture, the traffic counter and ``check_matches_reference`` are reused by tests/test_layer_norm.py.
+backward, plus dropout statistics, launches and bytes per element (interpreter counters, the ``traffic``
+fixture of conftest.py). Every launcher allocation is NaN-poisoned (conftest.py's ``poisoned_allocations``).
 """
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import assert_close, bound, errors
+from tests.numerics import (DEVICE, DTYPES, assert_close, bound, check_compiled_dropout, check_matches_reference,
+                            kernel_keep_mask, randn, strided_and_expanded)
 from vit_fast.kernels import bias_gelu as bg
-from vit_fast.kernels._utils import interpreter_active
 from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_dropout_add_ref, bias_gelu, bias_gelu_ref
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-# --------------------------------------------------------------------------- shared test helpers
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every torch.empty (the launchers' only allocator) comes back NaN-filled, so an output
-    element or partial-sum row that a kernel forgets to write fails the comparison."""
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-
-
-class Traffic:
-    """Kernel launches and interpreter loads/stores, attributed to tensors by address."""
-
-    def __init__(self):
-        self.launches: list[str] = []
-        self.accesses: dict[str, list[np.ndarray]] = {"read": [], "write": []}
-
-    def record(self, kind, ptrs, mask):
-        addresses = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data]
-        self.accesses[kind].append(addresses.astype(np.uint64))
-        self.accesses[kind + "_size"] = ptrs.get_element_ty().primitive_bitwidth // 8
-
-    def bytes(self, kind: str, t: torch.Tensor) -> int:
-        """Bytes of `kind` ('read'/'write') that fell inside t's storage."""
-        start = t.untyped_storage().data_ptr()
-        end = start + t.untyped_storage().nbytes()
-        total = 0
-        for addresses in self.accesses[kind]:
-            total += int(((addresses >= start) & (addresses < end)).sum()) * t.element_size()
-        return total
-
-    def clear(self):
-        self.__init__()
-
-
-@pytest.fixture
-def traffic(monkeypatch):
-    if not interpreter_active():
-        pytest.skip("counts loads and stores inside the Triton interpreter (TRITON_INTERPRET=1)")
-    from triton.runtime import interpreter as interp
-
-    rec = Traffic()
-    load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
-    run = interp.InterpretedFunction.run
-
-    def counted_load(self, ptrs, mask, *rest):
-        rec.record("read", ptrs, mask)
-        return load(self, ptrs, mask, *rest)
-
-    def counted_store(self, ptrs, value, mask, *rest):
-        rec.record("write", ptrs, mask)
-        return store(self, ptrs, value, mask, *rest)
-
-    def counted_run(self, *args, grid, warmup, **kwargs):
-        rec.launches.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", counted_load)
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", counted_store)
-    monkeypatch.setattr(interp.InterpretedFunction, "run", counted_run)
-    return rec
-
-
-def check_matches_reference(fn, ref_fn, inputs: dict, dtype: torch.dtype, grad_outputs=None, eager_fn=None, seed=None):
-    """Run fn on `inputs` (tensors with requires_grad get gradients) and ref_fn on float64 copies;
-    compare every output and every gradient against the float64 result with the dtype's bound.
-    With eager_fn, also hold the flash-attention rule: kernel error <= 2x the error of eager PyTorch
-    on the same low-precision inputs (+1e-6). `seed` reseeds torch before each call (same dropout)."""
-    def run(f, ins, outs_grads):
-        if seed is not None:
-            torch.manual_seed(seed)
-        outs = f(**ins)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        leaves = [t for t in ins.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outs_grads is None:
-            outs_grads = [torch.randn_like(o, dtype=torch.float64) for o in outs]
-        grads = torch.autograd.grad(outs, leaves, [g.to(o.dtype) for o, g in zip(outs, outs_grads)]) if leaves else ()
-        return outs, grads, outs_grads
-
-    def detached(dt):
-        return {k: (v.detach().to(dt).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor)
-                    and v.is_floating_point() else v) for k, v in inputs.items()}
-
-    outs64, grads64, gouts = run(ref_fn, detached(torch.float64), grad_outputs)
-    outs, grads, _ = run(fn, inputs, gouts)
-    names = [f"out{i}" for i in range(len(outs))] + [
-        f"d{k}" for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-    results = list(zip(names, list(outs) + list(grads), list(outs64) + list(grads64)))
-    for name, got, want in results:
-        assert_close(got, want, bound(dtype), name)  # inputs and grads enter in dtype
-    if eager_fn is not None and dtype != torch.float32:
-        eager_outs, eager_grads, _ = run(eager_fn, {k: v for k, v in inputs.items()}, gouts)
-        for (name, got, want), eager in zip(results, list(eager_outs) + list(eager_grads)):
-            kernel_err, eager_err = errors(got, want)[0], errors(eager, want)[0]
-            assert kernel_err <= 2 * eager_err + 1e-6, f"{name}: {kernel_err:.2e} > 2x eager {eager_err:.2e}"
-    return outs, grads
-
-
-def randn(*shape, dtype=torch.float32, grad=True, scale=1.0):
-    return (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(dtype).requires_grad_(grad)
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")
 
 
 # --------------------------------------------------------------------------- bias_gelu
@@ -221,13 +112,6 @@ def test_bias_gelu_launches_and_bytes(traffic):
 
 
 # --------------------------------------------------------------------------- bias_dropout_add
-def kernel_keep_mask(shape, p, seed, dtype=torch.float32):
-    """The kernel's own dropout mask for `seed`: x = 1, no bias, residual = 0 leaves 1/(1-p) or 0."""
-    torch.manual_seed(seed)
-    ones = torch.ones(shape, device=DEVICE, dtype=dtype)
-    return bias_dropout_add(ones, None, torch.zeros_like(ones), p, True) != 0
-
-
 def eager_bias_dropout_add(x, bias, residual, p, training, **kw):
     kw = {k: (v.to(x.dtype) if k == "gamma" and v is not None else v) for k, v in kw.items()}
     return bias_dropout_add_ref(x, bias.to(x.dtype) if bias is not None else None, residual, p, training, **kw)
@@ -322,30 +206,6 @@ def test_bias_dropout_add_launches_and_bytes(traffic):
     assert dx.numel() == 0 and traffic.bytes("read", x) == 0 and traffic.bytes("read", dout) == dout.nbytes
 
 
-def check_compiled_dropout(fn, inputs: list[torch.Tensor], monkeypatch) -> None:
-    """fn draws dropout in training: torch.compile must trace it whole without capture_scalar_outputs
-    (the seed is a tensor drawn in the graph, read as an int only inside the custom ops), draw a
-    fresh mask on every call, and for the same torch.manual_seed give eager's output and gradients."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(fn)(*inputs)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    results = []
-    for run in (compiled, compiled, fn):
-        for t in inputs:
-            t.grad = None
-        torch.manual_seed(3)
-        out = run(*inputs)
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
-        out.backward(grad_out)  # the backward regenerates the mask from the saved seed tensor
-        results.append([out.detach()] + [t.grad for t in inputs])
-        with torch.no_grad():
-            assert not torch.equal(run(*inputs), out), "the next call must draw another mask"
-    for got in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(got, results[0])), "same manual_seed, different draw"
-
-
 def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
     x, bias, res = randn(2, 3, 64), randn(64), randn(2, 3, 64)
     check_compiled_dropout(lambda x, bias, res: bias_dropout_add(x, bias, res, 0.5, True), [x, bias, res],
@@ -370,14 +230,6 @@ def test_torch_compile_fullgraph_traces_custom_ops():
     assert_close(out, block(x, bias, res).double(), bound(torch.float32), "compiled")
     out.sum().backward()
     assert x.grad is not None and bias.grad is not None
-
-
-def strided_and_expanded(n: int):
-    """A stride-2 view and a stride-0 (expanded) view of length n: parameters the kernels index as
-    ptr + col must be copied first (unit_stride), or they read the wrong elements / out of bounds."""
-    strided = randn(2 * n, grad=False)[::2].requires_grad_()
-    expanded = randn(1, grad=False, scale=0.7).requires_grad_().expand(n)
-    return strided, expanded
 
 
 def test_strided_and_expanded_parameters():

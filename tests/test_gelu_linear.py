@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import assert_close, bound, errors
-from tests.test_bias_gelu import check_matches_reference, poisoned_outputs, randn  # noqa: F401  (autouse NaN outputs)
+from tests.numerics import assert_close, bound, check_matches_reference, errors, randn
 from vit_fast.tools import traffic
 from vit_fast.kernels import gelu_linear as gl
 from vit_fast.kernels._utils import interpreter_active
 from vit_fast.kernels.gelu_linear import gelu_linear, gelu_linear_ref
+
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")
 
 HALF = (torch.float16, torch.bfloat16)
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import assert_close, bound
-from tests.test_bias_gelu import (DEVICE, DTYPES, check_compiled_dropout, check_matches_reference, kernel_keep_mask,  # noqa: F401
-                                  poisoned_outputs, randn, traffic)
+from tests.numerics import (DEVICE, DTYPES, assert_close, bound, check_compiled_dropout, check_matches_reference,
+                            kernel_keep_mask, randn)
 from vit_fast.kernels import layer_norm as ln
 from vit_fast.kernels.bias_gelu import bias_dropout_add
 from vit_fast.kernels.layer_norm import add_layer_norm, add_layer_norm_ref, layer_norm, layer_norm_ref
+
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")
 
 
 def ln_inputs(shape, dtype, param_dtype=None, eps=1e-6):
@@ -340,7 +341,7 @@ def test_aot_specs_claim_no_alignment_a_launch_does_not_have():
 
 
 def test_strided_and_expanded_parameters():
-    from tests.test_bias_gelu import strided_and_expanded
+    from tests.numerics import strided_and_expanded
     torch.manual_seed(10)
     n = 384
     strided, expanded = strided_and_expanded(n)

@@ -235,3 +235,30 @@ def test_triton_backend_without_kernels_is_an_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a CPU-only machine outside the test suite
     with pytest.raises(RuntimeError, match="backend='triton' needs a model on CUDA"):
         vit_fast.optimize(timm_vit(), backend="triton")
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_xp_224", "vit_relpos_base_patch16_224",
+                                  "vit_base_patch16_rope_reg1_gap_256"])
+def test_other_block_kinds_are_listed_not_crashed_on(name):
+    """Parallel-scaling blocks (a VisionTransformer with blocks lacking .attn), rel-pos and rope ViTs (other
+    classes): timm_unsupported lists what is missing, optimize and from_timm refuse with that list."""
+    from vit_fast.interop.optimize import timm_unsupported
+
+    ref = timm.create_model(name, pretrained=False, img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=1,
+                            num_classes=5)
+    problems = timm_unsupported(ref)
+    assert problems and all(isinstance(p, str) for p in problems)
+    expected = "ParallelScalingBlock" if "xp" in name else type(ref).__name__
+    assert any(expected in p for p in problems), problems
+    with pytest.raises(ValueError, match=expected):
+        vit_fast.optimize(ref)
+    with pytest.raises(ValueError, match=expected):
+        vit_fast.from_timm(ref)
+
+
+def test_converter_gives_its_problems_as_a_list():
+    from vit_fast.interop.convert import timm_unsupported
+
+    assert timm_unsupported(timm_vit()) == []
+    problems = timm_unsupported(timm_vit(pre_norm=True, global_pool="avg", pool_include_prefix=True))
+    assert "norm_pre (pre_norm=True)" in problems and "pool_include_prefix=True" in problems

@@ -8,23 +8,16 @@ import math
 import pytest
 import torch
 
-from tests.numerics import assert_close, bound, errors
+from tests.numerics import DTYPES, assert_close, bound, dtype_id, errors
 from vit_fast.kernels import patch_embed as pe
 from vit_fast.kernels.patch_embed import patch_embed, patch_embed_bwd, patch_embed_fwd, patch_embed_ref
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAMES = ["images", "weight", "bias", "pos_embed", "cls_token", "reg_tokens"]
-_real_empty = torch.empty
-
-
-def _poisoned_empty(*args, **kwargs):
-    t = _real_empty(*args, **kwargs)
-    return t.fill_(float("nan")) if t.is_floating_point() else t
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")
 
 
 @pytest.fixture(autouse=True)
-def poisoned_allocations(monkeypatch):
-    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+def ieee_fp32(monkeypatch):
     # fp32 bounds are for IEEE dots; on a GPU the kernel (like Conv2d) would use TF32 under this flag
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
@@ -104,7 +97,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_forward_backward_matches_reference(case, dtype):
     P, C, H, W, D, cls, regs, covers = CASES[case]

@@ -11,9 +11,11 @@ The fused path (GEMMs stay in torch / cuBLAS, every elementwise and normalisatio
     on the packed (B, N, 3HD) qkv, whose backward also returns the qkv bias's gradient -> proj GEMM;
   - Mlp: fc1 GEMM without bias -> ``gelu_linear`` (fc1's bias + GELU fused into the fc2 GEMM's operand
     loads, GELU' into its backward's epilogue: the 4C-wide activation and its gradient are never written);
-  - Block.forward_pair(normed, residual, next_norm): proj and fc2 GEMMs run WITHOUT their bias; the bias,
-    LayerScale, per-sample drop-path scale and dropout ride in the residual-join kernel, which also
-    computes the following LayerNorm (norm2, then the next block's norm1 or the final norm).
+  - Block.forward_pair(hidden, residual, next_norm): blocks pass (hidden = the next LayerNorm's output,
+    residual = the stream) between them, as FlashAttention's ViT does. Each part's ``branch`` stops before
+    its output bias; the bias and dropout rate (the part's ``join_terms``), LayerScale's gamma and the
+    per-sample drop-path scale ride in the residual-join kernel, which also computes the following
+    LayerNorm (norm2, then the next block's norm1 or the final norm).
 Routed through reference ops, also on the fused path (documented, never silently different):
 qk_norm attention (split heads + q/k LayerNorm + SDPA), Mlp drop1 > 0 (``bias_gelu``, F.dropout, fc2 GEMM),
 a non-Identity Mlp norm, attention maps (``Attention.attention_probs``); at model level pos_drop > 0
@@ -63,6 +65,11 @@ class LayerNorm(nn.LayerNorm):
         if resolve_backend(self.backend, x) == "triton":
             return layer_norm_kernel(x, self.weight, self.bias, self.eps)
         return super().forward(x)
+
+    def with_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x), x): the (hidden, residual) pair that enters a chain of fused blocks, in one kernel
+        (the hidden half in the autocast dtype, as the GEMM after it wants it)."""
+        return layer_norm_and_input(x, self.weight, self.bias, self.eps, compute_dtype_for(x))
 
 
 def layer_norm(dim: int, eps: float, backend: str = "auto") -> LayerNorm:
@@ -223,6 +230,14 @@ class Attention(nn.Module):
             out = self.attend(self.qkv(x))
         return F.linear(out if keep_rows is None else out[:, :keep_rows], self.proj.weight)
 
+    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
+        """What the residual join applies to ``branch``'s output: the proj bias, then proj dropout's rate."""
+        return self.proj.bias, self.proj_drop.p
+
+    def draws_row_dropout_masks(self) -> bool:
+        """A forward in this mode draws per-token dropout masks after attention (proj dropout)."""
+        return self.training and self.proj_drop.p > 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
         x = self.attend(qkv)
@@ -267,6 +282,14 @@ class Mlp(nn.Module):
             return gelu_linear(F.linear(x, self.fc1.weight), self.fc1.bias, self.fc2.weight, self.act.approximate)
         return F.linear(self.hidden(x), self.fc2.weight)
 
+    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
+        """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
+        return self.fc2.bias, self.drop2.p
+
+    def draws_row_dropout_masks(self) -> bool:
+        """A forward in this mode draws per-token dropout masks (drop1 or drop2)."""
+        return self.training and (self.drop1.p > 0 or self.drop2.p > 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.hidden(x)))
 
@@ -274,10 +297,9 @@ class Mlp(nn.Module):
 class LayerScale(nn.Module):
     """Per-channel learnable scale (CaiT / DeiT-III): x * gamma, gamma initialised to init_values."""
 
-    def __init__(self, dim: int, init_values: float = 1e-5, backend: str = "auto"):
+    def __init__(self, dim: int, init_values: float = 1e-5):
         super().__init__()
         self.init_values = init_values
-        self.backend = check_backend(backend)
         self.gamma = nn.Parameter(init_values * torch.ones(dim))
 
     def init_weights(self) -> None:
@@ -297,10 +319,9 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -
 
 
 class DropPath(nn.Module):
-    def __init__(self, drop_prob: float = 0.0, backend: str = "auto"):
+    def __init__(self, drop_prob: float = 0.0):
         super().__init__()
         self.drop_prob = drop_prob
-        self.backend = check_backend(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return drop_path(x, self.drop_prob, self.training)
@@ -332,63 +353,62 @@ class Block(nn.Module):
         self.norm1 = layer_norm(dim, norm_eps, backend)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
                               proj_drop=proj_drop, norm_eps=norm_eps, backend=backend)
-        self.ls1 = LayerScale(dim, init_values, backend=backend) if init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path, backend=backend) if drop_path > 0 else nn.Identity()
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = layer_norm(dim, norm_eps, backend)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, drop=proj_drop, backend=backend)
-        self.ls2 = LayerScale(dim, init_values, backend=backend) if init_values else nn.Identity()
-        self.drop_path2 = DropPath(drop_path, backend=backend) if drop_path > 0 else nn.Identity()
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """The block runs on its kernels (``forward_pair``): the backend resolves to Triton and no hook sits
+        on a part of it (hooks fire only when the parts run through their own ``__call__``)."""
+        return resolve_backend(self.backend, x) == "triton" and not has_hooks(self, inside=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # hooks on a part of the block: run it module by module (each on its kernels) so they fire
-        if resolve_backend(self.backend, x) == "triton" and not has_hooks(self, inside=True):
-            norm1 = self.norm1
-            normed, x = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
-            return self.forward_pair(normed, x, None)[1]
-        return self.forward_reference(x)
-
-    def draws_row_dropout_masks(self) -> bool:
-        """True when a forward in the current mode draws per-token dropout masks after attention (proj
-        and MLP dropout, training, rate above 0): those draws depend on how many rows run. Attention
-        dropout (drawn over every token) and drop-path (one value per image) do not."""
-        return self.training and any(d.p > 0 for d in (self.attn.proj_drop, self.mlp.drop1, self.mlp.drop2))
-
-    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        # .to(x.dtype): the residual stream keeps its dtype (a no-op unless it is half under autocast,
-        # residual_in_fp32=False, where the fp32 LayerScale output would promote it)
+        if self.fuses(x):
+            return self.forward_pair(*self.norm1.with_input(x), next_norm=None)[1]
+        # reference: module by module (each part on its own kernels where it has them). .to(x.dtype): the
+        # stream keeps its dtype (a no-op unless it is half under autocast, residual_in_fp32=False, where
+        # the fp32 LayerScale output would promote it)
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x)))).to(x.dtype)
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))).to(x.dtype)
         return x
 
-    def forward_pair(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm],
+    def draws_row_dropout_masks(self) -> bool:
+        """True when a forward in the current mode draws per-token dropout masks after attention (the
+        parts' proj / MLP dropout): those draws depend on how many rows run. Attention dropout (drawn over
+        every token) and drop-path (one value per image) do not."""
+        return self.attn.draws_row_dropout_masks() or self.mlp.draws_row_dropout_masks()
+
+    def forward_pair(self, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm],
                      keep_rows: Optional[int] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """The model-level fused step: (norm1(x), x) -> (next_norm(x'), x') with x' = this block's output.
+        """The fused dataflow: (hidden = norm1(x), residual = x) -> (next_norm(x'), x'), x' this block's output.
 
-        Two join kernels: proj output + bias, ls1, drop-path, proj dropout, add, norm2 in one
-        ``add_layer_norm``; fc2 output + bias, ls2, drop-path, mlp dropout, add and ``next_norm`` in
-        another (``bias_dropout_add`` when next_norm is None, then the first output is None).
-        ``keep_rows``: x' of the first tokens only (the last block under class-token pooling). Every token
-        still enters attention as a key and value; the proj GEMM, both joins and the MLP run on the kept
-        rows. Exact: the dropped rows of x' would only have received zero gradients."""
+            attention branch (no proj bias) -> join: + proj bias, proj dropout, ls1, drop-path, add, norm2
+            MLP branch (no fc2 bias)        -> join: + fc2 bias, drop2, ls2, drop-path, add, next_norm
+        Each join is one kernel (``add_layer_norm``; ``bias_dropout_add`` when next_norm is None, and the
+        first output is then None). ``keep_rows``: x' of the first tokens only (the last block under
+        class-token pooling): every token still enters attention as a key and value; the proj GEMM, both
+        joins and the MLP run on the kept rows. Exact: the dropped rows would only get zero gradients."""
         if resolve_backend(self.backend, residual) == "torch":
-            x = self.forward_reference(residual)[:, :keep_rows]
+            x = self(residual)[:, :keep_rows]
             return (next_norm(x) if next_norm is not None else None), x
-        y = self.attn.branch(normed, keep_rows)
+        branch = self.attn.branch(hidden, keep_rows)
         residual = residual if keep_rows is None else residual[:, :keep_rows]
-        normed, residual = residual_join(y, residual, self.attn.proj.bias, _gamma(self.ls1),
-                                         _sample_scale(self.drop_path1, y), self.attn.proj_drop.p, self.training,
-                                         self.norm2, self.use_fused_join)
-        y = self.mlp.branch(normed)
-        return residual_join(y, residual, self.mlp.fc2.bias, _gamma(self.ls2), _sample_scale(self.drop_path2, y),
-                             self.mlp.drop2.p, self.training, next_norm, self.use_fused_join)
+        hidden, residual = self._join(branch, residual, self.attn, self.ls1, self.drop_path1, self.norm2)
+        branch = self.mlp.branch(hidden)
+        return self._join(branch, residual, self.mlp, self.ls2, self.drop_path2, next_norm)
 
-
-def _gamma(ls: nn.Module) -> Optional[torch.Tensor]:
-    return ls.gamma if isinstance(ls, LayerScale) else None
-
-
-def _sample_scale(dp: nn.Module, branch: torch.Tensor) -> Optional[torch.Tensor]:
-    return dp.sample_scale(branch) if isinstance(dp, DropPath) else None
+    def _join(self, branch: torch.Tensor, residual: torch.Tensor, part: nn.Module, ls: nn.Module, dp: nn.Module,
+              norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """residual + drop_path(ls(dropout(branch + bias))), and norm of it: ``residual_join`` with the
+        part's bias and dropout rate, LayerScale's gamma (None: Identity) and the drop-path scale."""
+        bias, dropout_p = part.join_terms()
+        gamma = ls.gamma if isinstance(ls, LayerScale) else None
+        sample_scale = dp.sample_scale(branch) if isinstance(dp, DropPath) else None
+        return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, self.training, norm,
+                             self.use_fused_join)
 
 
 def resample_abs_pos_embed(posemb: torch.Tensor, new_size: tuple[int, int], old_size: tuple[int, int] | None = None,

@@ -8,7 +8,7 @@ builds a preset. ``model.set_backend('torch' | 'triton' | 'auto')`` switches eve
 
 Fused path (backend resolving to 'triton', see vit_fast/backend.py): one ``patch_embed`` launch builds the
 whole token sequence (a dynamic-size pos_embed is resampled first, on the small tensor); the block loop
-carries (normed, residual) pairs so every residual join is fused with the LayerNorm that follows it
+carries (hidden, residual) pairs so every residual join is fused with the LayerNorm that follows it
 (``Block.forward_pair``): norm1 of block 0 is the only stand-alone LayerNorm, the last block's join
 computes the final norm (or, with fc_norm / no final norm, is a plain ``bias_dropout_add``).
 Under autocast the residual stream keeps the parameter dtype (fp32), as in the reference model (the
@@ -19,6 +19,7 @@ the branch dtype) where the reference returns fp32; the logits' dtype is the sam
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Optional
 
 import torch
@@ -26,10 +27,9 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .backend import check_backend, resolve_backend
-from .layers import (Block, LayerNorm, PatchEmbed, compute_dtype_for, has_hooks, init_weights_vit_timm,
-                     layer_norm_and_input, named_apply, patch_embed_kernel, resample_abs_pos_embed, sincos_2d_pos_embed,
-                     trunc_normal_)
-from .presets import GLOBAL_POOLS, ViTConfig, get_config
+from .layers import (Block, LayerNorm, PatchEmbed, has_hooks, init_weights_vit_timm, named_apply, patch_embed_kernel,
+                     resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
+from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
 
 
 class VisionTransformer(nn.Module):
@@ -37,10 +37,21 @@ class VisionTransformer(nn.Module):
         super().__init__()
         # Always a private copy: set_backend / reset_classifier must not change the caller's config.
         cfg = config.replace(**overrides) if config is not None else ViTConfig(**overrides)
+        if cfg.weight_init == "skip":  # weights come from elsewhere: the modules' own default init draws
+            with torch.random.fork_rng(devices=[]):  # nothing from the global generator (on CPU)
+                self._build(cfg)
+        else:
+            self._build(cfg)
+            self.init_weights()
+
+    def _build(self, cfg: ViTConfig) -> None:
         self.config = cfg
         self.num_classes = cfg.num_classes
         self.global_pool = cfg.global_pool
-        self.num_features = self.embed_dim = cfg.embed_dim
+        self.num_features = self.head_hidden_size = self.embed_dim = cfg.embed_dim
+        self.in_chans = cfg.in_chans
+        self.has_class_token = cfg.class_token
+        self.pool_include_prefix = False  # timm's option (pool the prefix tokens too) is not implemented
         self.num_prefix_tokens = cfg.num_prefix_tokens
         self.num_reg_tokens = cfg.reg_tokens
         self.no_embed_class = cfg.no_embed_class
@@ -69,6 +80,9 @@ class VisionTransformer(nn.Module):
                   init_values=cfg.init_values, proj_drop=cfg.proj_drop_rate, attn_drop=cfg.attn_drop_rate,
                   drop_path=dpr[i], norm_eps=cfg.norm_eps, act=cfg.act, backend=cfg.backend)
             for i in range(cfg.depth)])
+        # timm's feature-extraction description: every block's output, embed_dim channels at 1/patch
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=D, reduction=max(self.patch_embed.patch_size))
+                             for i in range(cfg.depth)]
         use_fc_norm = cfg.use_fc_norm
         final_norm = cfg.final_norm and not use_fc_norm
         self.norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if final_norm else nn.Identity()
@@ -76,9 +90,9 @@ class VisionTransformer(nn.Module):
             else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
-
-        if cfg.weight_init != "skip":
-            self.init_weights()
+        # timm's data config (resolve_data_config); create_model / optimize put the preset's or source's
+        self.pretrained_cfg = dict(input_size=(cfg.in_chans, *cfg.img_size), fixed_input_size=not cfg.dynamic_img_size,
+                                   num_classes=cfg.num_classes, first_conv="patch_embed.proj", classifier="head")
 
     # ----------------------------------------------------------------------------------------- setup
     def init_weights(self) -> None:
@@ -104,8 +118,26 @@ class VisionTransformer(nn.Module):
         self.config.backend = backend
         return self
 
+    @property
+    def default_cfg(self) -> dict:
+        """timm's old name of ``pretrained_cfg`` (the same dict)."""
+        return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, value: dict) -> None:
+        self.pretrained_cfg = value
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for timm's layer-wise lr decay (timm.optim, layer_decay): the embedding stem,
+        one group per block, the final norm last; the same regexes as timm's VisionTransformer."""
+        return dict(stem=r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         if global_pool is not None:
@@ -204,18 +236,10 @@ class VisionTransformer(nn.Module):
         return torch.get_autocast_dtype(x.device.type)
 
     def forward_features(self, x: torch.Tensor, pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embed(x, pos_embed)
-        if self._fuses_across_blocks(x):
-            return self._forward_blocks_fused(x)
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            for blk in self.blocks:
-                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
-        else:
-            x = self.blocks(x)
-        return self.norm(x)
+        return self._forward_blocks(self.embed(x, pos_embed))
 
     def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
-        """Whether the blocks run as one fused chain (``_forward_blocks_fused``). The chain calls
+        """Whether the blocks run as one fused chain (``_forward_blocks``). The chain calls
         ``Block.forward_pair`` directly, so with hooks anywhere in the blocks (forward or backward) they
         run one by one through ``__call__`` instead: FSDP2's fully_shard gathers parameters in its
         pre-forward hooks, and a user's feature hook expects to fire."""
@@ -231,30 +255,35 @@ class VisionTransformer(nn.Module):
                 and type(self).forward_features is VisionTransformer.forward_features
                 and not self.blocks[-1].draws_row_dropout_masks())
 
-    def _forward_blocks_fused(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
-                              outputs: Optional[list] = None) -> torch.Tensor:
-        """Blocks + final norm carrying (normed, residual): every join is fused with the next LayerNorm.
-        ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``).
-        ``depth``: the first blocks only (the final norm follows the last of them); ``outputs``: a list that
-        receives every block's output tokens (the residual stream after it, nothing extra computed)."""
+    def _forward_blocks(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
+                        outputs: Optional[list] = None) -> torch.Tensor:
+        """The block loop (the only one) and the final norm. Fused chain (``_fuses_across_blocks``): the
+        blocks pass (hidden, residual) pairs, every join fused with the next LayerNorm (the last block's
+        with the final norm); otherwise each block runs through ``__call__`` (hooks fire) on the stream.
+        ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``,
+        fused chain only). ``depth``: the first blocks only (the final norm follows the last of them);
+        ``outputs``: a list that receives every block's output tokens (the residual stream after it).
+        With grad checkpointing each block is recomputed in the backward: torch.utils.checkpoint restores
+        the CPU RNG state first, and the kernels draw their dropout seeds from it (next_seed), so the
+        recomputed masks are the same."""
         blocks = list(self.blocks)[:depth]
-        final_norm = self.norm if isinstance(self.norm, nn.LayerNorm) else None
-        norm1 = blocks[0].norm1
-        normed, residual = layer_norm_and_input(x, norm1.weight, norm1.bias, norm1.eps, compute_dtype_for(x))
+        chained = self._fuses_across_blocks(x)
+        final_norm = self.norm if chained and isinstance(self.norm, nn.LayerNorm) else None
+        hidden, residual = blocks[0].norm1.with_input(x) if chained else (None, x)
         for i, blk in enumerate(blocks):
             last = i + 1 == len(blocks)
-            next_norm = final_norm if last else blocks[i + 1].norm1
-            keep_rows = last_keep_rows if last else None
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                # torch.utils.checkpoint restores the CPU RNG state before recomputing, and the kernels
-                # draw their dropout seeds from it (next_seed), so the recomputed masks are the same.
-                normed, residual = torch.utils.checkpoint.checkpoint(blk.forward_pair, normed, residual, next_norm,
-                                                                     keep_rows, use_reentrant=False)
+            if chained:
+                step = functools.partial(blk.forward_pair, next_norm=final_norm if last else blocks[i + 1].norm1,
+                                         keep_rows=last_keep_rows if last else None)
             else:
-                normed, residual = blk.forward_pair(normed, residual, next_norm, keep_rows)
+                step = functools.partial(_module_step, blk)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                hidden, residual = torch.utils.checkpoint.checkpoint(step, hidden, residual, use_reentrant=False)
+            else:
+                hidden, residual = step(hidden, residual)
             if outputs is not None:
                 outputs.append(residual)
-        return normed if final_norm is not None else self.norm(residual)
+        return hidden if final_norm is not None else self.norm(residual)
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
                               return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
@@ -274,18 +303,8 @@ class VisionTransformer(nn.Module):
         depth = max(take) + 1 if stop_early else len(self.blocks)
         B = x.shape[0]
         grid = self.patch_embed.check_input(x)
-        tokens = self.embed(x)
         outputs: list[torch.Tensor] = []
-        if self._fuses_across_blocks(tokens):
-            final = self._forward_blocks_fused(tokens, depth=depth, outputs=outputs)
-        else:
-            for blk in self.blocks[:depth]:
-                if self.grad_checkpointing and torch.is_grad_enabled():
-                    tokens = torch.utils.checkpoint.checkpoint(blk, tokens, use_reentrant=False)
-                else:
-                    tokens = blk(tokens)
-                outputs.append(tokens)
-            final = self.norm(tokens)
+        final = self._forward_blocks(self.embed(x), depth=depth, outputs=outputs)
         intermediates = [self.norm(y) if norm else y for i, y in enumerate(outputs) if i in take]
         prefix = [y[:, :self.num_prefix_tokens] for y in intermediates] if self.num_prefix_tokens else None
         intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
@@ -336,7 +355,7 @@ class VisionTransformer(nn.Module):
         if self._prunes_to_class_token(x):
             # the last block skips the other tokens' proj, MLP and joins; forward_features still
             # returns every token
-            return self.forward_head(self._forward_blocks_fused(self.embed(x), last_keep_rows=1))
+            return self.forward_head(self._forward_blocks(self.embed(x), last_keep_rows=1))
         return self.forward_head(self.forward_features(x))
 
     @torch.no_grad()
@@ -363,6 +382,11 @@ class VisionTransformer(nn.Module):
                 break
             x = blk(x)
         return {i % depth: maps[i % depth] for i in chosen}
+
+
+def _module_step(block: nn.Module, hidden: None, residual: torch.Tensor) -> tuple[None, torch.Tensor]:
+    """One block through ``__call__`` in the pair loop's shape (no fused hidden half)."""
+    return None, block(residual)
 
 
 def block_indices(depth: int, indices: int | Iterable[int] | None) -> list[int]:
@@ -399,7 +423,9 @@ def create_model(name: str, **overrides) -> VisionTransformer:
     if overrides.pop("pretrained", False):
         raise ValueError("pretrained weights are not downloaded by vit_fast; build the model, then "
                          "load_checkpoint(model, path) or convert with from_timm / from_hf / from_torchvision")
-    return VisionTransformer(get_config(name, **overrides))
+    model = VisionTransformer(get_config(name, **overrides))
+    model.pretrained_cfg = pretrained_cfg(name)
+    return model
 
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:

@@ -138,6 +138,26 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Data configs of the presets' default weights in timm (resolve_data_config reads them): the augreg ViTs were
+# trained on inception-normalised images (0.5 / 0.5), DeiT-III on ImageNet's statistics; crop 1.0 at 384.
+_INCEPTION = dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+_IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+def pretrained_cfg(name: str) -> dict:
+    """timm's pretrained_cfg fields for a preset (what timm.data.resolve_data_config and train.py read):
+    the default weights' input size, interpolation, crop and normalisation, head size and layer names.
+    As in timm it describes the weights, not a model built with other overrides (img_size, num_classes)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    img_size = to_2tuple(PRESETS[name].get("img_size", 224))
+    return dict(architecture=name, input_size=(3, *img_size), fixed_input_size=True, interpolation="bicubic",
+                crop_pct=1.0 if min(img_size) >= 384 else 0.9, crop_mode="center",
+                **(_IMAGENET if name.startswith("deit") else _INCEPTION),
+                num_classes=PRESETS[name].get("num_classes", 1000), pool_size=None, first_conv="patch_embed.proj",
+                classifier="head")
+
+
 def list_models(pattern: str = "") -> list[str]:
     """Preset names, sorted; with a pattern, only names containing it (fnmatch wildcards allowed)."""
     import fnmatch

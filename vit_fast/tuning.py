@@ -143,8 +143,6 @@ def _fwd_bwd(fn: Callable[[], Any], inputs: list[torch.Tensor], params: list[tor
 
 def _benchmarks(vit: nn.Module, batch_size: int, dtype: torch.dtype) -> dict[str, Callable[[], Callable[[], None]]]:
     """fusion -> builder of its fwd+bwd closure (built with the fusion's flags as currently set)."""
-    from .layers import residual_join
-
     device = vit.patch_embed.proj.weight.device
     param_dtype = vit.patch_embed.proj.weight.dtype
     amp = dtype if dtype != param_dtype else None
@@ -164,17 +162,18 @@ def _benchmarks(vit: nn.Module, batch_size: int, dtype: torch.dtype) -> dict[str
     def params(m):
         return [p for p in m.parameters() if p.requires_grad]
 
-    def join():
-        gamma = blk.ls1.gamma if hasattr(blk.ls1, "gamma") else None
-        return residual_join(branch, residual, blk.attn.proj.bias, gamma, None, blk.attn.proj_drop.p, blk.training,
-                             blk.norm2, fused=blk.use_fused_join)
+    bias = blk.attn.join_terms()[0]
+    join_params = params(blk.norm2) + params(blk.ls1) + ([bias] if bias is not None and bias.requires_grad else [])
+
+    def join():  # the block's first join (attention branch + residual, then norm2), as forward_pair runs it
+        return blk._join(branch, residual, blk.attn, blk.ls1, blk.drop_path1, blk.norm2)
 
     return {
         "patch_embed": lambda: _fwd_bwd(lambda: vit.embed(images), [], [vit.patch_embed.proj.weight,
                                         vit.patch_embed.proj.bias, vit.pos_embed, vit.cls_token], amp, device),
         "attention": lambda: _fwd_bwd(lambda: blk.attn.branch(x), [x], params(blk.attn), amp, device),
         "mlp": lambda: _fwd_bwd(lambda: blk.mlp.branch(x), [x], params(blk.mlp), amp, device),
-        "join": lambda: _fwd_bwd(join, [branch, residual], params(blk.norm2) + [blk.attn.proj.bias], amp, device),
+        "join": lambda: _fwd_bwd(join, [branch, residual], join_params, amp, device),
     }
 
 

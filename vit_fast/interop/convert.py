@@ -7,6 +7,7 @@ key or shape mismatch raises one ``CheckpointError`` that names them all.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -77,15 +78,62 @@ def _grid_from_tokens(num_patches: int, patch: tuple[int, int]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- timm
-def _timm_config_from_model(m: nn.Module) -> dict:
-    unsupported = [name for name, bad in [
-        ("norm_pre (pre_norm=True)", not isinstance(getattr(m, "norm_pre", nn.Identity()), nn.Identity)),
-        ("attention pooling (global_pool='map'/'prr')", getattr(m, "attn_pool", None) is not None),
-        ("patch_embed.norm", not isinstance(getattr(m.patch_embed, "norm", nn.Identity()), nn.Identity)),
-        ("dynamic_img_pad", getattr(m.patch_embed, "dynamic_img_pad", False)),
+def timm_unsupported(model: nn.Module) -> list[str]:
+    """Every feature of a timm model that vit_fast does not implement, one line each (empty: ``from_timm``
+    converts it exactly). Never raises on another kind of model: a VisionTransformer subclass with other
+    blocks (parallel-scaling, rel-pos, rope) gets its block kinds listed."""
+    from timm.layers import LayerNorm as TimmLayerNorm
+    from timm.layers import LayerScale, Mlp, PatchEmbed
+    from timm.layers.drop import DropPath
+    from timm.models.vision_transformer import Attention, Block, VisionTransformer as TimmViT
+
+    allowed = {TimmViT, PatchEmbed, Block, Attention, Mlp, LayerScale, DropPath, TimmLayerNorm, nn.LayerNorm,
+               nn.Conv2d, nn.Linear, nn.GELU, nn.Dropout, nn.Identity, nn.Sequential, nn.ModuleList}
+    if not isinstance(model, TimmViT):
+        return [f"model class {type(model).__module__}.{type(model).__qualname__} (not timm's VisionTransformer)"]
+    foreign: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        if type(module) not in allowed and type(module).__name__ != "PatchDropout":  # own line below
+            foreign.setdefault(type(module).__name__, []).append(path)
+    problems = [f"module {name} ({len(paths)}x, e.g. {paths[0]!r})" for name, paths in foreign.items()]
+    patch_embed = getattr(model, "patch_embed", None)
+    problems += [name for name, bad in [
+        ("norm_pre (pre_norm=True)", not isinstance(getattr(model, "norm_pre", nn.Identity()), nn.Identity)),
+        ("attention pooling (global_pool='map'/'prr')", getattr(model, "attn_pool", None) is not None),
+        ("patch_embed.norm", not isinstance(getattr(patch_embed, "norm", nn.Identity()), nn.Identity)),
+        ("dynamic_img_pad", getattr(patch_embed, "dynamic_img_pad", False)),
+        ("pool_include_prefix=True", getattr(model, "pool_include_prefix", False)),
+        ("patch dropout (patch_drop_rate > 0)", not isinstance(getattr(model, "patch_drop", nn.Identity()),
+                                                               nn.Identity)),
     ] if bad]
-    if unsupported:
-        raise ValueError(f"from_timm: timm model uses features vit_fast does not implement: {unsupported}")
+    blocks = list(getattr(model, "blocks", []))
+    kinds = sorted({type(b).__name__ for b in blocks if type(b) is not Block})
+    if kinds:
+        problems.append(f"blocks of kind {', '.join(kinds)} (only timm's Block: norm1, attn, ls1, norm2, mlp, ls2)")
+    elif blocks:  # config-level switches are the same in every block
+        blk = blocks[0]
+        if not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity):
+            problems.append("attention output norm (scale_attn_norm=True), blocks.0.attn.norm")
+        if not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
+            problems.append("MLP hidden norm (scale_mlp_norm=True), blocks.0.mlp.norm")
+        act = getattr(blk.mlp, "act", None)
+        if not isinstance(act, nn.GELU):
+            problems.append(f"MLP activation {type(act).__name__} (only GELU, exact or tanh)")
+        if getattr(blk.attn.proj, "bias", None) is None or getattr(getattr(blk.mlp, "fc2", None), "bias", 1) is None:
+            problems.append("projections without bias (proj_bias=False)")
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    if len({m.eps for m in norms}) > 1:
+        problems.append(f"LayerNorms with different eps {sorted({m.eps for m in norms})}")
+    if any(not m.elementwise_affine or m.bias is None for m in norms):
+        problems.append("LayerNorm without affine weight/bias")
+    return problems
+
+
+def _timm_config_from_model(m: nn.Module) -> dict:
+    problems = timm_unsupported(m)
+    if problems:
+        raise ValueError("from_timm: this timm model uses features vit_fast does not implement:\n  - "
+                         + "\n  - ".join(problems))
     blk = m.blocks[0] if len(m.blocks) else None
     cfg = dict(
         img_size=tuple(m.patch_embed.img_size), patch_size=tuple(m.patch_embed.patch_size),
@@ -110,8 +158,6 @@ def _timm_config_from_model(m: nn.Module) -> dict:
             drop_path_rate=float(getattr(m.blocks[-1].drop_path1, "drop_prob", 0.0)),
             act="gelu_tanh" if getattr(gelu, "approximate", "none") == "tanh" else "gelu",
         )
-        if not isinstance(gelu, nn.GELU) or blk.attn.proj.bias is None:
-            raise ValueError(f"from_timm: only GELU MLPs with biased projections are supported, got {gelu}")
     return cfg
 
 
@@ -155,7 +201,11 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     else:
         sd = dict(model_or_state_dict)
         config = _timm_config_from_state_dict(sd, overrides)
-    return _build(config, sd, overrides)
+    model = _build(config, sd, overrides)
+    source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)
+    if source_cfg:  # the data config (mean, std, crop, interpolation) travels with the weights
+        model.pretrained_cfg = copy.deepcopy(dict(source_cfg))
+    return model
 
 
 # ------------------------------------------------------------------------------------- Hugging Face

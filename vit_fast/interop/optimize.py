@@ -7,32 +7,30 @@ Accepted sources and what comes back (same device, dtype, train/eval mode and re
   - timm VisionTransformer        -> vit_fast.VisionTransformer (timm's own module and parameter names;
                                      forward / forward_features / forward_head as timm's);
   - torchvision VisionTransformer -> vit_fast.VisionTransformer (forward(x) -> logits);
-  - transformers ViTModel / ViTForImageClassification -> ``HFViT``, a thin wrapper around a
-    vit_fast.VisionTransformer that takes ``pixel_values`` (positional or keyword), ``labels`` and
-    ``return_dict`` / ``output_hidden_states`` and returns the source model's output type;
+  - transformers ViTModel / ViTForImageClassification -> ``HFViT`` (interop/hf.py), a transformers
+    PreTrainedModel around a vit_fast.VisionTransformer with the source class's forward signature, outputs,
+    config and save_pretrained files (stock from_pretrained loads them);
   - a vit_fast VisionTransformer  -> the same object, switched to ``backend``.
 A source using a feature vit_fast does not implement raises one ValueError listing every such feature:
 the result is never a silently different model.
 """
 from __future__ import annotations
 
-import ast
-from collections import Counter
-
 import torch
 import torch.nn as nn
 
 from ..backend import check_backend, kernels_can_run_on
-from .convert import (_timm_config_from_model, from_hf, from_timm, from_torchvision, hf_to_timm_state_dict,
+from .convert import (from_hf, from_timm, from_torchvision, hf_to_timm_state_dict, timm_unsupported,
                       torchvision_to_timm_state_dict)
 from ..model import VisionTransformer
-from .hf import HFViT
 
 
 def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True,
              tune: bool | None = None) -> nn.Module:
     """A vit_fast model with ``model``'s weights, head and forward signature, running ``backend``
     ('auto': the Triton kernels on CUDA tensors, the PyTorch reference elsewhere; 'triton'; 'torch').
+    Draws nothing from the global random generators (torch, numpy, random): the same seed gives the same
+    run as with the source model.
     ``residual_in_fp32=False`` keeps the residual stream in the autocast dtype under autocast (fewer bytes
     per step; numerics then differ from the source's fp32 stream). ``tune`` (vit_fast/tuning.py): True
     applies the measured choice per fusion (fused kernel or eager path) from the cache that
@@ -64,7 +62,9 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
         fast = from_torchvision(model)
         names = _mapped_names(model, torchvision_to_timm_state_dict)
     else:  # transformers
-        fast = HFViT(model, from_hf(model))
+        from .hf import hf_wrap  # imports transformers
+
+        fast = hf_wrap(model, from_hf(model))
         names = {k: "model." + v for k, v in _mapped_names(model, hf_to_timm_state_dict).items()}
     fast = fast.to(device=device, dtype=dtype)
     _copy_requires_grad(model, fast, names)
@@ -86,7 +86,7 @@ def _apply_tune(fast: nn.Module, tune: bool | None) -> nn.Module:
 
 
 def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
-    vit = fast.model if isinstance(fast, HFViT) else fast
+    vit = fast if isinstance(fast, VisionTransformer) else fast.model  # HFViT wraps one
     vit.residual_in_fp32 = vit.config.residual_in_fp32 = bool(residual_in_fp32)
     return fast
 
@@ -136,47 +136,3 @@ def _copy_requires_grad(source: nn.Module, fast: nn.Module, names: dict[str, str
     for name, p in fast.named_parameters():
         if name in trainable and p.requires_grad:  # keep frozen-by-design params (sin-cos pos_embed) frozen
             p.requires_grad_(trainable[name])
-
-
-# ----------------------------------------------------------------------------------------------- timm
-def timm_unsupported(model: nn.Module) -> list[str]:
-    """Every feature of a timm VisionTransformer that vit_fast does not implement (empty: convertible)."""
-    from timm.layers import LayerNorm as TimmLayerNorm
-    from timm.layers import LayerScale, Mlp, PatchEmbed
-    from timm.layers.drop import DropPath
-    from timm.models.vision_transformer import Attention, Block, VisionTransformer as TimmViT
-
-    allowed = {TimmViT, PatchEmbed, Block, Attention, Mlp, LayerScale, DropPath, TimmLayerNorm, nn.LayerNorm,
-               nn.Conv2d, nn.Linear, nn.GELU, nn.Dropout, nn.Identity, nn.Sequential, nn.ModuleList}
-    problems = []
-    foreign = Counter()
-    first_path = {}
-    for path, module in model.named_modules():
-        cls = type(module)
-        if cls not in allowed and cls.__name__ != "PatchDropout":  # PatchDropout gets its own line below
-            foreign[cls.__name__] += 1
-            first_path.setdefault(cls.__name__, path)
-    problems += [f"module {name} ({n}x, e.g. {first_path[name]!r})" for name, n in foreign.items()]
-    if getattr(model, "pool_include_prefix", False):
-        problems.append("pool_include_prefix=True")
-    if not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity):
-        problems.append("patch dropout (patch_drop_rate > 0)")
-    for i, blk in enumerate(getattr(model, "blocks", [])):
-        if not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity):
-            problems.append(f"attention output norm (scale_attn_norm=True), blocks.{i}.attn.norm")
-        if not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
-            problems.append(f"MLP hidden norm (scale_mlp_norm=True), blocks.{i}.mlp.norm")
-        if i == 0:  # config-level switches are the same in every block
-            break
-    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
-    if len({m.eps for m in norms}) > 1:
-        problems.append(f"LayerNorms with different eps {sorted({m.eps for m in norms})}")
-    if any(not m.elementwise_affine or m.bias is None for m in norms):
-        problems.append("LayerNorm without affine weight/bias")
-    try:
-        _timm_config_from_model(model)
-    except ValueError as e:  # the converter's own list (pre_norm, attention pooling, ...)
-        message = str(e).removeprefix("from_timm: ")
-        listed = message.removeprefix("timm model uses features vit_fast does not implement: ")
-        problems += ast.literal_eval(listed) if listed.startswith("[") else [message]
-    return problems

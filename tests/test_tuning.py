@@ -439,3 +439,15 @@ def test_the_bias_gelu_and_bias_dropout_add_launchers_tune_too(cpu_tuning):
         assert_close(out, ref, bound(torch.float32), "output")
     for got, t in zip(grads, (x64, bias64, res64, gamma64)):
         assert_close(got, t.grad, bound(torch.float32, "dot"), "grad")
+
+
+def test_the_campaign_stage_fills_its_rows(tmp_path):
+    from types import SimpleNamespace
+
+    from vit_fast.tools.tune import campaign_stage
+
+    c = SimpleNamespace(dry_run=True, results={}, progress=lambda message: None)
+    with _tuning.overridden(cache_dir=tmp_path):
+        status = campaign_stage(c)
+    assert status["timed"] is False and set(status["fusions"]) == set(tuning.FUSIONS)
+    assert [r["op"] for r in c.results["tune"]] == list(tuning.FUSIONS) and "fusion mlp" in status["table"]

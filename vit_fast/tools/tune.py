@@ -74,3 +74,25 @@ def tune_report(model_name: str, batch: int, dtype: str = "bf16", img_size: int 
             "fusions": [{"op": r.op, "times_ms": r.times_ms, "choice": r.choice} for r in result.fusions],
             "kernels": [{"key": k.key, "candidates": k.candidates, "times_ms": k.times_ms, "choice": k.choice}
                         for k in result.kernels]}
+
+
+def campaign_stage(c) -> dict:
+    """The `vit-fast bench --campaign` stage (campaign.Stage's ``run``): tunes ViT-B/16 at batch 256 in bf16
+    (a tiny preset at batch 2 with ``--dry-run``), puts one row per fusion and per kernel-config choice in
+    ``c.results["tune"]`` (DIR/tune.csv), prints the table and returns it in the status. Registered
+    with ``register_stage(Stage("tune", campaign_stage, budget_s=120), after="env")``: the first tuning of
+    a model compiles every candidate config (about 1 s each), later runs read the cache."""
+    model, batch = ("vit_tiny_patch16_224", 2) if c.dry_run else ("vit_base_patch16_224", 256)
+    c.progress(f"tune: {model}, batch {batch}, bf16 (fused vs eager per fusion, kernel configs)")
+    report = tune_report(model, batch, "bf16")
+    rows = [{"kind": "fusion", "op": r["op"], "candidates": "fused|eager",
+             "times_ms": "" if r["times_ms"] is None else "|".join(f"{t:.4f}" for t in r["times_ms"]),
+             "choice": r["choice"]} for r in report["fusions"]]
+    rows += [{"kind": "kernel", "op": k["key"], "candidates": "|".join(k["candidates"]),
+              "times_ms": "|".join(f"{t:.4f}" for t in k["times_ms"]), "choice": k["candidates"][k["choice"]]}
+             for k in report["kernels"]]
+    c.results["tune"] = rows
+    print(report["text"], flush=True)
+    return {"model": model, "batch": batch, "timed": report["timed"],
+            "fusions": {r["op"]: r["choice"] for r in report["fusions"]}, "kernel_choices": len(report["kernels"]),
+            "table": report["text"]}

@@ -451,3 +451,11 @@ def test_the_campaign_stage_fills_its_rows(tmp_path):
         status = campaign_stage(c)
     assert status["timed"] is False and set(status["fusions"]) == set(tuning.FUSIONS)
     assert [r["op"] for r in c.results["tune"]] == list(tuning.FUSIONS) and "fusion mlp" in status["table"]
+
+
+def test_tune_model_handles_frozen_parts_and_models_without_class_token(cpu_tuning):
+    model = tiny_model(class_token=False, global_pool="avg", pos_embed="none")
+    model.patch_embed.requires_grad_(False)
+    with cpu_tuning(FakeTimer(**{"patch_embed:eager": 0.1})):
+        result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+    assert result.choices["patch_embed"] == "eager" and not model.patch_embed.use_fused

@@ -134,10 +134,12 @@ def _fwd_bwd(fn: Callable[[], Any], inputs: list[torch.Tensor], params: list[tor
         return [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,)) if o is not None and o.requires_grad]
 
     grads = [torch.randn_like(o) for o in forward()]
-    wrt = [t for t in inputs + params if t.requires_grad]
+    wrt = [t for t in inputs + params if t is not None and t.requires_grad]
 
     def run():
-        torch.autograd.grad(forward(), wrt, grads, allow_unused=True)
+        outs = forward()
+        if outs and wrt:  # a frozen part (no gradient wanted): forward only
+            torch.autograd.grad(outs, wrt, grads, allow_unused=True)
     return run
 
 

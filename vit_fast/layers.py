@@ -92,9 +92,19 @@ def has_hooks(module: nn.Module, inside: bool = False) -> bool:
 
 def residual_join(branch: torch.Tensor, residual: torch.Tensor, bias: Optional[torch.Tensor],
                   gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], dropout_p: float,
-                  training: bool, norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                  training: bool, norm: Optional[nn.LayerNorm],
+                  fused: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """new_residual = residual + sample_scale[b] * gamma * dropout(branch + bias), and with a following
-    LayerNorm also ``norm(new_residual)``, in one kernel: returns (normed or None, new_residual)."""
+    LayerNorm also ``norm(new_residual)``, in one kernel: returns (normed or None, new_residual).
+    ``fused=False`` (vit_fast.tuning measured eager faster): the same with separate torch ops."""
+    if not fused:
+        y = branch if bias is None else branch + bias.to(branch.dtype)
+        y = F.dropout(y, dropout_p, True) if training and dropout_p > 0 else y
+        y = y if gamma is None else y * gamma
+        y = y if sample_scale is None else y * sample_scale.view(-1, *([1] * (y.dim() - 1))).to(y.dtype)
+        h = residual + y.to(residual.dtype)
+        return (None if norm is None else
+                F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps).to(branch.dtype)), h
     if norm is None:
         return None, bias_dropout_add(branch, bias, residual, dropout_p, training, gamma=gamma,
                                       sample_scale=sample_scale)
@@ -108,6 +118,8 @@ class PatchEmbed(nn.Module):
     With ``strict_img_size`` the input must be exactly ``img_size``; otherwise any size divisible by the
     patch works (dynamic_img_size). Bad input raises ValueError naming what was expected.
     """
+
+    use_fused = True  # vit_fast.tuning: False runs the eager conv path on the GPU as well
 
     def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,
                  bias: bool = True, strict_img_size: bool = True, backend: str = "auto"):
@@ -150,7 +162,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor, any_size: bool = False) -> torch.Tensor:
         grid = self.check_input(x, any_size)
-        if resolve_backend(self.backend, x) == "triton":
+        if self.use_fused and resolve_backend(self.backend, x) == "triton":
             # Used alone the kernel adds no tokens and a zero position embedding (the model passes its own).
             zero_pos = x.new_zeros((1, grid[0] * grid[1], self.embed_dim), dtype=self.proj.weight.dtype)
             x = patch_embed_kernel(x, self.proj.weight, self.proj.bias, zero_pos)
@@ -161,6 +173,8 @@ class PatchEmbed(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head self-attention with a packed qkv projection (timm's layout: [q | k | v] x heads x head_dim)."""
+
+    use_fused = True  # vit_fast.tuning: False runs the qkv GEMM + SDPA on the GPU as well
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "auto"):
@@ -187,7 +201,8 @@ class Attention(nn.Module):
 
     def fused(self, x: torch.Tensor) -> bool:
         """The attention kernel runs (it has no per-head LayerNorm: with qk_norm the reference ops do)."""
-        return not isinstance(self.q_norm, nn.LayerNorm) and resolve_backend(self.backend, x) == "triton"
+        return (self.use_fused and not isinstance(self.q_norm, nn.LayerNorm)
+                and resolve_backend(self.backend, x) == "triton")
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D). Fused path: the
@@ -245,6 +260,8 @@ class Mlp(nn.Module):
     On the fused path all three activations run in ``linear_act``'s epilogues; only with drop1 active or an
     MLP norm is the hidden activation materialised (QuickGELU then in torch ops)."""
 
+    use_fused = True  # vit_fast.tuning: False runs fc1 with its bias + GELU (no kernel) on the GPU as well
+
     def __init__(self, in_features: int, hidden_features: int, act: str = "gelu", drop: float = 0.0,
                  backend: str = "auto"):
         super().__init__()
@@ -262,8 +279,8 @@ class Mlp(nn.Module):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
         ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
-        if (resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1) or has_hooks(self.act)
-                or isinstance(self.act, QuickGELU)):
+        if (not self.use_fused or resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1)
+                or has_hooks(self.act) or isinstance(self.act, QuickGELU)):
             return self.norm(self.drop1(self.act(self.fc1(x))))
         x = bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias, self.act.approximate)
         if self.drop1.p > 0 and self.training:
@@ -275,7 +292,7 @@ class Mlp(nn.Module):
         as a Triton GEMM with bias + activation in its epilogue, fc2 on cuBLAS, act' in the epilogue of fc2's
         dgrad GEMM). With drop1 active or an MLP norm the hidden activation goes through ``hidden`` then
         the fc2 GEMM."""
-        if (resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
+        if (self.use_fused and resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
                 and not (self.drop1.p > 0 and self.training)):
             return linear_act(x.to(compute_dtype_for(x)), self.fc1.weight, self.fc1.bias, self.fc2.weight,
                               self.act_name)
@@ -340,6 +357,8 @@ class DropPath(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)), each with LayerScale and DropPath."""
+
+    use_fused_join = True  # vit_fast.tuning: False runs the residual joins + LayerNorm as separate torch ops
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  qk_norm: bool = False, init_values: Optional[float] = None, proj_drop: float = 0.0,
@@ -409,7 +428,8 @@ class Block(nn.Module):
         bias, dropout_p = part.join_terms()
         gamma = ls.gamma if isinstance(ls, LayerScale) else None
         sample_scale = dp.sample_scale(branch) if isinstance(dp, DropPath) else None
-        return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, self.training, norm)
+        return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, self.training, norm,
+                             self.use_fused_join)
 
 
 def resample_abs_pos_embed(posemb: torch.Tensor, new_size: tuple[int, int], old_size: tuple[int, int] | None = None,

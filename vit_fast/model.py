@@ -254,7 +254,7 @@ class VisionTransformer(nn.Module):
         if pos_embed is not None:
             self._check_pos_embed(pos_embed, grid)
         residual_dtype = self._autocast_residual_dtype(x)
-        if resolve_backend(self.patch_embed.backend, x) == "torch":
+        if not self.patch_embed.use_fused or resolve_backend(self.patch_embed.backend, x) == "torch":
             tokens = self._pos_embed(self.patch_embed(x, any_size=pos_embed is not None), grid, pos_embed)
             tokens = self.norm_pre(tokens)
             return tokens if residual_dtype is None else tokens.to(residual_dtype)

@@ -27,13 +27,18 @@ from ..model import VisionTransformer
 from .hf_families import HFVisionFamily
 
 
-def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True) -> nn.Module:
+def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True,
+             tune: bool | None = None) -> nn.Module:
     """A vit_fast model with ``model``'s weights, head and forward signature, running ``backend``
     ('auto': the Triton kernels on CUDA tensors, the PyTorch reference elsewhere; 'triton'; 'torch').
     Draws nothing from the global random generators (torch, numpy, random): the same seed gives the same
     run as with the source model.
     ``residual_in_fp32=False`` keeps the residual stream in the autocast dtype under autocast (fewer bytes
-    per step; numerics then differ from the source's fp32 stream)."""
+    per step; numerics then differ from the source's fp32 stream). ``tune`` (vit_fast/tuning.py): True
+    applies the measured choice per fusion (fused kernel or eager path) from the cache that
+    `vit-fast tune` writes, measuring it here first on a GPU if it is missing; False keeps the static
+    kernel configs and every fusion, process-wide (bitwise-reproducible runs across machines; same as
+    VIT_FAST_AUTOTUNE=0); None (default) leaves both as they are."""
     check_backend(backend)
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         raise ValueError("optimize: pass the bare model and wrap the result in DistributedDataParallel/"
@@ -46,7 +51,7 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
         raise RuntimeError(f"optimize: backend='triton' needs a model on CUDA (or CPU with TRITON_INTERPRET=1); "
                            f"the model is on {device}. Use backend='auto' or 'torch'.")
     if kind == "vit_fast":
-        return _set_residual_dtype(model.set_backend(backend), residual_in_fp32)
+        return _apply_tune(_set_residual_dtype(model.set_backend(backend), residual_in_fp32), tune)
     if device.type == "meta":   # converting copies the weights: there are none to copy
         raise ValueError(f"optimize: the {kind} model is on the meta device (no weight data to convert); "
                          f"materialise it first (model.to_empty(device=...) and load its weights), or create "
@@ -78,7 +83,20 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
     fast = fast.to(device=device, dtype=dtype)
     _copy_requires_grad(model, fast, names)
     fast.train(model.training)
-    return _set_residual_dtype(fast.set_backend(backend), residual_in_fp32)
+    return _apply_tune(_set_residual_dtype(fast.set_backend(backend), residual_in_fp32), tune)
+
+
+def _apply_tune(fast: nn.Module, tune: bool | None) -> nn.Module:
+    if tune is None:
+        return fast
+    from .. import tuning
+
+    tuning.set_autotune(bool(tune))
+    if tune:
+        tuning.tune_model(fast)
+    else:
+        tuning.set_fusion_choices(fast, {op: "fused" for op in tuning.FUSIONS})
+    return fast
 
 
 def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:

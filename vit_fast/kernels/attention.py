@@ -63,7 +63,7 @@ token). The forward's bias costs nothing here: it rides in the qkv GEMM's epilog
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -71,9 +71,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _tuning
 from ._aot import TRITON_DTYPE_NAMES, AotSpec
 from ._math import LN2, LOG2E
 from ._rows import sum_partials
+from ._tuning import bucket
 from ._utils import (
     check_float,
     check_kernel_device,
@@ -559,14 +561,18 @@ def _dropout_args(dropout_p: float):
 
 def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
     B, H, N, D = q.shape
-    precision = dot_input_precision(q.dtype)
-    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision).fwd
+    precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     dropout, inv_keep = _dropout_args(dropout_p)
-    _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
-        out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        H, N, D, scale, dropout_p, inv_keep, seed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
-        INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch(cfg: Tile) -> None:
+        _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
+            out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            H, N, D, scale, dropout_p, inv_keep, seed,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
+            INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    static = attention_config(N, D, q.dtype, arch, precision).fwd
+    launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
+                          _tuning.tile_candidates(static), launch, q.device))
 
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
@@ -576,19 +582,40 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     slabs of one (3, G, H * D) buffer (G = B * tiles), and ``sum_partials`` (one launch) returns
     d(bias) (3 * H * D,) in that dtype."""
     B, H, N, D = q.shape
-    precision = dot_input_precision(q.dtype)
-    cfg = attention_config(N, D, q.dtype, gpu_arch(q.device), precision)
+    precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     dropout, inv_keep = _dropout_args(dropout_p)
-    partial = None if bias_dtype is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D), torch.float32, q.device)
-    slabs = (None, None, None) if partial is None else partial.unbind(0)
-    _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
-        dq, dk, dv, *slabs, q, k, v, out, do, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
-        H, N, D, scale, dropout_p, inv_keep, seed,
-        BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
-        BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, BIAS_GRAD=partial is not None,
-        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
-    return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
+
+    def launch(cfg: AttentionConfig) -> Optional[torch.Tensor]:
+        partial = None if bias_dtype is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D),
+                                                         torch.float32, q.device)
+        slabs = (None, None, None) if partial is None else partial.unbind(0)
+        _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
+            dq, dk, dv, *slabs, q, k, v, out, do, lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
+            H, N, D, scale, dropout_p, inv_keep, seed,
+            BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
+            BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, BIAS_GRAD=partial is not None,
+            num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
+        return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
+    static = attention_config(N, D, q.dtype, arch, precision)
+    return launch(_tuning.choose("attention_bwd", (bucket(N), D, str(q.dtype), arch, precision, dropout,
+                                                   bias_dtype is not None), _bwd_candidates(static), launch, q.device))
+
+
+def _bwd_candidates(static: AttentionConfig) -> list[AttentionConfig]:
+    """The static backward config, then: the rows each program owns halved (both phases), the q rows per
+    dK/dV step halved, the k/v rows per dQ step halved, the warps doubled (both phases share the launch)."""
+    dkdv, dq = static.dkdv, static.dq
+    pairs = [(dkdv, dq)]
+    if dq.block_m >= 32:
+        pairs.append((replace(dkdv, block_n=dkdv.block_n // 2), replace(dq, block_m=dq.block_m // 2)))
+    if dkdv.block_m >= 32:
+        pairs.append((replace(dkdv, block_m=dkdv.block_m // 2), dq))
+    if dq.block_n >= 32:
+        pairs.append((dkdv, replace(dq, block_n=dq.block_n // 2)))
+    if dq.num_warps < 8:
+        pairs.append((replace(dkdv, num_warps=8), replace(dq, num_warps=8)))
+    return [AttentionConfig(static.fwd, d, q) for d, q in pairs]
 
 
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.

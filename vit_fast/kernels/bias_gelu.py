@@ -56,6 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _tuning
 from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._math import gelu_fwd_bwd
@@ -69,6 +70,7 @@ from ._rows import (
     sum_partials_block_n,
     sum_partials_spec,
 )
+from ._tuning import bucket
 from ._utils import check_kernel_device, next_power_of_2, seed_value, unit_stride
 
 
@@ -197,10 +199,13 @@ def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: st
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    block_m, block_n, warps = tile_config(n)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _bias_gelu_fwd_kernel[grid](y, x, bias, x.stride(0), y.stride(0), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
-                                HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh", num_warps=warps)
+    def launch(cfg: tuple[int, int, int]) -> None:
+        block_m, block_n, warps = cfg
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _bias_gelu_fwd_kernel[grid](y, x, bias, x.stride(0), y.stride(0), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
+                                    HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh", num_warps=warps)
+    key = (bucket(m), n, str(x.dtype), bias is not None, approximate)
+    launch(_tuning.choose("bias_gelu_fwd", key, _tuning.row_candidates(*tile_config(n)), launch, x.device))
     return y
 
 
@@ -218,14 +223,18 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor
     has_bias = bias is not None
     if m == 0:
         return dx, (torch.zeros_like(bias) if has_bias else x.new_empty(0))
-    block_m, block_n, warps = tile_config(n)
-    col_tiles = triton.cdiv(n, block_n)
-    g = num_partials(triton.cdiv(m, block_m), col_tiles, x.device)
-    partial = torch.empty((1, g, n), device=x.device, dtype=torch.float32) if has_bias else None
-    _bias_gelu_bwd_kernel[(g, col_tiles)](dx, partial, dy, x, bias, dy.stride(0), x.stride(0), dx.stride(0), m, n, g,
-                                          BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
-                                          APPROX_TANH=approximate == "tanh", num_warps=warps)
-    return dx, (sum_partials(partial, bias.dtype)[0] if has_bias else x.new_empty(0))
+    def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
+        block_m, block_n, warps = cfg
+        col_tiles = triton.cdiv(n, block_n)
+        g = num_partials(triton.cdiv(m, block_m), col_tiles, x.device)
+        partial = torch.empty((1, g, n), device=x.device, dtype=torch.float32) if has_bias else None
+        _bias_gelu_bwd_kernel[(g, col_tiles)](dx, partial, dy, x, bias, dy.stride(0), x.stride(0), dx.stride(0), m, n,
+                                              g, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
+                                              APPROX_TANH=approximate == "tanh", num_warps=warps)
+        return sum_partials(partial, bias.dtype)[0] if has_bias else x.new_empty(0)
+    key = (bucket(m), n, str(dy.dtype), str(x.dtype), has_bias, approximate)
+    candidates = _tuning.row_candidates(*tile_config(n), grow=False)
+    return dx, launch(_tuning.choose("bias_gelu_bwd", key, candidates, launch, x.device))
 
 
 @bias_gelu_bwd.register_fake
@@ -249,13 +258,18 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     out = full.view(m, n)
     if m == 0:
         return full
-    block_m, block_n, warps = tile_config(n)
     tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _bias_dropout_add_fwd_kernel[grid](
-        out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
-        seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None,
-        HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, num_warps=warps)
+    flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
+                 HAS_DROPOUT=p > 0)
+
+    def launch(cfg: tuple[int, int, int]) -> None:
+        block_m, block_n, warps = cfg
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _bias_dropout_add_fwd_kernel[grid](
+            out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
+            seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
+    key = (bucket(m), n, str(x.dtype), str(residual.dtype), *flags.values())
+    launch(_tuning.choose("bias_dropout_add_fwd", key, _tuning.row_candidates(*tile_config(n)), launch, x.device))
     return full
 
 
@@ -277,17 +291,23 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
     param_dtype = param_grad_dtype(params)
     if m == 0 or (not params and not store_dx):
         return dx, torch.zeros((len(params), n), device=x.device, dtype=param_dtype)
-    block_m, block_n, warps = tile_config(n)
-    col_tiles = triton.cdiv(n, block_n)
-    g = num_partials(triton.cdiv(m, block_m), col_tiles, x.device)
-    partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
     tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
-    _bias_dropout_add_bwd_kernel[(g, col_tiles)](
-        dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0), dx.stride(0) if store_dx else 0,
-        m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
-        HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, STORE_DX=store_dx,
-        num_warps=warps)
-    return dx, (sum_partials(partial, param_dtype) if params else partial.new_empty((0, n)))
+    flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
+                 HAS_DROPOUT=p > 0, STORE_DX=store_dx)
+
+    def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
+        block_m, block_n, warps = cfg
+        col_tiles = triton.cdiv(n, block_n)
+        g = num_partials(triton.cdiv(m, block_m), col_tiles, x.device)
+        partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
+        _bias_dropout_add_bwd_kernel[(g, col_tiles)](
+            dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0),
+            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=warps, **flags)
+        return sum_partials(partial, param_dtype) if params else partial.new_empty((0, n))
+    key = (bucket(m), n, str(dout.dtype), str(x.dtype), *flags.values())
+    candidates = _tuning.row_candidates(*tile_config(n), grow=False)
+    return dx, launch(_tuning.choose("bias_dropout_add_bwd", key, candidates, launch, x.device))
 
 
 @bias_dropout_add_bwd.register_fake

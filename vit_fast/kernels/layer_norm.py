@@ -55,9 +55,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _tuning
 from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._rows import as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
+from ._tuning import bucket
 from ._utils import FLOAT_DTYPES, check_kernel_device, next_power_of_2, seed_value, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
@@ -213,14 +215,18 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     rstd = torch.empty((m,), device=dev, dtype=torch.float32)
     if m == 0:
         return y, h, mean, rstd
-    block_m, block_n, warps = ln_config(n)
     tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
-    _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-        y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
-        x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
-        m, n, tokens, eps, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=has_res,
-        HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
-        HAS_DROPOUT=p > 0, num_warps=warps)
+    flags = dict(HAS_RESIDUAL=has_res, HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None,
+                 HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
+
+    def launch(cfg: tuple[int, int, int]) -> None:
+        block_m, block_n, warps = cfg
+        _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
+            x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
+            m, n, tokens, eps, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
+    key = (bucket(m), n, str(x.dtype), str(h.dtype), str(y.dtype), *flags.values())
+    launch(_tuning.choose("layer_norm_fwd", key, _tuning.row_candidates(*ln_config(n)), launch, dev))
     return y, h, mean, rstd
 
 
@@ -249,17 +255,23 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
     params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
     if m == 0:
         return dh, dx, torch.zeros((len(params), n), device=dev, dtype=param_grad_dtype(params))
-    block_m, block_n, warps = ln_config(n, backward=True)
-    g = num_partials(triton.cdiv(m, block_m), 1, dev)
-    partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
     tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
-    _layer_norm_bwd_kernel[(g,)](
-        dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
-        dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), dh.stride(0),
-        dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
-        HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0, num_warps=warps)
-    return dh, dx, sum_partials(partial, param_grad_dtype(params))
+    flags = dict(HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
+                 HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
+
+    def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
+        block_m, block_n, warps = cfg
+        g = num_partials(triton.cdiv(m, block_m), 1, dev)
+        partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
+        _layer_norm_bwd_kernel[(g,)](
+            dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
+            dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), dh.stride(0),
+            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=warps, **flags)
+        return sum_partials(partial, param_grad_dtype(params))
+    key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), *flags.values())
+    candidates = _tuning.row_candidates(*ln_config(n, backward=True), grow=False)
+    return dh, dx, launch(_tuning.choose("layer_norm_bwd", key, candidates, launch, dev))
 
 
 @add_layer_norm_bwd.register_fake

@@ -41,7 +41,7 @@ GELU inside fc2's operand loads) moved 10C s and 24C s but was issue-bound (a 35
 sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate GELU and GELU backward): 18C s and 32C s. Memory held for backward:
 x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
-main-loop ceiling (GUIDE 3b2) in the docstring of linear_act_config.
+main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _tuning
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._math import gelu_fwd_bwd
 from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
@@ -199,14 +200,15 @@ GROUP_M = 8
 
 def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None,
                       activation: str = "gelu") -> LinearActConfig:
-    """Tiles per (dtype, arch, fp32 dot precision): a small explicit table, no autotuning.
+    """Tiles per (dtype, arch, fp32 dot precision): a small explicit table, the static first candidate of
+    autotuning (kernels/_tuning.py).
 
     16-bit: the shapes of Triton's tutorial GEMM, which reads a 100% main-loop ceiling and runs near
     cuBLAS: sm_90 128x256x64, 8 warps (two warpgroups of HGMMA.64x256x16), sm_80 128x256x32 8 warps,
     grouped tile order; the fc1 epilogue runs in two column halves to fit. QuickGELU's epilogue still
     spills 32 B at 128x256 on sm_90, so it takes 128x128. The dgrad holds the accumulator and the
     act'(u) tile: sm_90 256x128x64 (HGMMA.64x128x16), sm_80 128x256x32.
-    Checked by hand (GUIDE 3b2, bf16, C = 768, H = 3072; cuobjdump --dump-sass, loop = the backward
+    Checked by hand (CONTRIBUTING.md 3b2, bf16, C = 768, H = 3072; cuobjdump --dump-sass, loop = the backward
     branch holding the MMAs; the same count gives gelu_linear's forward 730 instructions, 35%):
         sm_90 fwd gelu/tanh 128x256x64 w8: 128 instr/warp, 4 HGMMA.64x256x16: issue 256 vs MMA 1024
         sm_90 fwd quick 128x128x64 w8: 97 instr, 4 HGMMA.64x128x16: 194 vs 512
@@ -243,14 +245,25 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if m == 0:
         return h, dact
     precision = input_precision(x.dtype)
-    t = linear_act_config(x.dtype, gpu_arch(x.device), precision, activation).fwd
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    _linear_act_fwd_kernel[grid](
-        h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
-        HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation], INPUT_PRECISION=precision,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+    arch = gpu_arch(x.device)
+
+    def launch(t: GemmTile) -> None:
+        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+        _linear_act_fwd_kernel[grid](
+            h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
+            HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation],
+            INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
+
+    key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact)
+    static = linear_act_config(x.dtype, arch, precision, activation).fwd
+    launch(_tuning.choose("linear_act_fwd", key, _candidates(static), launch, x.device))
     return h, dact
+
+
+def _candidates(static: GemmTile) -> list[GemmTile]:
+    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage."""
+    return _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
 
 
 @linear_act_fwd.register_fake
@@ -272,13 +285,20 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
     if m == 0:
         return du, (torch.zeros_like(bias) if has_bias else dact.new_empty(0))
     precision = input_precision(dact.dtype)
-    t = linear_act_config(dact.dtype, gpu_arch(dact.device), precision).bwd
-    row_tiles = triton.cdiv(m, t.block_m)
-    partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
-    _linear_act_bwd_kernel[(row_tiles * triton.cdiv(k, t.block_n),)](
-        du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
-        HAS_BIAS=has_bias, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
+    arch = gpu_arch(dact.device)
+
+    def launch(t: GemmTile) -> Optional[torch.Tensor]:
+        row_tiles = triton.cdiv(m, t.block_m)
+        partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
+        _linear_act_bwd_kernel[(row_tiles * triton.cdiv(k, t.block_n),)](
+            du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
+            HAS_BIAS=has_bias, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
+        return partial
+
+    key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias)
+    static = linear_act_config(dact.dtype, arch, precision).bwd
+    partial = launch(_tuning.choose("linear_act_bwd", key, _candidates(static), launch, dact.device))
     dbias = sum_partials(partial, bias.dtype)[0] if has_bias else dact.new_empty(0)
     return du, dbias
 

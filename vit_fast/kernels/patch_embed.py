@@ -51,7 +51,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _tuning
 from ._aot import TRITON_DTYPE_NAMES, AotSpec
+from ._tuning import bucket
 from ._utils import (
     FLOAT_DTYPES,
     SM_COUNT,
@@ -403,18 +405,28 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # pos_embed go through their strides): copy strided or expanded (stride-0) views, a no-op otherwise
     bias, cls_token, reg_tokens = (t.contiguous() if t is not None else None for t in (bias, cls_token, reg_tokens))
     out = torch.empty((B, T, D), dtype=compute_dtype, device=device)
-    consts, opts, _ = _gemm_launch(patch_embed_config(gpu_arch(device), compute_dtype)["fwd"], compute_dtype, P, C)
-    rows = triton.cdiv(M, consts["BLOCK_M"]) + triton.cdiv(B * prefix, consts["BLOCK_M"])
-    grid = (rows * triton.cdiv(D, consts["BLOCK_N"]),)
-    _patch_embed_fwd_kernel[grid](
-        out, images, weight, bias if bias is not None else weight, pos_embed,
-        cls_token if cls_token is not None else weight, reg_tokens if reg_tokens is not None else weight,
-        *images.stride(), *weight.stride(), pos_embed.stride(1), pos_embed.stride(2),
-        reg_tokens.stride(1) if reg_tokens is not None else 0,
-        M, D, C, Np, Wp, T, prefix, prefix if pos_embed_covers_prefix else 0,
-        HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
-        POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
+    arch = gpu_arch(device)
+
+    def launch(cfg: dict) -> None:
+        consts, opts, _ = _gemm_launch(cfg, compute_dtype, P, C)
+        rows = triton.cdiv(M, consts["BLOCK_M"]) + triton.cdiv(B * prefix, consts["BLOCK_M"])
+        grid = (rows * triton.cdiv(D, consts["BLOCK_N"]),)
+        _patch_embed_fwd_kernel[grid](
+            out, images, weight, bias if bias is not None else weight, pos_embed,
+            cls_token if cls_token is not None else weight, reg_tokens if reg_tokens is not None else weight,
+            *images.stride(), *weight.stride(), pos_embed.stride(1), pos_embed.stride(2),
+            reg_tokens.stride(1) if reg_tokens is not None else 0,
+            M, D, C, Np, Wp, T, prefix, prefix if pos_embed_covers_prefix else 0,
+            HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
+            POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
+    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), arch, T - Np)
+    launch(_tuning.choose("patch_embed_fwd", key, _candidates(patch_embed_config(arch, compute_dtype)["fwd"]),
+                          launch, device))
     return out
+
+
+def _candidates(cfg: dict) -> list[dict]:
+    return _tuning.tile_candidates(cfg, ("BLOCK_M", "BLOCK_N"), stages="num_stages")
 
 
 @patch_embed_fwd.register_fake
@@ -453,17 +465,23 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
     dW, dbias, dpos, dcls, dreg, dimages = grads
     if B == 0:  # an empty batch contributes nothing (and would make an empty split of the patch axis)
         return [g.zero_() for g in grads]
-    cfg = patch_embed_config(gpu_arch(device), dtokens.dtype)
+    arch = gpu_arch(device)
+    cfg = patch_embed_config(arch, dtokens.dtype)
+    key = (bucket(M), D, C, P, str(images.dtype), str(dtokens.dtype), arch, prefix, bias is not None)
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
     if needs_proj_grads:
-        consts, opts, k_tiles = _gemm_launch(cfg["dweight"], dtokens.dtype, P, C)
-        splits, per_split = _dweight_split(M, D, k_tiles, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
-        partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
-        grid = (triton.cdiv(D, consts["BLOCK_N"]) * k_tiles, splits)
-        _patch_embed_dweight_kernel[grid](
-            partials, dtokens, images, *dtokens.stride(), *images.stride(),
-            M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
+        def launch_dweight(tile: dict) -> tuple[int, torch.Tensor]:
+            consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
+            splits, per_split = _dweight_split(M, D, k_tiles, dict(tile, num_sms=cfg["num_sms"]))
+            partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
+            grid = (triton.cdiv(D, consts["BLOCK_N"]) * k_tiles, splits)
+            _patch_embed_dweight_kernel[grid](
+                partials, dtokens, images, *dtokens.stride(), *images.stride(),
+                M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
+            return splits, partials
+        splits, partials = launch_dweight(_tuning.choose("patch_embed_dweight", key, _candidates(cfg["dweight"]),
+                                                         launch_dweight, device))
 
     red = cfg["reduce"]
     reduce_programs = triton.cdiv(D * K + D, red["BLOCK"]) if needs_proj_grads else 0
@@ -477,11 +495,14 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
         num_warps=red["num_warps"], num_stages=red["num_stages"])
 
     if needs_dimages:
-        consts, opts, k_tiles = _gemm_launch(cfg["dimages"], dtokens.dtype, P, C)
-        grid = (triton.cdiv(M, consts["BLOCK_M"]) * k_tiles,)
-        _patch_embed_dimages_kernel[grid](
-            dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
-            M, D, C, Np, Wp, prefix, **consts, **opts)
+        def launch_dimages(tile: dict) -> None:
+            consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
+            grid = (triton.cdiv(M, consts["BLOCK_M"]) * k_tiles,)
+            _patch_embed_dimages_kernel[grid](
+                dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
+                M, D, C, Np, Wp, prefix, **consts, **opts)
+        launch_dimages(_tuning.choose("patch_embed_dimages", key, _candidates(cfg["dimages"]), launch_dimages,
+                                      device))
     return grads
 
 

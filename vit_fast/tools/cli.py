@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "bench": "vit_fast.tools.bench:main",
     "check": "vit_fast.tools.check:main",
     "train": "vit_fast.training.train:cli_main",
+    "tune": "vit_fast.tools.tune:main",
 }
 
 

@@ -1,0 +1,461 @@
+"""Autotuning runtime (vit_fast/kernels/_tuning.py) and the per-fusion choice (vit_fast/tuning.py), on CPU.
+
+Nothing is timed for real: an injected timer returns chosen times per label (and counts its calls), and
+the tests allow timing on 'cpu' where they need the selection logic to run. The cache lives in tmp_path.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing
+import warnings
+
+import pytest
+import torch
+
+import vit_fast
+from vit_fast import tuning
+from vit_fast.kernels import _tuning
+
+from .numerics import assert_close, bound
+
+CPU = torch.device("cpu")
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+CANDIDATES = [("static", 64), ("wide", 128), ("narrow", 32)]
+
+
+class FakeTimer:
+    """Times by label: ``times[name]`` milliseconds where ``name`` is in the label (else 1.0); counts calls."""
+
+    def __init__(self, **times: float):
+        self.times, self.labels = times, []
+
+    def __call__(self, fn, label: str) -> float:
+        self.labels.append(label)
+        return next((t for name, t in self.times.items() if name in label), 1.0)
+
+
+class NoTimer:
+    def __call__(self, fn, label):
+        raise AssertionError(f"nothing should be timed here, got {label}")
+
+
+def launches():
+    calls = []
+
+    def launch(cfg):
+        calls.append(cfg)
+    return launch, calls
+
+
+@pytest.fixture
+def cpu_tuning(tmp_path, monkeypatch):
+    """Timing allowed on CPU with a fresh state and the cache in tmp_path; the switch follows a clean env."""
+    monkeypatch.delenv(_tuning.ENV_SWITCH, raising=False)
+    _tuning._warned.clear()
+
+    def session(timer, **kw):
+        return _tuning.overridden(**{"timer": timer, "device_types": ("cpu", "cuda"), "cache_dir": tmp_path, **kw})
+    return session
+
+
+# ------------------------------------------------------------------------------------------ selection
+def test_the_fastest_candidate_is_chosen_logged_and_cached(cpu_tuning, tmp_path):
+    timer = FakeTimer(static=3.0, wide=2.0, narrow=1.5)
+    launch, _ = launches()
+    with cpu_tuning(timer):
+        got = _tuning.choose("op_a", (256, 768, "bf16", 90), CANDIDATES, launch, CPU, module=__name__)
+        again = _tuning.choose("op_a", (256, 768, "bf16", 90), CANDIDATES, launch, CPU, module=__name__)
+        records = _tuning.records()
+    assert got == again == ("narrow", 32)
+    assert len(timer.labels) == 3  # each candidate once; the second call is an in-process hit
+    assert [r.choice for r in records] == [2] and records[0].speedup == pytest.approx(2.0)
+    (path,) = tmp_path.glob("autotune-*.json")
+    entry = json.loads(path.read_text())["entries"]["op_a|(256, 768, 'bf16', 90)"]
+    assert entry["choice"] == repr(("narrow", 32)) and entry["times_ms"] == [3.0, 2.0, 1.5]
+
+
+def test_ties_keep_the_static_first_candidate(cpu_tuning):
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer()):
+        assert _tuning.choose("op_tie", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[0]
+
+
+def test_a_candidate_that_cannot_run_here_is_skipped_and_other_errors_propagate(cpu_tuning):
+    from triton.runtime.errors import OutOfResources
+
+    class Failing(FakeTimer):
+        def __call__(self, fn, label):
+            super().__call__(fn, label)
+            if "narrow" in label:
+                raise OutOfResources(300000, 232448, "shared memory")
+            if "wide" in label and self.bug:
+                raise ZeroDivisionError("a bug in a launcher")
+            return 2.0 if "static" in label else 1.0
+
+    launch, _ = launches()
+    timer = Failing()
+    timer.bug = False
+    with cpu_tuning(timer):
+        assert _tuning.choose("op_oor", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]
+        assert _tuning.records()[0].times_ms[2] == float("inf")
+    timer.bug = True
+    with cpu_tuning(timer), pytest.raises(ZeroDivisionError):
+        _tuning.choose("op_oor", 2, CANDIDATES, launch, CPU, module=__name__)
+
+
+def test_cache_hit_in_a_new_process_state_and_miss_for_another_key(cpu_tuning):
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(wide=0.5)):
+        assert _tuning.choose("op_b", "k1", CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]
+    with cpu_tuning(NoTimer()):  # fresh in-process state: the answer comes from the file
+        assert _tuning.choose("op_b", "k1", CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]
+        assert _tuning.records() == []
+    timer = FakeTimer(narrow=0.5)
+    with cpu_tuning(timer):  # another shape bucket: a miss, timed
+        assert _tuning.choose("op_b", "k2", CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[2]
+    assert len(timer.labels) == 3
+
+
+def test_a_cached_choice_no_longer_among_the_candidates_is_a_miss(cpu_tuning):
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(wide=0.5)):
+        _tuning.choose("op_c", 1, CANDIDATES, launch, CPU, module=__name__)
+    timer = FakeTimer(other=0.1)
+    with cpu_tuning(timer):
+        assert _tuning.choose("op_c", 1, [CANDIDATES[0], ("other", 1)], launch, CPU, module=__name__) == ("other", 1)
+    assert len(timer.labels) == 2
+
+
+def test_a_source_change_invalidates_the_entry(cpu_tuning, monkeypatch):
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(wide=0.5)):
+        _tuning.choose("op_d", 1, CANDIDATES, launch, CPU, module=__name__)
+    monkeypatch.setattr(_tuning, "source_hash", lambda module: "edited-kernel-source")
+    timer = FakeTimer(narrow=0.5)
+    with cpu_tuning(timer):
+        assert _tuning.choose("op_d", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[2]
+    assert len(timer.labels) == 3
+
+
+@pytest.mark.parametrize("field", ["torch", "triton", "vit_fast", "driver", "gpu"])
+def test_a_version_or_gpu_change_invalidates_the_cache(cpu_tuning, monkeypatch, field):
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(wide=0.5)):
+        _tuning.choose("op_e", 1, CANDIDATES, launch, CPU, module=__name__)
+    real = _tuning.environment
+    monkeypatch.setattr(_tuning, "environment", lambda device=None: {**real(device), field: "another"})
+    timer = FakeTimer(narrow=0.5)
+    with cpu_tuning(timer):
+        assert _tuning.choose("op_e", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[2]
+    assert len(timer.labels) == 3
+
+
+def test_a_stale_file_of_another_environment_is_ignored_with_one_warning(cpu_tuning, tmp_path):
+    cache = _tuning.TuningCache(_tuning.environment(CPU), tmp_path)
+    cache.path.write_text(json.dumps({"format": 1, "env": {"torch": "0.0"}, "entries": {}}))
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(wide=0.5)), pytest.warns(RuntimeWarning, match="another environment") as caught:
+        assert _tuning.choose("op_f", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]
+        assert _tuning.choose("op_f", 2, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]
+    assert len([w for w in caught if "vit_fast autotune cache" in str(w.message)]) == 1
+    assert json.loads(cache.path.read_text())["env"] == cache.env  # rewritten for this environment
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "env": {}, "entries": [1, 2]}', "[]", ""])
+def test_a_corrupt_file_warns_once_never_crashes_and_is_rewritten(cpu_tuning, tmp_path, content):
+    cache = _tuning.TuningCache(_tuning.environment(CPU), tmp_path)
+    cache.path.write_text(content)
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(narrow=0.5)), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for key in range(3):
+            assert _tuning.choose("op_g", key, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[2]
+    assert len([w for w in caught if "vit_fast autotune cache" in str(w.message)]) == 1
+    assert len(json.loads(cache.path.read_text())["entries"]) == 3
+
+
+def _write_entries(folder: str, env: dict, worker: int, count: int) -> None:
+    cache = _tuning.TuningCache(env, folder)
+    for i in range(count):
+        cache.put({f"op|w{worker}-{i}": {"source": "s", "choice": "c", "times_ms": [float(i)]}})
+
+
+def test_concurrent_writers_from_several_processes_lose_nothing(tmp_path):
+    env = _tuning.environment(CPU)
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_write_entries, args=(str(tmp_path), env, w, 15)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    entries = _tuning.TuningCache(env, tmp_path).entries()
+    assert sorted(entries) == sorted(f"op|w{w}-{i}" for w in range(4) for i in range(15))
+    assert not list(tmp_path.glob("*.tmp"))  # every temporary file was renamed or removed
+
+
+# --------------------------------------------------------------------------------- when nothing is timed
+def test_cpu_and_the_interpreter_time_nothing_and_take_the_first_candidate(tmp_path):
+    launch, calls = launches()
+    with _tuning.overridden(timer=NoTimer(), cache_dir=tmp_path):  # default: timing on CUDA only
+        assert _tuning.choose("op_h", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[0]
+    assert calls == [] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("how", ["env", "switch"])
+def test_the_switch_keeps_the_static_table_even_with_a_cached_choice(cpu_tuning, monkeypatch, how):
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(wide=0.5)):
+        _tuning.choose("op_i", 1, CANDIDATES, launch, CPU, module=__name__)
+    if how == "env":
+        monkeypatch.setenv(_tuning.ENV_SWITCH, "0")
+    with cpu_tuning(NoTimer(), **({"enabled": False} if how == "switch" else {})):
+        assert _tuning.choose("op_i", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[0]
+
+
+def test_nothing_is_timed_while_compiling_or_capturing_but_the_cache_is_used(cpu_tuning, monkeypatch):
+    launch, _ = launches()
+    with cpu_tuning(FakeTimer(wide=0.5)):
+        _tuning.choose("op_j", 1, CANDIDATES, launch, CPU, module=__name__)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with cpu_tuning(NoTimer()):
+        assert _tuning.choose("op_j", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]  # cached
+        assert _tuning.choose("op_j", 2, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[0]  # static
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setattr(_tuning, "interpreter_active", lambda: False)  # as on a GPU machine
+    with cpu_tuning(NoTimer()):
+        assert _tuning.can_time(torch.device("cuda"))
+        monkeypatch.setattr(_tuning, "_capturing", lambda: True)
+        assert not _tuning.can_time(torch.device("cuda"))
+
+
+def test_under_distributed_nothing_is_timed_lazily_only_broadcast_choices_apply(cpu_tuning, monkeypatch):
+    launch, _ = launches()
+    monkeypatch.setattr(_tuning, "distributed_world", lambda: 2)
+    with cpu_tuning(NoTimer()):
+        assert _tuning.choose("op_k", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[0]
+        _tuning.install_decisions({_tuning.entry_key("op_k", 1): repr(CANDIDATES[2])})  # rank 0's choice
+        assert _tuning.choose("op_k", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[2]
+
+
+def test_the_source_hash_covers_inlined_helper_modules():
+    import vit_fast.kernels.layer_norm  # noqa: F401
+
+    modules = _tuning._kernel_modules("vit_fast.kernels.layer_norm")
+    assert "vit_fast.kernels.layer_norm" in modules and "vit_fast.kernels._utils" in modules
+    assert len(_tuning.source_hash("vit_fast.kernels.layer_norm")) == 16
+
+
+# ------------------------------------------------------------------------------------ per-fusion choice
+def tiny_model(**overrides):
+    torch.manual_seed(0)
+    model = vit_fast.create_model("vit_tiny_patch16_224", **{**TINY, **overrides}, backend="auto")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or name in ("cls_token", "reg_token"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_tune_model_applies_the_faster_path_per_fusion_prints_the_table_and_caches_it(cpu_tuning):
+    model = tiny_model()
+    timer = FakeTimer(**{"attention:eager": 0.5, "mlp:eager": 0.7, "attention:fused": 1.0, "mlp:fused": 1.4,
+                         "join:fused": 0.2, "patch_embed:fused": 0.3})
+    with cpu_tuning(timer):
+        result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+    assert result.timed and result.choices == {"patch_embed": "fused", "attention": "eager", "mlp": "eager",
+                                               "join": "fused"}
+    assert all(not b.attn.use_fused and not b.mlp.use_fused and b.use_fused_join for b in model.blocks)
+    assert model.patch_embed.use_fused
+    assert len([label for label in timer.labels if label.startswith("fusion:")]) == 8
+    rows = {r.op: r for r in result.fusions}
+    assert rows["attention"].speedup == pytest.approx(2.0) and rows["join"].speedup == pytest.approx(5.0)
+    table = tuning.format_table(result)
+    for text in ("fusion attention", "1.000 / 0.500", "eager", "2.00x", "fusion join", "5.00x"):
+        assert text in table, (text, table)
+
+    fresh = tiny_model()  # optimize(tune=True) applies the cached table: nothing is timed again
+    with cpu_tuning(NoTimer()):
+        assert vit_fast.optimize(fresh, tune=True) is fresh
+    assert tuning.fusion_choices(fresh) == result.choices
+    with cpu_tuning(NoTimer()):  # tune=False: the static tables and every fusion
+        vit_fast.optimize(fresh, tune=False)
+        assert not _tuning.autotune_enabled()
+    _tuning.set_autotune(None)
+    assert tuning.fusion_choices(fresh) == dict.fromkeys(tuning.FUSIONS, "fused")
+
+
+def test_without_timing_every_fusion_stays_fused(tmp_path):
+    model = tiny_model()
+    with _tuning.overridden(timer=NoTimer(), cache_dir=tmp_path):
+        result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+    assert not result.timed and result.choices == dict.fromkeys(tuning.FUSIONS, "fused")
+    assert "nothing timed" in tuning.format_table(result)
+
+
+def test_set_fusion_choices_rejects_unknown_names_and_values():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="unknown fusion 'softmax'"):
+        tuning.set_fusion_choices(model, {"softmax": "eager"})
+    with pytest.raises(ValueError, match="expected 'fused' or 'eager'"):
+        tuning.set_fusion_choices(model, {"mlp": "fast"})
+
+
+FUSED_KERNELS = {  # fusion -> the kernel entry points its fused path calls (module, name)
+    "patch_embed": [("vit_fast.model", "patch_embed_kernel")],
+    "attention": [("vit_fast.kernels.attention", "attention_linear"), ("vit_fast.kernels.attention", "attention")],
+    "mlp": [("vit_fast.layers", "linear_act"), ("vit_fast.layers", "bias_gelu")],
+    "join": [("vit_fast.layers", "add_layer_norm"), ("vit_fast.layers", "bias_dropout_add")],
+}
+
+
+@pytest.mark.parametrize("eager,dtype", [(("patch_embed",), torch.float32), (("attention",), torch.float32),
+                                         (("mlp",), torch.float32), (("join",), torch.float32),
+                                         (tuple(tuning.FUSIONS), torch.float32),
+                                         (tuple(tuning.FUSIONS), torch.bfloat16)])
+def test_forcing_each_fusion_choice_keeps_logits_and_gradients_within_bounds(eager, dtype, monkeypatch):
+    """Each fusion forced to its eager path (the others fused; and all eager, also under bf16 autocast),
+    kernels in the interpreter: logits and every parameter gradient against the float64 reference within
+    `vit-fast check`'s bound; the forced fusion's kernels are never called."""
+    import importlib
+
+    model = tiny_model(init_values=0.1)
+    ref = copy.deepcopy(model).set_backend("torch").double()
+    tuning.set_fusion_choices(model, dict.fromkeys(eager, "eager"))
+    for op in eager:
+        for module, name in FUSED_KERNELS[op]:
+            def refuse(*args, _name=name, **kwargs):
+                raise AssertionError(f"{_name} called with the eager path chosen")
+            monkeypatch.setattr(importlib.import_module(module), name, refuse)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        out = model(x)
+    out_ref = ref(x.double())
+    rtol = bound(dtype, "dot")
+    assert_close(out, out_ref, rtol, "logits")
+    out.square().mean().backward()
+    out_ref.square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, rtol, name)
+
+
+def _ddp_worker(rank: int, store: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = tiny_model()
+        timer = FakeTimer(**{"attention:eager": 0.5, "narrow": 0.1}) if rank == 0 else NoTimer()
+        with _tuning.overridden(timer=timer, device_types=("cpu",), cache_dir=f"{out_dir}/cache{rank}"):
+            result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+            chosen = _tuning.decisions()
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump({"choices": result.choices, "flags": tuning.fusion_choices(model), "decisions": chosen}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_ddp_rank0_measures_and_every_rank_ends_with_its_choices(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ddp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["flags"]["attention"] == "eager" and ranks[0]["choices"]["mlp"] == "fused"
+    assert not (tmp_path / "cache1").exists()  # rank 1 measured nothing and wrote nothing
+
+
+def test_the_tune_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    from vit_fast.tools import cli
+
+    out = tmp_path / "tune.json"
+    assert cli.main(["tune", "--model", "vit_tiny_patch16_224", "--batch", "2", "--dtype", "bf16",
+                     "--cache-dir", str(tmp_path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "vit_tiny_patch16_224, batch 2, bf16" in text and "fusion attention" in text
+    data = json.loads(out.read_text())
+    assert [r["op"] for r in data["fusions"]] == list(tuning.FUSIONS) and data["timed"] is False
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--batch", "0"])
+
+
+class LastWinsTimer:
+    """Runs every candidate twice (as do_bench would) and reports each later call as faster, so the last
+    candidate of every list wins: the launchers then run non-static configs."""
+
+    def __init__(self):
+        self.labels = []
+
+    def __call__(self, fn, label):
+        fn()
+        fn()
+        self.labels.append(label)
+        return 1000.0 - len(self.labels)
+
+
+def test_every_launcher_tunes_and_its_tuned_configs_keep_the_model_within_bounds(cpu_tuning):
+    """Kernels in the interpreter with timing allowed on CPU: every wired launcher times its candidates
+    (running each twice, so a launch that is not idempotent would corrupt the result), the last candidate
+    wins, and logits and every gradient still match the float64 reference."""
+    model = tiny_model(init_values=0.1)
+    ref = copy.deepcopy(model).set_backend("torch").double()
+    x = torch.randn(2, 3, 32, 32)
+    timer = LastWinsTimer()
+    with cpu_tuning(timer):
+        out = model(x)
+        out.square().mean().backward()
+        records = _tuning.records()
+    ops = {r.op for r in records}
+    assert {"patch_embed_fwd", "patch_embed_dweight", "attention_fwd", "attention_bwd", "linear_act_fwd",
+            "linear_act_bwd", "layer_norm_fwd", "layer_norm_bwd"} <= ops, ops
+    assert all(r.choice == len(r.candidates) - 1 for r in records)
+    out_ref = ref(x.double())
+    out_ref.square().mean().backward()
+    rtol = bound(torch.float32, "dot")
+    assert_close(out, out_ref, rtol, "logits")
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, rtol, name)
+
+
+def test_the_bias_gelu_and_bias_dropout_add_launchers_tune_too(cpu_tuning):
+    from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_dropout_add_ref, bias_gelu, bias_gelu_ref
+
+    x, bias, res, gamma = (torch.randn(s, dtype=torch.float64).float().requires_grad_() for s in
+                           ((3, 50, 192), (192,), (3, 50, 192), (192,)))
+    with cpu_tuning(LastWinsTimer()):
+        outs = [bias_gelu(x, bias), bias_dropout_add(x, bias, res, 0.0, True, gamma=gamma)]
+        for out in outs:
+            out.backward(torch.ones_like(out))
+        grads = [t.grad.clone() for t in (x, bias, res, gamma)]
+        assert {"bias_gelu_fwd", "bias_gelu_bwd", "bias_dropout_add_fwd", "bias_dropout_add_bwd"} <= {
+            r.op for r in _tuning.records()}
+    x64, bias64, res64, gamma64 = (t.detach().double().requires_grad_() for t in (x, bias, res, gamma))
+    refs = [bias_gelu_ref(x64, bias64), bias_dropout_add_ref(x64, bias64, res64, 0.0, True, gamma=gamma64)]
+    for ref in refs:
+        ref.backward(torch.ones_like(ref))
+    for out, ref in zip(outs, refs):
+        assert_close(out, ref, bound(torch.float32), "output")
+    for got, t in zip(grads, (x64, bias64, res64, gamma64)):
+        assert_close(got, t.grad, bound(torch.float32, "dot"), "grad")
+
+
+def test_the_campaign_stage_fills_its_rows(tmp_path):
+    from types import SimpleNamespace
+
+    from vit_fast.tools.tune import campaign_stage
+
+    c = SimpleNamespace(dry_run=True, results={}, progress=lambda message: None)
+    with _tuning.overridden(cache_dir=tmp_path):
+        status = campaign_stage(c)
+    assert status["timed"] is False and set(status["fusions"]) == set(tuning.FUSIONS)
+    assert [r["op"] for r in c.results["tune"]] == list(tuning.FUSIONS) and "fusion mlp" in status["table"]
+
+
+def test_tune_model_handles_frozen_parts_and_models_without_class_token(cpu_tuning):
+    model = tiny_model(class_token=False, global_pool="avg", pos_embed="none")
+    model.patch_embed.requires_grad_(False)
+    with cpu_tuning(FakeTimer(**{"patch_embed:eager": 0.1})):
+        result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+    assert result.choices["patch_embed"] == "eager" and not model.patch_embed.use_fused

@@ -23,6 +23,7 @@ setup(
             "pytest>=9.0",
             "pytest-benchmark",
             "pytest-xdist",
+            "ruff",  # .ci/run lints before the tests (pyproject.toml)
             "hypothesis",
             "timm",
             "transformers",

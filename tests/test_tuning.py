@@ -446,11 +446,12 @@ def test_the_campaign_stage_fills_its_rows(tmp_path):
 
     from vit_fast.tools.tune import campaign_stage
 
-    c = SimpleNamespace(dry_run=True, results={}, progress=lambda message: None)
+    c = SimpleNamespace(dry_run=True, results={}, progress=lambda message: None, tagged=lambda row: dict(row, gpu="-"))
     with _tuning.overridden(cache_dir=tmp_path):
         status = campaign_stage(c)
-    assert status["timed"] is False and set(status["fusions"]) == set(tuning.FUSIONS)
-    assert [r["op"] for r in c.results["tune"]] == list(tuning.FUSIONS) and "fusion mlp" in status["table"]
+    assert status["status"] == "ok" and status["timed"] is False and set(status["fusions"]) == set(tuning.FUSIONS)
+    assert [r["op"] for r in c.results["tune"]] == list(tuning.FUSIONS) and status["table_rows"] == len(tuning.FUSIONS)
+    assert all(r["gpu"] == "-" for r in c.results["tune"])  # rows tagged like every campaign CSV
 
 
 def test_tune_model_handles_frozen_parts_and_models_without_class_token(cpu_tuning):

@@ -48,13 +48,8 @@ def resolve_backend(requested: str, tensor: torch.Tensor) -> str:
 IMAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_model_input(x, weight: torch.Tensor, in_chans: int) -> None:
-    """The one check at a model's entry, before either backend looks at ``x`` (so both raise the same error).
-
-    ``weight``: the patch projection's weight (its dtype and device are the model's). Raises ValueError naming
-    what was expected for: a non-tensor, a tensor that is not 4-D or not floating point, a tensor on another
-    device type than the model, and -- outside autocast -- a dtype other than the model's (timm does not cast
-    either; under autocast any of float32/float16/bfloat16 is accepted, autocast casts it). Batch 0 is valid."""
+def check_image_batch(x, in_chans: int) -> None:
+    """A floating-point 4-D tensor (B, C, H, W): the shape checks every image entry point shares."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor image batch (B, {in_chans}, H, W), got {type(x).__name__}")
     if x.dim() != 4:
@@ -62,6 +57,16 @@ def check_model_input(x, weight: torch.Tensor, in_chans: int) -> None:
                          f"got a {x.dim()}-D tensor of shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"expected a floating-point image batch (float32/float16/bfloat16), got {x.dtype}")
+
+
+def check_model_input(x, weight: torch.Tensor, in_chans: int) -> None:
+    """The one check at a model's entry, before either backend looks at ``x`` (so both raise the same error).
+
+    ``weight``: the patch projection's weight (its dtype and device are the model's). Raises ValueError naming
+    what was expected for: a non-tensor, a tensor that is not 4-D or not floating point, a tensor on another
+    device type than the model, and -- outside autocast -- a dtype other than the model's (timm does not cast
+    either; under autocast any of float32/float16/bfloat16 is accepted, autocast casts it). Batch 0 is valid."""
+    check_image_batch(x, in_chans)
     if x.device.type != weight.device.type and weight.device.type != "meta":
         raise ValueError(f"expected the image batch on the model's device ({weight.device}), got a tensor on "
                          f"{x.device}; move one of them with .to()")

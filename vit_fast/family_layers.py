@@ -14,7 +14,6 @@ head and DINOv2-giant's SwiGLU MLP. Module and parameter names are timm's (``att
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from .backend import check_backend, resolve_backend
 from .kernels.swiglu import swiglu, swiglu_packed
-from .layers import LayerNorm, Mlp, QuickGELU, has_hooks, quick_gelu  # noqa: F401  (re-exported)
+from .layers import LayerNorm, Mlp, MlpJoin, QuickGELU, has_hooks, quick_gelu  # noqa: F401  (re-exported)
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -33,7 +32,7 @@ def quick_gelu_grad(x: torch.Tensor) -> torch.Tensor:
     return s + QUICK_GELU_ALPHA * x * s * (1 - s)
 
 
-class SwiGLUPackedMlp(nn.Module):
+class SwiGLUPackedMlp(MlpJoin):
     """fc1 (2F outputs: [gate | value]) -> SiLU(gate) * value -> drop1 -> norm -> fc2 -> drop2 (timm GluMlp
     names). ``hidden_features`` is fc1's width 2F, as timm's argument."""
 
@@ -67,18 +66,9 @@ class SwiGLUPackedMlp(nn.Module):
         """fc2's output without its bias (the fused residual join adds it, then drop2)."""
         return F.linear(self.hidden(x), self.fc2.weight)
 
-    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
-        """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
-        return self.fc2.bias, self.drop2.p
-
-    def draws_row_dropout_masks(self) -> bool:
-        return self.training and (self.drop1.p > 0 or self.drop2.p > 0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.hidden(x)))
 
 
-class SwiGLUMlp(nn.Module):
+class SwiGLUMlp(MlpJoin):
     """fc1_g (gate) and fc1_x (value) -> SiLU(gate) * value -> drop1 -> norm -> fc2 -> drop2 (timm SwiGLU
     names); ``hidden_features`` is the gated width F."""
 
@@ -102,11 +92,6 @@ class SwiGLUMlp(nn.Module):
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.hidden(x), self.fc2.weight)
 
-    join_terms = SwiGLUPackedMlp.join_terms
-    draws_row_dropout_masks = SwiGLUPackedMlp.draws_row_dropout_masks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.hidden(x)))
 
 
 class AttentionPoolLatent(nn.Module):

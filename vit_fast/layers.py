@@ -38,13 +38,12 @@ import torch.nn.functional as F
 import vit_fast.kernels.attention as attention_kernels
 from vit_fast.kernels._utils import compute_dtype_for
 from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_gelu
-from vit_fast.kernels.linear_act import linear_act
-from vit_fast.kernels.layer_norm import add_layer_norm
+from vit_fast.kernels.layer_norm import add_layer_norm, layer_norm_and_input
 from vit_fast.kernels.layer_norm import layer_norm as layer_norm_kernel
-from vit_fast.kernels.layer_norm import layer_norm_and_input
+from vit_fast.kernels.linear_act import linear_act
 from vit_fast.kernels.patch_embed import patch_embed as patch_embed_kernel
 
-from .backend import BACKENDS, check_backend, resolve_backend  # noqa: F401  (re-exported)
+from .backend import BACKENDS, check_backend, check_image_batch, resolve_backend  # noqa: F401  (re-exported)
 
 
 def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -141,13 +140,7 @@ class PatchEmbed(nn.Module):
     def check_input(self, x: torch.Tensor, any_size: bool = False) -> tuple[int, int]:
         """Validate an image batch; returns its patch grid (H/p, W/p). ``any_size``: any size divisible
         by the patch is accepted even with strict_img_size (the caller brings its own position embedding)."""
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"expected a torch.Tensor image batch, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"expected a 4-D image batch (B, C, H, W) with C={self.in_chans}, "
-                             f"got a {x.dim()}-D tensor of shape {tuple(x.shape)}")
-        if not x.is_floating_point():
-            raise ValueError(f"expected a floating-point image batch (float32/float16/bfloat16), got {x.dtype}")
+        check_image_batch(x, self.in_chans)
         B, C, H, W = x.shape
         if C != self.in_chans:
             raise ValueError(f"expected {self.in_chans} input channels (in_chans), got {C} (shape {tuple(x.shape)})")
@@ -255,7 +248,23 @@ class QuickGELU(nn.Module):
         return quick_gelu(x)
 
 
-class Mlp(nn.Module):
+class MlpJoin(nn.Module):
+    """What every MLP kind (Mlp, the SwiGLU MLPs) gives the block's fused residual join, around its own
+    ``hidden`` (fc1 -> activation -> drop1 -> norm) and ``branch`` (fc2 without its bias)."""
+
+    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
+        """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
+        return self.fc2.bias, self.drop2.p
+
+    def draws_row_dropout_masks(self) -> bool:
+        """A forward in this mode draws per-token dropout masks (drop1 or drop2)."""
+        return self.training and (self.drop1.p > 0 or self.drop2.p > 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.hidden(x)))
+
+
+class Mlp(MlpJoin):
     """fc1 -> GELU (exact / tanh) or QuickGELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp.
     On the fused path all three activations run in ``linear_act``'s epilogues; only with drop1 active or an
     MLP norm is the hidden activation materialised (QuickGELU then in torch ops)."""
@@ -298,16 +307,6 @@ class Mlp(nn.Module):
                               self.act_name)
         return F.linear(self.hidden(x), self.fc2.weight)
 
-    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
-        """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
-        return self.fc2.bias, self.drop2.p
-
-    def draws_row_dropout_masks(self) -> bool:
-        """A forward in this mode draws per-token dropout masks (drop1 or drop2)."""
-        return self.training and (self.drop1.p > 0 or self.drop2.p > 0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.hidden(x)))
 
 
 class LayerScale(nn.Module):

@@ -85,6 +85,28 @@ def _tile_of(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _main_loop(A, B, a_rows, b_cols, stride_am, stride_bk, stride_bn, K, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc = A[a_rows, :K] @ B[:K, b_cols] in fp32, A with contiguous columns, B addressed by (stride_bk,
+    stride_bn); EVEN_K: K % BLOCK_K == 0, no mask."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = B + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _linear_act_fwd_kernel(
     H, DACT,  # (M, N) act(u) and act'(u), u = x w^T + b, x's dtype (DACT unused without STORE_DACT)
     X, W, BIAS,  # (M, K) input; (N, K) weight, x's dtype; (N,) bias or None
@@ -102,20 +124,9 @@ def _linear_act_fwd_kernel(
     # the main loop reads wrapped rows / columns (never stored) instead of masking them
     a_rows = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M).to(tl.int64)
     b_cols = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + a_rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + b_cols[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) tile of W^T
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    # B = W^T: (BLOCK_K, BLOCK_N) tiles of W, the reduction along W's contiguous columns
+    acc = _main_loop(X, W, a_rows, b_cols, stride_xm, 1, stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                     INPUT_PRECISION)
     # epilogue, once per element: in two column halves (fewer live registers: 128 x 256 fits without spills)
     halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
     half_cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
@@ -154,20 +165,9 @@ def _linear_act_bwd_kernel(
     cols = tile_k * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of u (the hidden dimension)
     a_rows = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M).to(tl.int64)
     b_cols = tl.max_contiguous(tl.multiple_of(cols % K, BLOCK_N), BLOCK_N)
-    offs_n = tl.arange(0, BLOCK_K)  # reduction over the N outputs of fc2
-    dy_ptrs = DY + a_rows[:, None] * stride_dym + offs_n[None, :]
-    w_ptrs = W + offs_n[:, None] * stride_wn + b_cols[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_K):
-        if EVEN_N:
-            dy = tl.load(dy_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            dy = tl.load(dy_ptrs, mask=offs_n[None, :] < N - n0, other=0.0)
-            w = tl.load(w_ptrs, mask=offs_n[:, None] < N - n0, other=0.0)
-        acc = tl.dot(dy, w, acc, input_precision=INPUT_PRECISION)
-        dy_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wn
+    # reduction over the N outputs of fc2: B = W, (BLOCK_K, BLOCK_N) tiles along its rows
+    acc = _main_loop(DY, W, a_rows, b_cols, stride_dym, stride_wn, 1, N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N,
+                     INPUT_PRECISION)
     # epilogue: one multiply by act'(u) per element
     col_ok = cols < K
     mask = (rows[:, None] < M) & col_ok[None, :]

@@ -30,6 +30,17 @@ from ._utils import check_float, check_kernel_device, next_power_of_2
 
 
 @triton.jit
+def _gate_and_value(A, B, stride_am, stride_bm, M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """This program's (BLOCK_M, BLOCK_F) tile: rows, columns, mask, and gate and value in fp32."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    a = tl.load(A + rows[:, None] * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + rows[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return rows, cols, mask, a, b
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     Y,  # (M, F) output, contiguous rows of F
     A, B,  # (M, F) gate and value, unit column stride
@@ -37,11 +48,7 @@ def _swiglu_fwd_kernel(
     M, F,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows[:, None] < M) & (cols[None, :] < F)
-    a = tl.load(A + rows[:, None] * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + rows[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, a, b = _gate_and_value(A, B, stride_am, stride_bm, M, F, BLOCK_M, BLOCK_F)
     s = 1.0 / (1.0 + tl.exp(-a))
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], (a * s * b).to(Y.dtype.element_ty), mask=mask)
 
@@ -54,11 +61,7 @@ def _swiglu_bwd_kernel(
     M, F,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows[:, None] < M) & (cols[None, :] < F)
-    a = tl.load(A + rows[:, None] * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + rows[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, a, b = _gate_and_value(A, B, stride_am, stride_bm, M, F, BLOCK_M, BLOCK_F)
     dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-a))
     silu = a * s

@@ -91,8 +91,8 @@ def campaign_stage(c) -> dict:
     rows += [{"kind": "kernel", "op": k["key"], "candidates": "|".join(k["candidates"]),
               "times_ms": "|".join(f"{t:.4f}" for t in k["times_ms"]), "choice": k["candidates"][k["choice"]]}
              for k in report["kernels"]]
-    c.results["tune"] = rows
+    c.results["tune"] = [c.tagged(r) for r in rows]
     print(report["text"], flush=True)
-    return {"model": model, "batch": batch, "timed": report["timed"],
+    return {"status": "ok", "model": model, "batch": batch, "timed": report["timed"],
             "fusions": {r["op"]: r["choice"] for r in report["fusions"]}, "kernel_choices": len(report["kernels"]),
-            "table": report["text"]}
+            "table_rows": len(rows)}  # the table itself is printed and in tune.csv

@@ -57,7 +57,7 @@ def make_inputs(batch, img, patch, width, in_chans, pure_bf16):
 def min_bytes(batch, img, patch, width, in_chans, image_bytes, param_bytes, backward):
     """Each input read once, each output written once (what the fused kernel aims at); the backward
     reads dtokens and the images and writes the parameter gradients."""
-    Np, T = (img // patch) ** 2, (img // patch) ** 2 + 1
+    T = (img // patch) ** 2 + 1
     images = batch * in_chans * img * img * image_bytes
     params = (width * in_chans * patch * patch + width + T * width + width) * param_bytes
     tokens = batch * T * width * 2

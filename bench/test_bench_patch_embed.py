@@ -8,7 +8,8 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="GPU-only micro-benchmark: the patch-embedding kernels need a CUDA device to time")
+                                reason="GPU-only micro-benchmark: "
+                                       "the patch-embedding kernels need a CUDA device to time")
 
 SHAPES = [(256, 224, 16, 768), (64, 224, 14, 1280), (128, 384, 16, 768)]  # ViT-B/16, ViT-H/14, ViT-B/16@384
 

@@ -10,8 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import (DEVICE, DTYPES, assert_close, bound, check_compiled_dropout, check_matches_reference,
-                            kernel_keep_mask, randn, strided_and_expanded)
+from tests.numerics import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    bound,
+    check_compiled_dropout,
+    check_matches_reference,
+    kernel_keep_mask,
+    randn,
+    strided_and_expanded,
+)
 from vit_fast.kernels import bias_gelu as bg
 from vit_fast.kernels.bias_gelu import bias_dropout_add, bias_dropout_add_ref, bias_gelu, bias_gelu_ref
 
@@ -138,7 +147,8 @@ def test_bias_dropout_add_dropout_mask_forward_and_backward(dtype):
     torch.manual_seed(5)
     inputs = dict(x=randn(b, n, d, dtype=dtype), bias=randn(d), residual=randn(b, n, d, dtype=dtype), p=p,
                   training=True, gamma=randn(d, scale=0.1), sample_scale=torch.tensor([2.0, 0.0], device=DEVICE))
-    check_matches_reference(bias_dropout_add, lambda **kw: bias_dropout_add_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
+    check_matches_reference(bias_dropout_add, lambda **kw: bias_dropout_add_ref(**kw, keep_mask=keep), inputs, dtype,
+                            seed=seed)
 
 
 def test_dropout_rate_seeds_and_eval_mode():
@@ -163,7 +173,8 @@ def test_bias_dropout_add_autocast_dtypes_and_plain_backward():
     torch.manual_seed(6)
     inputs = dict(x=randn(2, 3, 192, dtype=torch.bfloat16), bias=randn(192), residual=randn(2, 3, 192), p=0.0,
                   training=True, gamma=randn(192, scale=0.1))
-    (out,), (dx, dbias, dres, dgamma) = check_matches_reference(bias_dropout_add, bias_dropout_add_ref, inputs, torch.bfloat16)
+    (out,), (dx, dbias, dres, dgamma) = check_matches_reference(bias_dropout_add, bias_dropout_add_ref, inputs,
+                                                                torch.bfloat16)
     assert (out.dtype, dx.dtype, dbias.dtype, dres.dtype, dgamma.dtype) == (torch.float32, torch.bfloat16,
                                                                             torch.float32, torch.float32,
                                                                             torch.float32)
@@ -236,8 +247,10 @@ def test_strided_and_expanded_parameters():
     torch.manual_seed(9)
     n = 192
     strided, expanded = strided_and_expanded(n)
-    check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=strided, approximate="none"), torch.float32)
-    check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=expanded, approximate="none"), torch.float32)
+    check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=strided, approximate="none"),
+                            torch.float32)
+    check_matches_reference(bias_gelu, bias_gelu_ref, dict(x=randn(2, 5, n), bias=expanded, approximate="none"),
+                            torch.float32)
     scale = torch.tensor([1.25, 0.0, 0.0, 1.25], device=DEVICE)[::2]  # strided drop-path scale (B = 2)
     check_matches_reference(bias_dropout_add, bias_dropout_add_ref,
             dict(x=randn(2, 5, n), bias=strided, residual=randn(2, 5, n), p=0.0, training=False, gamma=expanded,

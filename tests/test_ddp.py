@@ -74,7 +74,8 @@ def test_ddp_gradients_equal_single_process_on_the_whole_batch(tmp_path):
         single = grads_of(make_model(backend), images, labels)
         assert set(per_rank[0][backend]) == set(single)
         for name, grad in single.items():
-            assert torch.equal(per_rank[0][backend][name], per_rank[1][backend][name]), f"{backend} {name}: ranks differ"
+            assert torch.equal(per_rank[0][backend][name], per_rank[1][backend][name]), (
+                f"{backend} {name}: ranks differ")
             assert_close(per_rank[0][backend][name], grad, bound(torch.float32, "dot"), name=f"{backend} grad {name}")
         # the comparison can fail: one rank's local gradient alone is not the all-reduced one
         local = grads_of(make_model(backend), images[: BATCH // WORLD], labels[: BATCH // WORLD])

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import vit_fast
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 from vit_fast.layers import DropPath
 
 from .numerics import assert_close, bound, errors
 from .test_backend import OpLog
-from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
 VARIANT = dict(TINY, global_pool="avg", reg_tokens=2, no_embed_class=True, init_values=0.1, drop_path_rate=0.5)

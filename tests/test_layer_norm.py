@@ -7,8 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import (DEVICE, DTYPES, assert_close, bound, check_compiled_dropout, check_matches_reference,
-                            kernel_keep_mask, randn)
+from tests.numerics import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    bound,
+    check_compiled_dropout,
+    check_matches_reference,
+    kernel_keep_mask,
+    randn,
+)
 from vit_fast.kernels import layer_norm as ln
 from vit_fast.kernels.bias_gelu import bias_dropout_add
 from vit_fast.kernels.layer_norm import add_layer_norm, add_layer_norm_ref, layer_norm, layer_norm_ref
@@ -44,8 +52,8 @@ def test_layer_norm_matches_reference(shape, dtype):
 def test_layer_norm_widths_autocast_params(width):
     """Every ViT width and a prime one, bf16 activations with fp32 weight/bias: bf16 dx, fp32 grads."""
     torch.manual_seed(width)
-    _, (dx, dw, db) = check_matches_reference(layer_norm, layer_norm_ref, ln_inputs((2, width), torch.bfloat16, torch.float32),
-                              torch.bfloat16)
+    _, (dx, dw, db) = check_matches_reference(layer_norm, layer_norm_ref,
+                                              ln_inputs((2, width), torch.bfloat16, torch.float32), torch.bfloat16)
     assert (dx.dtype, dw.dtype, db.dtype) == (torch.bfloat16, torch.float32, torch.float32)
 
 
@@ -118,7 +126,8 @@ def test_layer_norm_and_input_adds_the_streams_gradient_in_the_kernel(monkeypatc
 def test_layer_norm_shapes_and_eps(shape, eps):
     """0 rows, 1 row, 3 leading dims, and 37 rows (several row tiles and partial rows); HF's eps."""
     torch.manual_seed(1)
-    (y,), (dx, dw, db) = check_matches_reference(layer_norm, layer_norm_ref, ln_inputs(shape, torch.float32, eps=eps), torch.float32)
+    (y,), (dx, dw, db) = check_matches_reference(layer_norm, layer_norm_ref, ln_inputs(shape, torch.float32, eps=eps),
+                                                 torch.float32)
     assert y.shape == shape and dx.shape == shape
     if y.numel() == 0:
         assert torch.equal(dw, torch.zeros_like(dw)) and torch.equal(db, torch.zeros_like(db))
@@ -129,7 +138,8 @@ def test_layer_norm_non_contiguous_inputs_and_sum_backward():
     base = randn(4, 6, 2 * 256, grad=False)
     w, b = randn(256), randn(256)
     for x in (base[..., ::2], randn(6, 4, 256, grad=False).transpose(0, 1), base[..., :256]):
-        check_matches_reference(layer_norm, layer_norm_ref, dict(x=x.requires_grad_(), weight=w, bias=b, eps=1e-6), torch.float32)
+        check_matches_reference(layer_norm, layer_norm_ref, dict(x=x.requires_grad_(), weight=w, bias=b, eps=1e-6),
+                                torch.float32)
     x = base[..., 256:].requires_grad_()
     layer_norm(x, w, b).sum().backward()  # stride-0 grad of ones
     x64 = x.detach().double().requires_grad_()
@@ -187,7 +197,8 @@ def test_add_layer_norm_residual_join(dtype, branch_bias, gamma, drop_path, drop
                   gamma=randn(d, dtype=dtype, scale=0.5) if gamma else None,
                   sample_scale=torch.tensor([1 / 0.9, 0.0, 1 / 0.9], device=DEVICE) if drop_path else None,
                   dropout_p=p if dropout else 0.0, training=dropout)
-    check_matches_reference(add_layer_norm, lambda **kw: add_layer_norm_ref(**kw, keep_mask=keep), inputs, dtype, seed=seed)
+    check_matches_reference(add_layer_norm, lambda **kw: add_layer_norm_ref(**kw, keep_mask=keep), inputs, dtype,
+                            seed=seed)
 
 
 def test_add_layer_norm_join_equals_bias_dropout_add():
@@ -345,7 +356,8 @@ def test_strided_and_expanded_parameters():
     torch.manual_seed(10)
     n = 384
     strided, expanded = strided_and_expanded(n)
-    check_matches_reference(layer_norm, layer_norm_ref, dict(x=randn(3, n), weight=strided, bias=expanded), torch.float32)
+    check_matches_reference(layer_norm, layer_norm_ref, dict(x=randn(3, n), weight=strided, bias=expanded),
+                            torch.float32)
     (strided, expanded), (strided2, expanded2) = strided_and_expanded(n), strided_and_expanded(n)  # distinct leaves
     check_matches_reference(add_layer_norm, add_layer_norm_ref,
             dict(x=randn(3, n), residual=randn(3, n), weight=expanded, bias=strided, branch_bias=strided2,

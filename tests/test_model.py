@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import vit_fast
-from vit_fast import ViTConfig, VisionTransformer, create_model, list_models
+from vit_fast import VisionTransformer, ViTConfig, create_model, list_models
 from vit_fast.layers import BACKENDS, resample_abs_pos_embed, sincos_2d_pos_embed
 
 from .numerics import assert_close

@@ -87,7 +87,8 @@ def test_hf_classifier_same_outputs_loss_and_tuple(backend):
     got_tuple = model(x, return_dict=False)
     assert isinstance(got_tuple, tuple) and len(got_tuple) == len(ref(x, return_dict=False))
     assert_close(got_tuple[0], want.logits, RTOL, name="tuple logits")
-    hidden, hidden_ref = model(x, output_hidden_states=True).hidden_states, ref(x, output_hidden_states=True).hidden_states
+    hidden = model(x, output_hidden_states=True).hidden_states
+    hidden_ref = ref(x, output_hidden_states=True).hidden_states
     assert len(hidden) == len(hidden_ref) == 3
     for i, (h, r) in enumerate(zip(hidden, hidden_ref)):
         assert_close(h, r, RTOL, name=f"hidden_states[{i}]")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import vit_fast
-from vit_fast.tools import report
 from vit_fast.kernels._aot import TRITON_DTYPE_NAMES, AotSpec
+from vit_fast.tools import report
 
 from . import fixture_kernels as fixture
 
@@ -52,7 +52,8 @@ def test_tensor_core_use():
 
 
 def _fixture_module():
-    sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "K": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+    sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "K": "i32",
+           "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
 
     def aot_specs(arch, **_):
         return [
@@ -171,6 +172,7 @@ def test_base_preset_compiles_without_spills_for_sm80_and_sm90():
 def _recorded_launches(monkeypatch, step):
     """Every Triton launch `step()` makes in the interpreter: (kernel, {argument: value}, num_warps, num_stages)."""
     from triton.backends.nvidia.compiler import CUDAOptions
+
     from vit_fast._compat import wrap_interpreted_run
 
     launches = []
@@ -201,7 +203,8 @@ def _covers(spec: AotSpec, fn, values: dict, warps: int, stages: int) -> bool:
 @pytest.mark.parametrize("dtype, overrides", [
     (torch.bfloat16, dict()),
     (torch.bfloat16, dict(residual_in_fp32=False)),
-    (torch.bfloat16, dict(init_values=0.1, drop_path_rate=0.2, proj_drop_rate=0.1, attn_drop_rate=0.1, global_pool="avg")),
+    (torch.bfloat16, dict(init_values=0.1, drop_path_rate=0.2, proj_drop_rate=0.1, attn_drop_rate=0.1,
+                          global_pool="avg")),
     (torch.float32, dict(init_values=0.1, drop_path_rate=0.2)),
     ("pure_bf16", dict(init_values=0.1)),
 ], ids=["bf16", "bf16_stream", "bf16_layerscale_dropout_avg", "fp32_layerscale", "pure_bf16"])

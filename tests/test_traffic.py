@@ -20,8 +20,10 @@ def test_aten_ops_count_tensor_bytes_flops_and_skip_views():
         z = y + bias.view(16, 1).expand(16, 64)  # expanded stride-0 operand counts its 16 floats once
     assert [o.name for o in c.ops] == ["mm", "add"]
     mm, add = c.ops
-    assert (mm.family, mm.bytes_read, mm.bytes_written, mm.flops) == ("GEMM", (64 * 32 + 32 * 16) * 4, 64 * 16 * 4, 2 * 64 * 32 * 16)
-    assert (add.family, add.bytes_read, add.bytes_written, add.flops) == ("elementwise", (16 * 64 + 16) * 4, 16 * 64 * 4, 0)
+    assert (mm.family, mm.bytes_read, mm.bytes_written, mm.flops) == ("GEMM", (64 * 32 + 32 * 16) * 4, 64 * 16 * 4,
+                                                                      2 * 64 * 32 * 16)
+    assert (add.family, add.bytes_read, add.bytes_written, add.flops) == ("elementwise", (16 * 64 + 16) * 4,
+                                                                          16 * 64 * 4, 0)
     assert z.shape == (16, 64)
 
 
@@ -68,7 +70,8 @@ def test_identical_launch_is_replayed_with_the_same_counts():
     kernels = [o for o in c.ops if o.triton]
     assert c.replayed == 1 and len(kernels) == 3 and len(memo) == 2
     first, again, other = kernels
-    assert (again.bytes_read, again.bytes_written, again.requested) == (first.bytes_read, first.bytes_written, first.requested)
+    assert (again.bytes_read, again.bytes_written, again.requested) == (first.bytes_read, first.bytes_written,
+                                                                        first.requested)
     assert other.bytes_read == (63 + 7) * 4
 
 
@@ -129,8 +132,10 @@ def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
     for r in (fused, fused_bf16):
         triton_families = {f for (f, _, triton) in r.groups if triton}
         assert {"GEMM", "attention", "norm", "elementwise", "embed"} <= triton_families  # every kernel family ran
-    detail = "\n" + traffic.format_summary([eager_sdpa, eager, fused, fused_bf16]) + "\n" + traffic.format_top_ops(fused, 10)
-    bounds = [(fused, eager, 0.45), (fused, eager_sdpa, 0.57), (fused_bf16, eager, 0.40), (fused_bf16, eager_sdpa, 0.50)]
+    detail = ("\n" + traffic.format_summary([eager_sdpa, eager, fused, fused_bf16]) + "\n"
+              + traffic.format_top_ops(fused, 10))
+    bounds = [(fused, eager, 0.45), (fused, eager_sdpa, 0.57),
+              (fused_bf16, eager, 0.40), (fused_bf16, eager_sdpa, 0.50)]
     for ours, reference, bound in bounds:
         f, e = ours.totals(), reference.totals()
         ratio = (f["read"] + f["written"]) / (e["read"] + e["written"])

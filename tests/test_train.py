@@ -112,8 +112,8 @@ def test_ddp_two_processes_match_single_and_resume_in_one_process(reference, tmp
     """torchrun, 2 gloo ranks x 2 accumulated micro-batches of 8 (no_sync on the first) == 1 process with
     batch 32; the DDP checkpoint then resumes in one process without accumulation."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           "-m", "vit_fast.training.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30", "--ckpt-every", "1000",
-           "--accum-steps", "2"]
+           "-m", "vit_fast.training.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30",
+           "--ckpt-every", "1000", "--accum-steps", "2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout and proc.stdout.count("stopped at step 30") == 1   # rank 0 prints
@@ -123,7 +123,8 @@ def test_ddp_two_processes_match_single_and_resume_in_one_process(reference, tmp
     compare_weights(final_weights(tmp_path), single, rtol=1e-5, what="DDP vs single")
     resumed = run(tmp_path, "--resume", "auto", "--ckpt-every", "1000")
     assert resumed["steps"] == STEPS and resumed["world_size"] == 1
-    compare_weights(final_weights(tmp_path), final_weights(reference / "plain"), rtol=1e-4, what="DDP-resumed vs single")
+    compare_weights(final_weights(tmp_path), final_weights(reference / "plain"), rtol=1e-4,
+                    what="DDP-resumed vs single")
 
 
 def test_fsdp2_resumes_a_single_process_checkpoint_and_matches(reference, tmp_path):

@@ -3,11 +3,18 @@
 A timm-compatible ViT (same parameter names, same numbers) whose building blocks switch between a
 pure-PyTorch reference path (backend='torch') and fused Triton kernels (backend='triton' / 'auto').
 """
-from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
-from .interop.convert import (CheckpointError, from_hf, from_open_clip, from_timm, from_torchvision, load_checkpoint,
-                      save_checkpoint)
-from .model import VisionTransformer, count_params, create_model, forward_flops
+from .interop.convert import (
+                      CheckpointError,
+                      from_hf,
+                      from_open_clip,
+                      from_timm,
+                      from_torchvision,
+                      load_checkpoint,
+                      save_checkpoint,
+)
 from .interop.optimize import optimize
+from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
+from .model import VisionTransformer, count_params, create_model, forward_flops
 from .presets import PRESETS, ViTConfig, get_config, list_models
 
 __version__ = "0.1.0"

@@ -14,7 +14,6 @@ head and DINOv2-giant's SwiGLU MLP. Module and parameter names are timm's (``att
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

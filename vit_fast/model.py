@@ -27,8 +27,18 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .backend import check_backend, check_model_input, resolve_backend
-from .layers import (Block, LayerNorm, PatchEmbed, has_hooks, init_weights_vit_timm, named_apply, patch_embed_kernel,
-                     resample_abs_pos_embed, sincos_2d_pos_embed, trunc_normal_)
+from .layers import (
+    Block,
+    LayerNorm,
+    PatchEmbed,
+    has_hooks,
+    init_weights_vit_timm,
+    named_apply,
+    patch_embed_kernel,
+    resample_abs_pos_embed,
+    sincos_2d_pos_embed,
+    trunc_normal_,
+)
 from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
 
 
@@ -200,7 +210,8 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names that should not get weight decay (besides the 1-D ones), as timm."""
-        return {name for name in ("pos_embed", "cls_token", "dist_token", "reg_token") if getattr(self, name) is not None}
+        return {name for name in ("pos_embed", "cls_token", "dist_token", "reg_token")
+                if getattr(self, name) is not None}
 
     def flops_per_image(self, img_size=None) -> int:
         return forward_flops(self.config, img_size)

@@ -25,7 +25,7 @@ class ViTConfig:
     patch_size: Union[int, tuple[int, int]] = 16
     in_chans: int = 3
     num_classes: int = 1000           # 0: no head, the model returns pooled features
-    global_pool: str = "token"        # 'token' | 'avg' | 'avgmax' | 'max' | 'map' (attention pool, SigLIP) | 
+    global_pool: str = "token"        # 'token' | 'avg' | 'avgmax' | 'max' | 'map' (attention pool, SigLIP) |
     embed_dim: int = 768
     depth: int = 12
     num_heads: int = 12

@@ -16,8 +16,8 @@ from typing import Mapping, Optional
 import torch
 import torch.nn as nn
 
-from ..model import VisionTransformer
 from ..layers import to_2tuple
+from ..model import VisionTransformer
 from ..presets import ViTConfig, check_fields
 
 # Head count of the standard widths (shapes alone cannot tell it); other widths assume 64-wide heads.
@@ -87,14 +87,14 @@ def timm_unsupported(model: nn.Module) -> list[str]:
     """Every feature of a timm model that vit_fast does not implement, one line each (empty: ``from_timm``
     converts it exactly). Never raises on another kind of model: a VisionTransformer subclass with other
     blocks (parallel-scaling, rel-pos, rope) gets its block kinds listed."""
-    from timm.layers import AttentionPoolLatent, GluMlp, QuickGELU, SwiGLU
+    from timm.layers import AttentionPoolLatent, GluMlp, LayerScale, Mlp, PatchEmbed, QuickGELU, SwiGLU
+    from timm.layers import LayerNorm as TimmLayerNorm
     from timm.layers.activations import GELU as TimmGELU
     from timm.layers.activations import GELUTanh
-    from timm.layers import LayerNorm as TimmLayerNorm
-    from timm.layers import LayerScale, Mlp, PatchEmbed
     from timm.layers.drop import DropPath
     from timm.models.deit import VisionTransformerDistilled
-    from timm.models.vision_transformer import Attention, Block, VisionTransformer as TimmViT
+    from timm.models.vision_transformer import Attention, Block
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     # the families (CLIP pre-norm and QuickGELU, SigLIP attention pool, DINOv2-g SwiGLU, DeiT distilled)
     allowed = {TimmViT, VisionTransformerDistilled, PatchEmbed, Block, Attention, Mlp, GluMlp, SwiGLU, QuickGELU,
@@ -272,7 +272,8 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
         sd = hf_to_timm_state_dict(hf.state_dict())
         act = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(c.hidden_act)
         if act is None:
-            raise ValueError(f"from_hf: hidden_act {c.hidden_act!r} is not supported (gelu, gelu_new, gelu_pytorch_tanh)")
+            raise ValueError(f"from_hf: hidden_act {c.hidden_act!r} is not supported "
+                             "(gelu, gelu_new, gelu_pytorch_tanh)")
         config = dict(
             img_size=c.image_size, patch_size=c.patch_size, in_chans=c.num_channels, embed_dim=c.hidden_size,
             depth=c.num_hidden_layers, num_heads=c.num_attention_heads,

@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 from ..model import VisionTransformer
 from .convert import hf_to_timm_state_dict
 
+
 class HFViT(PreTrainedModel):
     """A transformers ViTModel / ViTForImageClassification look-alike around a vit_fast model (``model``);
     ``hf_wrap(source, fast)`` picks the subclass whose ``forward`` has the source class's signature

@@ -20,10 +20,18 @@ import torch
 import torch.nn as nn
 
 from ..backend import check_backend, kernels_can_run_on
-from .convert import (HF_FAMILY_CLASSES, from_hf, from_open_clip, from_timm, from_torchvision, hf_to_timm_state_dict,
-                      timm_unsupported, torchvision_to_timm_state_dict)
-from .families import open_clip_to_timm
 from ..model import VisionTransformer
+from .convert import (
+    HF_FAMILY_CLASSES,
+    from_hf,
+    from_open_clip,
+    from_timm,
+    from_torchvision,
+    hf_to_timm_state_dict,
+    timm_unsupported,
+    torchvision_to_timm_state_dict,
+)
+from .families import open_clip_to_timm
 from .hf_families import HFVisionFamily
 
 
@@ -154,7 +162,8 @@ def hf_family_to_timm(model: nn.Module):
     if type(model).__name__ == "Dinov2Model":
         return hf_dinov2_to_timm
     if type(model).__name__ == "SiglipForImageClassification":
-        return lambda sd: hf_clip_siglip_to_timm({k: v for k, v in sd.items() if not k.startswith("vision_model.head.")})
+        return lambda sd: hf_clip_siglip_to_timm(
+            {k: v for k, v in sd.items() if not k.startswith("vision_model.head.")})
     return hf_clip_siglip_to_timm
 
 

@@ -1,1 +1,2 @@
-"""Tools behind the ``vit-fast`` CLI: check, report, traffic, bench, and the interpreter shims and numerics they share."""
+"""Tools behind the ``vit-fast`` CLI: check, report, traffic, bench, and the interpreter shims and numerics they
+share."""

@@ -171,7 +171,8 @@ def format_row(r: dict) -> str:
     head = f"{r['model']:24s} {r['dtype']:4s} b{r['batch']:<4d} {r['path']:17s}"
     if "error" in r:
         return f"{head} FAILED {r['error']}"
-    return (f"{head} {r['images_per_s']:8.0f} img/s  step {r['step_ms']:7.1f} ms [{r['p10_ms']:.1f}-{r['p90_ms']:.1f}]  "
+    return (f"{head} {r['images_per_s']:8.0f} img/s  step {r['step_ms']:7.1f} ms "
+            f"[{r['p10_ms']:.1f}-{r['p90_ms']:.1f}]  "
             f"{r['tflops']:6.1f} TFLOP/s  MFU {r['mfu']:5.1%}  peak mem {r['peak_mem_gb']:5.1f} GiB")
 
 
@@ -204,13 +205,15 @@ def plot(rows: list[dict], path: str, paths: tuple = PATHS) -> str:
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
     width = 0.8 / len(paths)
     for j, p in enumerate(paths):
-        vals = [next((r.get("images_per_s", 0) for r in rows if (r["model"], r["dtype"], r["batch"]) == c and r["path"] == p), 0)
+        vals = [next((r.get("images_per_s", 0) for r in rows
+                      if (r["model"], r["dtype"], r["batch"]) == c and r["path"] == p), 0)
                 for c in cases]
         ax.bar([i + j * width for i in range(len(cases))], vals, width, label=p)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
     ax.set_xticklabels([f"{m.replace('vit_', '').replace('_patch', '/')}\n{d} b{b}" for m, d, b in cases], fontsize=8)
     ax.set_ylabel("training images/s")
-    ax.set_title(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, {rows[0]['git']}", fontsize=9)
+    ax.set_title(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, {rows[0]['git']}",
+                 fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -227,7 +230,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense peak for MFU if the GPU is not known")
     parser.add_argument("--out", default="bench/results", help="folder for the CSV, JSON and PNG")
-    campaign = parser.add_argument_group("campaign (`vit-fast bench --campaign --out DIR`, see vit_fast/tools/campaign.py)")
+    campaign = parser.add_argument_group("campaign (`vit-fast bench --campaign --out DIR`, "
+                                         "see vit_fast/tools/campaign.py)")
     campaign.add_argument("--campaign", action="store_true",
                           help="the whole GPU campaign in <= 9 minutes: compiled-kernel tests, `vit-fast check` at "
                                "ViT-B/16 bf16, per-kernel micro-benchmarks, training throughput of S/B/L-16, all "

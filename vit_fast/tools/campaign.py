@@ -222,9 +222,9 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
 
     import vit_fast
     from bench.bench_attention import flops as attention_flops
+    from bench.bench_linear_act import eager_mlp
     from bench.bench_norm_gelu import cases as norm_gelu_cases
     from bench.bench_patch_embed import eager_stack
-    from bench.bench_linear_act import eager_mlp
     from vit_fast.kernels.attention import attention, attention_linear, attention_linear_ref, attention_ref
     from vit_fast.kernels.linear_act import linear_act
     from vit_fast.kernels.patch_embed import patch_embed

@@ -163,7 +163,8 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
                       cls_token=rand(1, 1, D, scale=0.1) if cfg.class_token else None,
                       reg_tokens=rand(1, cfg.reg_tokens, D, scale=0.1) if cfg.reg_tokens else None,
                       pos_embed_covers_prefix=not cfg.no_embed_class)
-        grads = ["images", "weight", "bias", "pos_embed"] + [k for k in ("cls_token", "reg_tokens") if inputs[k] is not None]
+        grads = ["images", "weight", "bias", "pos_embed"] + [k for k in ("cls_token", "reg_tokens")
+                                                              if inputs[k] is not None]
         rows += check_op("patch_embed", lambda **a: P.patch_embed(**a), P.patch_embed_ref, inputs, grads, ["out"],
                          [(B, N, D)], "dot", dtype, g)
     return rows

@@ -30,9 +30,9 @@ H100_PROPERTIES = dict(name="NVIDIA H100 80GB HBM3 (fake, for code generation)",
                        multi_processor_count=132, total_memory=80 * 2**30, regs_per_multiprocessor=65536,
                        max_threads_per_multi_processor=2048, warp_size=32, shared_memory_per_block_optin=232448,
                        shared_memory_per_block=49152, shared_memory_per_multiprocessor=233472, L2_cache_size=50 * 2**20,
-                       gcnArchName="", uuid="fake", clock_rate=1830000, memory_clock_rate=2619000, memory_bus_width=5120,
-                       max_threads_per_block=1024, is_integrated=False, is_multi_gpu_board=False, pci_bus_id=0,
-                       pci_device_id=0, pci_domain_id=0)
+                       gcnArchName="", uuid="fake", clock_rate=1830000, memory_clock_rate=2619000,
+                       memory_bus_width=5120, max_threads_per_block=1024, is_integrated=False, is_multi_gpu_board=False,
+                       pci_bus_id=0, pci_device_id=0, pci_domain_id=0)
 
 
 class InductorCountUnavailable(RuntimeError):
@@ -70,7 +70,8 @@ class _Inductor:
             self.CudaInterface = device_interface.CudaInterface
             for obj, attr in ((compile_fx, "compile_fx"), (compile_fx, "compile_fx_inner"),
                               (compile_fx, "get_cuda_device_context"), (GraphLowering, "codegen"),
-                              (GraphLowering, "compile_to_module"), (functorch_config, "force_non_lazy_backward_lowering"),
+                              (GraphLowering, "compile_to_module"),
+                              (functorch_config, "force_non_lazy_backward_lowering"),
                               (scheduler.BaseSchedulerNode, "get_read_write_buffer_accesses")):
                 if not hasattr(obj, attr):
                     raise AttributeError(f"{getattr(obj, '__name__', obj)}.{attr}")
@@ -104,7 +105,8 @@ class _Inductor:
         for mod in [m for name, m in list(sys.modules.items()) if name.startswith("torch") and m is not None]:
             if getattr(mod, "has_triton", None) is ut.has_triton:
                 patches.append(mock.patch.object(mod, "has_triton", lambda: True))
-        patches.append(mock.patch.object(self.compile_fx, "get_cuda_device_context", lambda gm: contextlib.nullcontext()))
+        patches.append(mock.patch.object(self.compile_fx, "get_cuda_device_context",
+                                         lambda gm: contextlib.nullcontext()))
         from triton.compiler.compiler import make_backend
 
         backend = make_backend(GPUTarget("cuda", 90, 32))  # the sm_90 backend, without asking a driver
@@ -183,10 +185,11 @@ def _record_nodes(inductor: _Inductor, graph, label: str, out: list[KernelRecord
             continue
         if isinstance(node, inductor.ExternKernelSchedulerNode):
             kernel = node.node
-            op = getattr(kernel, "op_overload", None) or getattr(kernel, "python_kernel_name", None) or type(kernel).__name__
+            op = (getattr(kernel, "op_overload", None) or getattr(kernel, "python_kernel_name", None)
+                  or type(kernel).__name__)
             opname = op.overloadpacket.__name__ if isinstance(op, torch._ops.OpOverload) else str(op).split(".")[-1]
-            if opname in ("view", "_reinterpret_tensor", "reinterpret_tensor", "as_strided") or type(kernel).__name__ in (
-                    "ReinterpretView", "NoneAsConstantBuffer"):
+            if opname in ("view", "_reinterpret_tensor", "reinterpret_tensor", "as_strided") or (
+                    type(kernel).__name__ in ("ReinterpretView", "NoneAsConstantBuffer")):
                 continue
             if type(kernel).__name__ == "MultiOutput":  # an output of the preceding library call: no launch
                 if out and out[-1].kind == "extern":
@@ -350,6 +353,7 @@ def to_ops(records: list[KernelRecord]):
             name = r.name.replace("_for_cpu", "")  # traced on CPU; on CUDA the same op runs FlashAttention
             ops.append(Op(name, family, 1, r.bytes_read, r.bytes_written, r.flops, r.bytes_read + r.bytes_written))
         else:
-            ops.append(Op("inductor_template" if r.template else "inductor_fused", "GEMM" if r.template else "elementwise",
+            ops.append(Op("inductor_template" if r.template else "inductor_fused",
+                          "GEMM" if r.template else "elementwise",
                           1, r.bytes_read, r.bytes_written, r.flops, r.bytes_read + r.bytes_written, triton=True))
     return ops

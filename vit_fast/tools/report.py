@@ -27,8 +27,8 @@ import hashlib
 import importlib
 import inspect
 import json
-import pickle
 import os
+import pickle
 import pkgutil
 import queue
 import re
@@ -46,8 +46,10 @@ ARCHS = (80, 90)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Per-SM / per-block limits (CUDA occupancy calculator for cc 8.0 and 9.0).
 ARCH_LIMITS = {
-    80: dict(name="A100", smem_per_block=163 * 1024, smem_per_sm=164 * 1024, regs_per_sm=65536, max_warps=64, max_blocks=32),
-    90: dict(name="H100", smem_per_block=227 * 1024, smem_per_sm=228 * 1024, regs_per_sm=65536, max_warps=64, max_blocks=32),
+    80: dict(name="A100", smem_per_block=163 * 1024, smem_per_sm=164 * 1024, regs_per_sm=65536, max_warps=64,
+             max_blocks=32),
+    90: dict(name="H100", smem_per_block=227 * 1024, smem_per_sm=228 * 1024, regs_per_sm=65536, max_warps=64,
+             max_blocks=32),
 }
 # The presets the report covers (issue 7): ViT-Ti/S/B/L at 224, ViT-B at 384, ViT-H/14.
 REPORT_PRESETS = ("vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224",
@@ -262,8 +264,8 @@ def tensor_core_use(ptx: str, arch: int) -> str:
     return "NO"
 
 
-def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int,
-                divisible_by_16: tuple = ()) -> dict:
+def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                arch: int, divisible_by_16: tuple = ()) -> dict:
     """Compile one kernel for one arch; returns the measured resources (runs in a worker).
 
     ``divisible_by_16`` (AotSpec field) names the arguments a real launch specialises as multiples
@@ -279,10 +281,12 @@ def compile_one(module: str, fn_name: str, signature: dict, constexprs: dict, nu
             path = os.path.join(tmp, "kernel.cubin")
             with open(path, "wb") as f:
                 f.write(k.asm["cubin"])
-            res = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True, check=True)
+            res = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
+                                 check=True)
         usage = parse_resource_usage(res.stdout)
         return dict(regs=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
-                    shared_bytes=int(k.metadata.shared) + usage["SHARED"], tensor_cores=tensor_core_use(k.asm["ptx"], arch), error="",
+                    shared_bytes=int(k.metadata.shared) + usage["SHARED"],
+                    tensor_cores=tensor_core_use(k.asm["ptx"], arch), error="",
                     sass=instruction_cost(k.asm["cubin"], arch, num_warps))
     except Exception as e:  # a compile error is a finding of the report, not a crash of it
         return dict(error=compile_error_message(e))
@@ -296,7 +300,9 @@ def compile_error_message(e: BaseException) -> str:
     where = str(e).splitlines()[0].strip() if str(e) else ""
     inner = chain[-1]
     msg = " ".join(str(inner).split()) or type(inner).__name__
-    return f"{type(inner).__name__} ({where}) {msg}"[:300] if where.startswith("at ") else f"{type(inner).__name__}: {msg}"[:300]
+    if where.startswith("at "):
+        return f"{type(inner).__name__} ({where}) {msg}"[:300]
+    return f"{type(inner).__name__}: {msg}"[:300]
 
 
 def instruction_cost(cubin: bytes, arch: int, num_warps: int) -> dict | None:
@@ -341,7 +347,8 @@ def summarize_ceilings(rows: list[Row], bar: float = CEILING_BAR) -> str:
     measured = [r for r in rows if r.ceiling is not None]
     if not measured:
         return "instruction cost: no tensor-core loop analysed"
-    out = ["instruction cost (SASS main loop; ceiling = MMA / max(MMA, issue, MUFU) cycles per iteration, an upper bound):"]
+    out = ["instruction cost (SASS main loop; "
+           "ceiling = MMA / max(MMA, issue, MUFU) cycles per iteration, an upper bound):"]
     groups: dict[tuple, list[Row]] = {}
     for r in measured:
         groups.setdefault((r.kernel, r.arch), []).append(r)
@@ -462,7 +469,8 @@ def _worker() -> None:
 # Output
 
 
-COLUMNS = ("kernel", "config", "arch", "dtype", "regs", "spill", "shared", "threads", "warps/SM", "occ", "tensor cores", "ceiling", "status")
+COLUMNS = ("kernel", "config", "arch", "dtype", "regs", "spill", "shared", "threads", "warps/SM", "occ", "tensor cores",
+           "ceiling", "status")
 
 
 def format_table(rows: list[Row]) -> str:
@@ -488,7 +496,8 @@ def summarize(rows: list[Row]) -> str:
             out.append(f"{kernel:28s} sm_{arch}: all {len(rs)} configs failed to compile")
             continue
         out.append(f"{kernel:28s} sm_{arch}: {len(rs):3d} configs, max regs {max(r.regs for r in ok):3d}, "
-                   f"max spill {max(r.spill_bytes for r in ok)} B, max shared {max(r.shared_bytes for r in ok) / 1024:.1f} KB, "
+                   f"max spill {max(r.spill_bytes for r in ok)} B, "
+                   f"max shared {max(r.shared_bytes for r in ok) / 1024:.1f} KB, "
                    f"min occupancy {min(r.occupancy for r in ok):.0%}")
     bad = [r for r in rows if r.problems()]
     out.append(f"{len(rows)} compiled configs, {len(bad)} with problems" + (":" if bad else ""))
@@ -520,7 +529,8 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         print("vit-fast report: no kernel module in vit_fast.kernels exposes aot_specs yet; nothing to compile")
         return 0
     t0 = time.perf_counter()
-    progress = (lambda i, n: print(f"\rcompiling {i}/{n}", end="", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+    progress = ((lambda i, n: print(f"\rcompiling {i}/{n}", end="", file=sys.stderr, flush=True))
+                if sys.stderr.isatty() else None)
     rows = run_report(args.presets, args.dtypes, args.archs, workers=args.workers, use_cache=not args.no_cache,
                       progress=progress, pure=not args.quick)
     if progress:

@@ -74,7 +74,8 @@ class Loop:
         return "MMA" if bound == self.mma_cycles else ("issue" if bound == self.issue_cycles else "MUFU")
 
     def describe(self) -> str:
-        return (f"{self.instructions} instr/warp vs {self.mma} {self.mma_kind} ({self.mufu} MUFU): MMA {self.mma_cycles:.0f}, "
+        return (f"{self.instructions} instr/warp vs {self.mma} {self.mma_kind} ({self.mufu} MUFU): "
+                f"MMA {self.mma_cycles:.0f}, "
                 f"issue {self.issue_cycles:.0f}, MUFU {self.mufu_cycles:.0f} cycles/iter -> {self.ceiling:.0%}")
 
 

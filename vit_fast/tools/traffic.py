@@ -17,7 +17,8 @@ their gradients are the fixed part, activations the per-image part) and evaluate
 batch. The interpreter is slow, so models are
 also counted at depth 1 and 2 only: all blocks run the
 same ops on the same shapes, so every sum is affine in depth and is evaluated at the preset's depth
-(tests check both extrapolations against direct counts). The roofline lower bound of an op is max(FLOPs / peak, bytes / bandwidth) with the guide's
+(tests check both extrapolations against direct counts). The roofline lower bound of an op is
+max(FLOPs / peak, bytes / bandwidth) with the guide's
 measured H100 and A100 figures; the step time is the sum over ops, launch overhead excluded.
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "l
               "_local_scalar_dense", "is_same_size", "_has_compatible_shallow_copy_type", "set_", "new_empty",
               "new_empty_strided", "_unsafe_view", "promote_types", "result_type"}
 _TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed",
-                    "linear_act": "GEMM"}
+                    "linear_act": "GEMM", "swiglu": "elementwise",
+                    "sum_partials": "elementwise"}  # the fixed-order parameter-gradient sums (kernels/_rows.py)
 
 
 @dataclass
@@ -276,7 +278,8 @@ def _launch_key(fn_self, args, kwargs, grid):
             ptr = value.untyped_storage().data_ptr()
             if ptr not in storages:
                 storages.append(ptr)
-            parts.append((name, tuple(value.shape), value.stride(), str(value.dtype), value.storage_offset(), storages.index(ptr)))
+            parts.append((name, tuple(value.shape), value.stride(), str(value.dtype), value.storage_offset(),
+                          storages.index(ptr)))
         elif value is None or isinstance(value, (bool, int, float, str)):
             parts.append((name, value))
         elif type(value).__module__.startswith("triton"):
@@ -458,7 +461,8 @@ def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloa
     if len(batches) > 1:
         how += f", extrapolated per op to batch {batch} as fixed + per_image * batch"
     if len(depths) > 1:
-        how += f"; counted at depth {depths[0]} and {depths[1]}, extrapolated to depth {cfg.depth} (blocks are identical)"
+        how += (f"; counted at depth {depths[0]} and {depths[1]}, extrapolated to depth {cfg.depth} "
+                "(blocks are identical)")
     return PathResult(path, groups, batch, how, time.perf_counter() - t0, block, cfg.num_tokens * cfg.embed_dim * 2)
 
 
@@ -545,9 +549,12 @@ def format_predicted(results: list[PathResult], dtype: torch.dtype, ceilings_by_
             p = predicted_step(r, gpu, dtype, ceilings_by_gpu.get(gpu))
             cells += [f"{p['seconds'] * 1e3:.1f}", f"{p['images_per_s']:.0f}", f"{p['mfu']:.0%}"]
         lines.append(_row(cells, widths))
-    lines.append(f"model: per op max(bytes / bandwidth, FLOPs / (dense peak x efficiency)) + {LAUNCH_OVERHEAD_S * 1e6:.0f} us "
-                 f"per launch; library efficiency {LIBRARY_EFFICIENCY['GEMM']} (GEMM), {LIBRARY_EFFICIENCY['attention']} "
-                 f"(SDPA); Triton tensor-core kernels: SASS ceiling x {TRITON_CALIBRATION} ; ceilings used: {ceilings_by_gpu}")
+    lines.append(f"model: per op max(bytes / bandwidth, FLOPs / (dense peak x efficiency)) "
+                 f"+ {LAUNCH_OVERHEAD_S * 1e6:.0f} us "
+                 f"per launch; library efficiency {LIBRARY_EFFICIENCY['GEMM']} (GEMM), "
+                 f"{LIBRARY_EFFICIENCY['attention']} "
+                 f"(SDPA); Triton tensor-core kernels: SASS ceiling x {TRITON_CALIBRATION} ; "
+                 f"ceilings used: {ceilings_by_gpu}")
     return "\n".join(lines)
 
 
@@ -564,8 +571,8 @@ def format_path(r: PathResult) -> str:
     widths = (12, 8, 9, 10, 9, 8, 8)
     lines = [f"{PATH_LABELS.get(r.path, r.path)}: {r.how} (counting took {r.count_seconds:.0f} s)", _row(head, widths)]
     for fam, t in list(r.by_family().items()) + [("total", r.totals())]:
-        lines.append(_row((fam, round(t["launches"]), f"{t['read'] / 1e9:.3f}", f"{t['written'] / 1e9:.3f}", f"{t['flops'] / 1e9:.0f}",
-                           f"{t['H100'] * 1e3:.2f}", f"{t['A100'] * 1e3:.2f}"), widths))
+        lines.append(_row((fam, round(t["launches"]), f"{t['read'] / 1e9:.3f}", f"{t['written'] / 1e9:.3f}",
+                           f"{t['flops'] / 1e9:.0f}", f"{t['H100'] * 1e3:.2f}", f"{t['A100'] * 1e3:.2f}"), widths))
     block = r.block_by_family()
     if block:
         unit = r.activation_bytes
@@ -575,7 +582,8 @@ def format_path(r: PathResult) -> str:
     tt = r.triton_totals()
     if tt["launches"]:
         req, uniq = tt["requested"] / 1e9, (tt["read"] + tt["written"]) / 1e9
-        lines.append(f"Triton kernels: {uniq:.3f} GB distinct addresses per launch, {req:.3f} GB requested by unmasked lanes (re-reads included)")
+        lines.append(f"Triton kernels: {uniq:.3f} GB distinct addresses per launch, "
+                     f"{req:.3f} GB requested by unmasked lanes (re-reads included)")
     return "\n".join(lines)
 
 
@@ -602,7 +610,8 @@ def format_summary(results: list[PathResult]) -> str:
         moved, base_moved = t["read"] + t["written"], base["read"] + base["written"]
         lines.append(_row((PATH_LABELS.get(r.path, r.path), round(t["launches"]), f"{moved / 1e9:.2f}",
                            f"{t['H100'] * 1e3:.1f}", f"{r.batch / t['H100']:.0f}", f"{t['A100'] * 1e3:.1f}",
-                           f"{r.batch / t['A100']:.0f}", f"{moved / base_moved:.2f}", f"{t['launches'] / base['launches']:.2f}",
+                           f"{r.batch / t['A100']:.0f}", f"{moved / base_moved:.2f}",
+                           f"{t['launches'] / base['launches']:.2f}",
                            f"{block / base_block:.2f}" if block and base_block else "-"), widths))
     return "\n".join(lines)
 
@@ -612,7 +621,8 @@ def fused_model_available() -> tuple[bool, str]:
     from vit_fast.kernels._utils import interpreter_active
 
     if not interpreter_active():
-        return False, "the fused path is counted in the Triton interpreter; set TRITON_INTERPRET=1 before triton is imported"
+        return False, ("the fused path is counted in the Triton interpreter; "
+                       "set TRITON_INTERPRET=1 before triton is imported")
     return True, ""
 
 
@@ -622,11 +632,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--batch", type=int, default=256, help="batch the counts are scaled to")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--count-batches", type=int, nargs=2, default=(2, 3), metavar=("B1", "B2"),
-                        help="the two small batches actually counted (default 2 3; at batch 1 autograd skips some reductions)")
+                        help="the two small batches actually counted "
+                             "(default 2 3; at batch 1 autograd skips some reductions)")
     parser.add_argument("--count-depths", type=int, nargs=2, default=(1, 2), metavar=("D1", "D2"),
                         help="the two depths actually counted (default 1 2); 0 0 counts the full depth")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
-    parser.add_argument("--top", type=int, default=0, metavar="N", help="also list the N op groups moving the most bytes")
+    parser.add_argument("--top", type=int, default=0, metavar="N",
+                        help="also list the N op groups moving the most bytes")
     parser.add_argument("--predict", action="store_true",
                         help="also print the predicted step time, images/s and MFU per path (issue 25's model)")
     parser.add_argument("--json", help="write per-path totals and per-family figures to this path")
@@ -652,8 +664,10 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"vit-fast traffic: {args.model}, {args.dtype}, batch {args.batch}: one training step "
           f"(forward + cross-entropy + backward, no optimizer), counted on CPU, not timed. "
-          f"Roofline = sum over ops of max(FLOPs/peak, bytes/bandwidth); H100 {ROOFLINE['H100']['tflops']:.0f} TFLOP/s, "
-          f"{ROOFLINE['H100']['tb_per_s']} TB/s; A100 {ROOFLINE['A100']['tflops']:.0f} TFLOP/s, {ROOFLINE['A100']['tb_per_s']} TB/s; "
+          f"Roofline = sum over ops of max(FLOPs/peak, bytes/bandwidth); "
+          f"H100 {ROOFLINE['H100']['tflops']:.0f} TFLOP/s, "
+          f"{ROOFLINE['H100']['tb_per_s']} TB/s; A100 {ROOFLINE['A100']['tflops']:.0f} TFLOP/s, "
+          f"{ROOFLINE['A100']['tb_per_s']} TB/s; "
           "launch overhead excluded. Eager: one launch per non-view aten op.\n")
     results = []
     for path in args.paths:
@@ -690,7 +704,8 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, dtype=args.dtype, batch=args.batch, roofline=ROOFLINE,
                            paths={r.path: dict(how=r.how, totals=r.totals(), families=r.by_family(),
-                                               block_bytes_per_image=r.block_by_family()) for r in results}), f, indent=1)
+                                               block_bytes_per_image=r.block_by_family()) for r in results}),
+                      f, indent=1)
     return 0
 
 

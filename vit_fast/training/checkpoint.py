@@ -345,7 +345,8 @@ def load_pretrained(model, spec: str) -> list[str]:
         if key in own and key not in sd:
             sd[key] = own[key]
     for src, dst in (("norm", "fc_norm"), ("fc_norm", "norm")):   # token pooling <-> average pooling
-        if f"{src}.weight" in sd and f"{src}.weight" not in own and f"{dst}.weight" in own and f"{dst}.weight" not in sd:
+        if (f"{src}.weight" in sd and f"{src}.weight" not in own
+                and f"{dst}.weight" in own and f"{dst}.weight" not in sd):
             for part in ("weight", "bias"):
                 sd[f"{dst}.{part}"] = sd.pop(f"{src}.{part}")
             notes.append(f"final {src} moved to {dst} (pooling {model.global_pool!r})")

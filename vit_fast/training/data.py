@@ -112,7 +112,8 @@ def digits(img_size: int = 32, in_chans: int = 1, augment: bool = True, test_fra
     images = F.interpolate(images, size=(img_size, img_size), mode="bilinear", align_corners=False)
     images = ((images - DIGITS_MEAN) / DIGITS_STD).expand(-1, in_chans, -1, -1).contiguous()
     train_idx, test_idx = stratified_split(labels, test_fraction)
-    shift = random_shift(max(1, img_size // 16), -DIGITS_MEAN / DIGITS_STD) if augment else None  # 1/16 of the side = half an original pixel
+    # 1/16 of the side = half an original pixel
+    shift = random_shift(max(1, img_size // 16), -DIGITS_MEAN / DIGITS_STD) if augment else None
     return DataInfo(TensorImages(images[train_idx], labels[train_idx], shift),
                     TensorImages(images[test_idx], labels[test_idx]), 10, in_chans, img_size)
 

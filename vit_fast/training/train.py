@@ -34,8 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from . import checkpoint as ckpt
 from ..interop.convert import load_state_dict
+from . import checkpoint as ckpt
 from .data import DATASETS, DataInfo, build_datasets, build_loaders
 from .metrics import MetricsLog, plot_curves
 
@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--weight-decay", type=NONNEG_FLOAT)
     o.add_argument("--label-smoothing", type=FRACTION, default=0.1)
     o.add_argument("--clip-grad", type=NONNEG_FLOAT, default=1.0, help="max global grad norm (0: off)")
-    o.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="autocast dtype (fp16 adds a GradScaler)")
+    o.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off",
+                   help="autocast dtype (fp16 adds a GradScaler)")
     o.add_argument("--seed", type=NONNEG_INT, default=0)
     r = p.add_argument_group("run")
     r.add_argument("--output-dir", help="run directory (default runs/<dataset>-<time>)")
@@ -305,7 +306,8 @@ def wrap_model(model: nn.Module, args: argparse.Namespace, world: Dist) -> nn.Mo
     model.to(world.device)
     if args.fsdp:
         if not world.enabled:
-            raise SystemExit("--fsdp needs torch.distributed: launch with torchrun --nproc_per_node N -m vit_fast.training.train")
+            raise SystemExit("--fsdp needs torch.distributed: "
+                             "launch with torchrun --nproc_per_node N -m vit_fast.training.train")
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
@@ -315,7 +317,8 @@ def wrap_model(model: nn.Module, args: argparse.Namespace, world: Dist) -> nn.Mo
     elif world.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        wrapped = DistributedDataParallel(model,
+                                          device_ids=[world.device.index] if world.device.type == "cuda" else None)
     else:
         wrapped = model
     return torch.compile(wrapped) if args.compile else wrapped
@@ -375,7 +378,8 @@ def load_resume(ckpt_dir: Path, args: argparse.Namespace, model: nn.Module) -> d
     saved = state["args"]
     if saved["batch_size"] != args.batch_size:
         raise ValueError(f"refusing to resume from {ckpt_dir}: --batch-size {args.batch_size} differs from the "
-                         f"checkpoint's {saved['batch_size']} (the global batch defines the data position and schedule)")
+                         f"checkpoint's {saved['batch_size']} "
+                         "(the global batch defines the data position and schedule)")
     run_control = {"resume", "output_dir", "stop_at_step", "no_progress", "no_plot", "device", "workers", "threads",
                    "log_every", "ckpt_every", "keep_checkpoints", "eval_every", "compile"}
     changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in vars(args).items()
@@ -405,8 +409,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from tqdm.auto import tqdm
 
     t_setup = time.perf_counter()
@@ -576,7 +584,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             if should_eval(epoch):
                 run_eval(epoch)
                 if world.main:
-                    print(f"epoch {epoch + 1}/{args.epochs}: step {step}, train loss {last_train.get('loss', float('nan')):.4f}, "
+                    print(f"epoch {epoch + 1}/{args.epochs}: step {step}, "
+                          f"train loss {last_train.get('loss', float('nan')):.4f}, "
                           f"test loss {last_eval['test_loss']:.4f}, test acc {last_eval['test_acc']:.2%}", flush=True)
             save_checkpoint()
         if not stopped and step == total_steps and last_eval_epoch < args.epochs - 1:

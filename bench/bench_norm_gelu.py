@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from vit_fast.tools.bench import environment
 
-HBM_TB_S = {"H100": 3.35, "H200": 4.8, "A100": 2.0}  # datasheet ceilings (GUIDE.md 5; H200 spec sheet)
+HBM_TB_S = {"H100": 3.35, "H200": 4.8, "A100": 2.0}  # datasheet ceilings (CONTRIBUTING.md 5; H200 spec sheet)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (GUIDE.md 6).
+"""`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (CONTRIBUTING.md 6).
 
 For every preset x batch x dtype, five paths run in one process: timm eager, timm + torch.compile,
 vit_fast (backend='triton'), vit_fast + torch.compile, vit_fast with residual_in_fp32=False. A step is

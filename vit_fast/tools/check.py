@@ -6,7 +6,7 @@ backend 'triton', are compared on random inputs with the same computation in flo
 functions / the model on backend 'torch'). One table: op, shape, dtype, max abs error, relative error
 ||out - ref|| / ||ref||, bound, PASS/FAIL; exit status 1 on any failure.
 
-Bounds (GUIDE.md 4, vit_fast.tools.numerics): fp32 1e-6 elementwise / 1e-5 with a dot (TF32 is switched off
+Bounds (CONTRIBUTING.md 4, vit_fast.tools.numerics): fp32 1e-6 elementwise / 1e-5 with a dot (TF32 is switched off
 for the check); fp16 1e-3; bf16 1e-2. In fp16/bf16 a kernel must also stay within 2x the error of eager
 PyTorch in the same dtype (+ a small slack), so the bound printed is the smaller of the two. The model
 rows use the 2x-eager rule alone, floored at the per-op bound: rounding errors grow with depth for eager

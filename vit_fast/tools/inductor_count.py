@@ -1,4 +1,4 @@
-"""torch.compile's training step counted, not guessed (issue 25, GUIDE.md 3d).
+"""torch.compile's training step counted, not guessed (issue 25, CONTRIBUTING.md 3d).
 
 Inductor generates its real sm_90 Triton code on a machine without a GPU if the CUDA queries are answered.
 The step (forward + cross-entropy under CPU autocast) is traced by dynamo; ``compile_fx`` runs AOT autograd on
@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-# GUIDE.md 3d: the device inductor is told it compiles for.
+# CONTRIBUTING.md 3d: the device inductor is told it compiles for.
 H100_PROPERTIES = dict(name="NVIDIA H100 80GB HBM3 (fake, for code generation)", major=9, minor=0,
                        multi_processor_count=132, total_memory=80 * 2**30, regs_per_multiprocessor=65536,
                        max_threads_per_multi_processor=2048, warp_size=32, shared_memory_per_block_optin=232448,
@@ -78,7 +78,7 @@ class _Inductor:
         except (ImportError, AttributeError) as e:
             raise InductorCountUnavailable(
                 f"torch {torch.__version__}: inductor lacks {e}; the torch.compile count needs torch 2.14's internals "
-                "(GUIDE.md 3d)") from e
+                "(CONTRIBUTING.md 3d)") from e
 
     @contextlib.contextmanager
     def fake_h100(self):

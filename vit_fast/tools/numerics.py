@@ -1,4 +1,4 @@
-"""Per-dtype error bounds (GUIDE.md section 4), shared by the test suite and ``vit-fast check``.
+"""Per-dtype error bounds (CONTRIBUTING.md 4), shared by the test suite and ``vit-fast check``.
 
 Errors are measured against a float64 reference: relative norm error ||out - ref|| / ||ref|| and max abs
 error. Low-precision results must also hold the flash-attention rule: at most 2x the error of eager

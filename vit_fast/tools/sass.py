@@ -1,4 +1,4 @@
-"""Instruction cost of a compiled kernel's tensor-core loop, read from its SASS (GUIDE.md 3b2, issue 19).
+"""Instruction cost of a compiled kernel's tensor-core loop, read from its SASS (CONTRIBUTING.md 3b2, issue 19).
 
 From ``cuobjdump --dump-sass`` of a cubin (the cuobjdump inside the Triton wheel), every loop (a block closed by
 a backward branch) holding tensor-core instructions is taken, innermost first: ``HMMA`` on sm_80 (one per warp,

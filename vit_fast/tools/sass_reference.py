@@ -4,7 +4,7 @@
 here from the tutorial's description; its configs (128x256x64 w8 and 128x128x64 w4 on sm_90, 128x256x32 w8 and
 128x128x32 w4 on sm_80) are measured on GPUs at 69-86% of peak on an A100 and 53% on an H100 at 3072^3
 (triton-lang/triton #743, #3672). ``matmul_gelu_a_kernel`` is the same GEMM applying exact-erf GELU to its A tile
-inside the K loop: the pattern the analysis must flag (GUIDE.md 3b2). Both are compiled only (never run here).
+inside the K loop: the pattern the analysis must flag (CONTRIBUTING.md 3b2). Both are compiled only (never run here).
 """
 import triton
 import triton.language as tl

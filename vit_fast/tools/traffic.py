@@ -1,4 +1,4 @@
-"""`vit-fast traffic`: bytes moved and kernel launches of one training step, with a roofline (GUIDE.md 3c).
+"""`vit-fast traffic`: bytes moved and kernel launches of one training step, with a roofline (CONTRIBUTING.md 3c).
 
 One step is forward + cross-entropy + backward, no optimizer. It is counted on CPU:
   - aten ops with a TorchDispatchMode: every non-view aten op is one launch, reading the bytes of its
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# GUIDE.md 5: measured H100 figures, A100 datasheet figures. fp32 GEMMs run as TF32 at half the rate.
+# CONTRIBUTING.md 5: measured H100 figures, A100 datasheet figures. fp32 GEMMs run as TF32 at half the rate.
 ROOFLINE = {
     "H100": dict(tflops=790.0, tb_per_s=3.0),
     "A100": dict(tflops=312.0, tb_per_s=2.0),

@@ -1,7 +1,7 @@
 """Tests of kernels/attention.py (Triton interpreter on CPU; the same tests run compiled on a GPU).
 
 Every kernel result is compared with a float64 reference; low-precision results must also stay
-within 2x the error of eager PyTorch in the same dtype (the FlashAttention rule, GUIDE.md 4).
+within 2x the error of eager PyTorch in the same dtype (the FlashAttention rule, CONTRIBUTING.md 4).
 All launcher allocations are poisoned with NaN, so an element a kernel forgets to write fails.
 """
 import math
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import vit_fast.kernels._utils as kutils
-from vit_fast.kernels import attention as A
 from tests.numerics import DEVICE, DTYPES, assert_close, bound, dtype_id, errors
 from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
+from vit_fast.kernels import attention as A
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
 SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the "+ small atol" of the 2x rule
@@ -516,8 +516,9 @@ class _Launches:
     aten ops that run meanwhile."""
 
     def __init__(self, monkeypatch):
-        import vit_fast.kernels._rows as G
         from torch.utils._python_dispatch import TorchDispatchMode
+
+        import vit_fast.kernels._rows as G
 
         self.kernels, self.aten = [], []
         log = self

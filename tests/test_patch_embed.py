@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.numerics import DTYPES, assert_close, bound, dtype_id, errors
+from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 from vit_fast.kernels import patch_embed as pe
 from vit_fast.kernels.patch_embed import patch_embed, patch_embed_bwd, patch_embed_fwd, patch_embed_ref
-from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 
 NAMES = ["images", "weight", "bias", "pos_embed", "cls_token", "reg_tokens"]
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")
@@ -221,7 +221,7 @@ def test_backward_is_bitwise_repeatable(monkeypatch):
     small = pe.patch_embed_config(80, torch.float32)
     small["dweight"] = dict(small["dweight"], BLOCK_M=16)
     monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype: small)
-    M, K, D = 2 * 4 * 6, 3 * 64, 64
+    M, D = 2 * 4 * 6, 64  # rows of the dW GEMM, width
     splits, _ = pe._dweight_split(M, D, 3 * 1, dict(small["dweight"], num_sms=small["num_sms"]))
     assert splits == 3
     inputs = make_inputs(2, 3, 32, 48, 8, D, cls=True, regs=1, seed=8)
@@ -301,7 +301,8 @@ def test_small_patches_compile_for_gpu(monkeypatch):
     report's compile workers (a real Triton build, not the interpreter)."""
     from vit_fast.tools.report import _compile_all, _python_fn
 
-    monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", True)  # PyTorch's default: fp32 dots on TF32 cores
+    # PyTorch's default: fp32 dots on TF32 cores
+    monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", True)
 
     todo = []
     for patch in (1, 2):

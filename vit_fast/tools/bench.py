@@ -195,29 +195,40 @@ def write_outputs(rows: list[dict], out_dir: str) -> list[str]:
     return written
 
 
-def plot(rows: list[dict], path: str, paths: tuple = PATHS) -> str:
+def chart(rows: list[dict], path: str, width: float, draw, ylabel: str) -> str:
+    """One PNG bar chart titled with the run's tags (GPU, torch, triton, git): ``draw(ax)`` adds the bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = sorted({(r["model"], r["dtype"], r["batch"]) for r in rows})
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
-    width = 0.8 / len(paths)
-    for j, p in enumerate(paths):
-        vals = [next((r.get("images_per_s", 0) for r in rows
-                      if (r["model"], r["dtype"], r["batch"]) == c and r["path"] == p), 0)
-                for c in cases]
-        ax.bar([i + j * width for i in range(len(cases))], vals, width, label=p)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-    ax.set_xticklabels([f"{m.replace('vit_', '').replace('_patch', '/')}\n{d} b{b}" for m, d, b in cases], fontsize=8)
-    ax.set_ylabel("training images/s")
+    fig, ax = plt.subplots(figsize=(width, 4))
+    draw(ax)
+    ax.set_ylabel(ylabel)
     ax.set_title(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, {rows[0]['git']}",
                  fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
+
+
+def plot(rows: list[dict], path: str, paths: tuple = PATHS) -> str:
+    cases = sorted({(r["model"], r["dtype"], r["batch"]) for r in rows})
+    width = 0.8 / len(paths)
+
+    def draw(ax):
+        for j, p in enumerate(paths):
+            vals = [next((r.get("images_per_s", 0) for r in rows
+                          if (r["model"], r["dtype"], r["batch"]) == c and r["path"] == p), 0)
+                    for c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], vals, width, label=p)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels([f"{m.replace('vit_', '').replace('_patch', '/')}\n{d} b{b}" for m, d, b in cases],
+                           fontsize=8)
+
+    return chart(rows, path, max(6, 2.2 * len(cases)), draw, "training images/s")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

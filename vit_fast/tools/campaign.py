@@ -437,26 +437,17 @@ def write_outputs(c: Campaign) -> list[str]:
 
 
 def plot_micro(rows: list[dict], path: str) -> None:
-    import matplotlib
+    from vit_fast.tools.bench import chart
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(ax):
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["speedup_vs_eager"] for r in rows], 0.4, label="vs eager")
+        ax.bar([i + 0.2 for i in x], [r["speedup_vs_compiled"] for r in rows], 0.4, label="vs torch.compile")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([f"{r['model']} {r['op']}\n{r['pass_']}" for r in rows], rotation=90, fontsize=6)
 
-    labels = [f"{r['model']} {r['op']}\n{r['pass_']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["speedup_vs_eager"] for r in rows], 0.4, label="vs eager")
-    ax.bar([i + 0.2 for i in x], [r["speedup_vs_compiled"] for r in rows], 0.4, label="vs torch.compile")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, rotation=90, fontsize=6)
-    ax.set_ylabel("vit_fast speedup (time ratio)")
-    ax.set_title(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, {rows[0]['git']}",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    chart(rows, path, max(6, 0.45 * len(rows)), draw, "vit_fast speedup (time ratio)")
 
 
 def _f(v, fmt="{:.2f}") -> str:

@@ -126,8 +126,6 @@ KNOWN_BELOW_BAR = {
     ("attention_fwd", 80, True): "22%: a Philox draw per score element",
     ("attention_fwd", 90, True): "11%: same cause",
     ("attention_probs", 90, False): "28%: 64x16 wgmma tiles; attention maps for inspection, outside training",
-    ("patch_embed_dweight", 80, False): "47-60%: pixels gathered inside the K loop (issue 19 part 3)",
-    ("patch_embed_dweight", 90, False): "23-25%: same cause",
 }
 
 

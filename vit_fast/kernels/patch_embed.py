@@ -18,10 +18,12 @@ token row prefix + p. Extra programs after the patch rows write the B*prefix pre
 (cls/reg + their pos_embed rows).
 
 Backward (dY = dtokens, any strides, e.g. stride 0 from ``.sum()``):
-  dW[n, k]  = sum_m dY[b, prefix+p, n] * X[m, k]   gathered again from the images; the m axis is cut
+  dW[n, k]  = sum_m dY[b, prefix+p, n] * X[m, k]   gathered again from the images, computed as the
+              transposed tile X^T @ dY (pixels on the MMA's M side, n on its N side); the m axis is cut
               into S fixed chunks, each program writes fp32 partials, a reduction kernel sums the S
-              partials in order (deterministic, no atomics). dbias[n] = sum_m dY[m, n] rides along in
-              the k=0 programs' partials.
+              partials in order (deterministic, no atomics). The row offsets of the gather advance by
+              BLOCK_M per step with carries (no div/mod by Np, Wp inside the loop). dbias[n] = sum_m dY[m, n]:
+              one extra program per n-block and split in the same launch, partials summed alike.
   dpos[t]   = sum_b dY[b, t] (t over all tokens, or the patches only), dcls = sum_b dY[b, 0],
   dreg[r]   = sum_b dY[b, 1+r]: fixed-order batch sums, extra programs of the reduction launch.
   dX[m, k]  = sum_n dY[m, n] * W[n, k] scattered back to the pixels (patches do not overlap, so every
@@ -36,8 +38,8 @@ Traffic per image (ViT-B/16, 224 px, B=256, bf16 autocast, fp32 images and param
 traffic divided by B): forward, 1 launch, reads the image once (602 KB; the other n-blocks re-read it
 from L2) and writes the tokens once (303 KB), ~0.92 MB; eager (cast images, cast weight, cast bias,
 conv, cat, add: 6 launches) moves ~3.6 MB and hands on fp32 tokens (605 KB). Backward, 2 launches:
-dY twice (dW GEMM, batch sums) + the image once + the fp32 dW partials (S=4 on sm_90: 74 KB), ~1.3 MB;
-eager ~3.1-3.5 MB in 5-6 launches. The saved activation is the caller's image (eager also keeps a bf16 copy).
+dY twice (dW GEMM, batch sums) + the image once + the fp32 dW partials written and read back (S=8 on
+sm_90: 148 KB; S=3 on sm_80: 55 KB), ~1.3-1.4 MB; eager ~3.1-3.5 MB in 5-6 launches. The saved activation is the caller's image (eager also keeps a bf16 copy).
 
 Limits: square patches (P x P, stride P, no padding; any P >= 1: for P <= 2 a K tile spans several
 channels, as tl.dot needs K >= 16), H and W positive multiples of P, float images.
@@ -172,6 +174,57 @@ def _patch_embed_fwd_kernel(
 
 
 @triton.jit
+def _int64(x):
+    """x as an int64 scalar (x may be a runtime i32 or a constexpr such as a unit stride)."""
+    return tl.full((), 0, tl.int64) + x
+
+
+@triton.jit
+def _rows_start(m, Np, Wp, P: tl.constexpr, prefix, stride_b, stride_h, stride_w, stride_tb, stride_tt):
+    """State of patch rows m = b*Np + hp*Wp + wp for _rows_advance_image / _rows_advance_tokens: (image offset,
+    hp, wp, token offset, p = hp*Wp + wp); the only divisions, once per program."""
+    b = m // Np
+    p = m % Np
+    hp = p // Wp
+    wp = p % Wp
+    img = b.to(tl.int64) * stride_b + (hp * P).to(tl.int64) * stride_h + (wp * P).to(tl.int64) * stride_w
+    tok = b.to(tl.int64) * stride_tb + (prefix + p).to(tl.int64) * stride_tt
+    return img, hp, wp, tok, p
+
+
+@triton.jit
+def _rows_advance_image(img, hp, wp, Np, Wp, P: tl.constexpr, stride_b, stride_h, stride_w, STEP: tl.constexpr):
+    """(image offset, hp, wp) of rows m + STEP from those of rows m: a mixed-radix add of STEP = (db, dh, dw)
+    in digits (b, hp < Hp, wp < Wp) with two carries, no division per element. Carries multiply (not
+    tl.where) so Triton still sees offsets divisible by the strides' alignment and vectorizes the loads."""
+    Hp = Np // Wp
+    step_h = (STEP % Np) // Wp
+    step_w = (STEP % Np) % Wp
+    wp += step_w
+    carry_w = (wp >= Wp).to(tl.int32)
+    wp -= carry_w * Wp
+    hp += step_h + carry_w
+    carry_h = (hp >= Hp).to(tl.int32)
+    hp -= carry_h * Hp
+    sb, sh, sw = _int64(stride_b), _int64(stride_h), _int64(stride_w)  # strides may be constexpr 1
+    img += ((STEP // Np) * sb + (step_h * P) * sh + (step_w * P) * sw
+            + carry_w.to(tl.int64) * (P * sh - (Wp * P) * sw) + carry_h.to(tl.int64) * (sb - (Hp * P) * sh))
+    return img, hp, wp
+
+
+@triton.jit
+def _rows_advance_tokens(tok, p, Np, stride_tb, stride_tt, STEP: tl.constexpr):
+    """(token offset, p) of rows m + STEP from those of rows m: p wraps at most once (STEP % Np < Np)."""
+    step_p = STEP % Np
+    p += step_p
+    carry = (p >= Np).to(tl.int32)
+    p -= carry * Np
+    stb, stt = _int64(stride_tb), _int64(stride_tt)
+    tok += (STEP // Np) * stb + step_p * stt + carry.to(tl.int64) * (stb - Np * stt)
+    return tok, p
+
+
+@triton.jit
 def _patch_embed_dweight_kernel(
     Part, DY, X,  # fp32 partials (S, D*K + D), K = C*P*P; dtokens (B, T, D) any strides; images
     sdb, sdt, sdd,  # dtokens strides
@@ -182,34 +235,44 @@ def _patch_embed_dweight_kernel(
     PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr, CHANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # grid (n-blocks x k-tiles, S): program (n, t, s) owns dW[n-block, k-tile t] over split s of the patches
+    # grid (n-blocks x (k-tiles + HAS_BIAS), S): program (n, t, s) owns dW[n-block, k-tile t] over split s of the
+    # patches; with a bias, program t = k-tiles of each n-block sums dbias[n-block] over the split instead
     pid = tl.program_id(0)
     split = tl.program_id(1)
     C = K // (PATCH * PATCH)
     num_t = _num_tiles(C, PATCH, ROWS, CHANS)
-    pid_n = pid // num_t
-    pid_t = pid % num_t
+    pid_n = pid // (num_t + HAS_BIAS)
+    pid_t = pid % (num_t + HAS_BIAS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
-    pix, valid, offs_k = _tile_pixels(pid_t, C, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS, CHANS)
-    cdt = DY.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, CHANS * ROWS * PATCH_PAD), dtype=tl.float32)
-    bias_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     m_begin = split * blocks_per_split * BLOCK_M
     m_end = tl.minimum(m_begin + blocks_per_split * BLOCK_M, M)
-    for m0 in range(m_begin, m_end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < m_end
-        img, tok, p = _patch_rows(offs_m, Np, Wp, PATCH, prefix, sxb, sxh, sxw, sdb, sdt)
-        dy_t = tl.load(DY + tok[None, :] + offs_n[:, None] * sdd, mask=mask_n[:, None] & mask_m[None, :], other=0.0)
-        x = tl.load(X + img[:, None] + pix[None, :], mask=mask_m[:, None] & valid[None, :], other=0.0)
-        acc = _dot(dy_t, x.to(cdt), acc, INPUT_PRECISION)
-        if HAS_BIAS:  # every k-tile sums it (cheap next to the dot); only pid_t == 0 stores it
-            bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
     row = Part + split.to(tl.int64) * (D * K + D)
-    tl.store(row + offs_n[:, None] * K + offs_k[None, :], acc, mask=mask_n[:, None] & valid[None, :])
-    if HAS_BIAS:
-        tl.store(row + D * K + offs_n, bias_acc, mask=mask_n & (pid_t == 0))
+    offs_m = m_begin + tl.arange(0, BLOCK_M)
+    img, hp, wp, tok, p = _rows_start(offs_m, Np, Wp, PATCH, prefix, sxb, sxh, sxw, sdb, sdt)
+    if pid_t < num_t:
+        # dW^T tile (pixels x n) = X^T (pixels x m) @ dY (m x n): the pixels are the MMA's M side, n its N side
+        # (wide wgmma tiles on sm_90). Row offsets advance by BLOCK_M per step without div/mod (_rows_advance_*).
+        pix, valid, offs_k = _tile_pixels(pid_t, C, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS, CHANS)
+        cdt = DY.dtype.element_ty
+        acc = tl.zeros((CHANS * ROWS * PATCH_PAD, BLOCK_N), dtype=tl.float32)
+        for m0 in range(m_begin, m_end, BLOCK_M):
+            mask_m = m0 + tl.arange(0, BLOCK_M) < m_end
+            dy = tl.load(DY + tok[:, None] + offs_n[None, :] * sdd, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+            xt = tl.load(X + img[None, :] + pix[:, None], mask=valid[:, None] & mask_m[None, :], other=0.0)
+            acc = _dot(xt.to(cdt), dy, acc, INPUT_PRECISION)
+            img, hp, wp = _rows_advance_image(img, hp, wp, Np, Wp, PATCH, sxb, sxh, sxw, BLOCK_M)
+            tok, p = _rows_advance_tokens(tok, p, Np, sdb, sdt, BLOCK_M)
+        tl.store(row + offs_n[None, :] * K + offs_k[:, None], acc, mask=valid[:, None] & mask_n[None, :])
+    else:
+        # dbias[n] = sum_m dY[m, n]: once per n-block (not per k-tile), elementwise fp32 sums, one tl.sum at the end
+        sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for m0 in range(m_begin, m_end, BLOCK_M):
+            mask_m = m0 + tl.arange(0, BLOCK_M) < m_end
+            sums += tl.load(DY + tok[:, None] + offs_n[None, :] * sdd, mask=mask_m[:, None] & mask_n[None, :],
+                            other=0.0).to(tl.float32)
+            tok, p = _rows_advance_tokens(tok, p, Np, sdb, sdt, BLOCK_M)
+        tl.store(row + D * K + offs_n, tl.sum(sums, axis=0), mask=mask_n)
 
 
 @triton.jit
@@ -295,8 +358,8 @@ def _patch_embed_dimages_kernel(
 # (split into S chunks); dimages tiles (M, K) over N. fp32 compute (IEEE dots run on FMA units, TF32
 # on tensor cores) uses smaller tiles so the fp32 operands stay in registers without spills.
 _CONFIGS = {
-    (80, 2): dict(fwd=(128, 128, 32, 8, 3), dweight=(64, 128, 64, 4, 3), dimages=(128, 64, 64, 4, 3)),
-    (90, 2): dict(fwd=(128, 128, 64, 8, 3), dweight=(64, 128, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
+    (80, 2): dict(fwd=(128, 128, 32, 8, 3), dweight=(64, 128, 64, 8, 3), dimages=(128, 64, 64, 4, 3)),
+    (90, 2): dict(fwd=(128, 128, 64, 8, 3), dweight=(64, 256, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
     (80, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
     (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
 }
@@ -475,7 +538,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
             splits, per_split = _dweight_split(M, D, k_tiles, dict(tile, num_sms=cfg["num_sms"]))
             partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
-            grid = (triton.cdiv(D, consts["BLOCK_N"]) * k_tiles, splits)
+            grid = (triton.cdiv(D, consts["BLOCK_N"]) * (k_tiles + (bias is not None)), splits)
             _patch_embed_dweight_kernel[grid](
                 partials, dtokens, images, *dtokens.stride(), *images.stride(),
                 M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)

@@ -186,7 +186,8 @@ def test_dropout_rate_within_3_sigma(p):
 
 def test_dropout_rate_quantisation_and_extremes():
     """p is quantised to t / 256 (halves up); t = 0 keeps everything (and draws no seed), t = 256 drops all."""
-    assert [kutils.dropout_threshold(p) for p in (0.0, 0.001, 0.1, 0.25, 0.5, 0.999, 1.0)] == [0, 0, 26, 64, 128, 256, 256]
+    rates = (0.0, 0.001, 0.1, 0.25, 0.5, 0.999, 1.0)
+    assert [kutils.dropout_threshold(p) for p in rates] == [0, 0, 26, 64, 128, 256, 256]
     assert kutils.dropout_threshold(1.5 / 256) == 2  # round half up
     assert A.attention_dropout_mask(7, 1, 2, 40, 0.0, device=DEVICE).all()
     assert not A.attention_dropout_mask(7, 1, 2, 40, 1.0, device=DEVICE).any()

@@ -432,6 +432,14 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     tiles than tf32 ones. The backward's two phases share one launch, hence one warp count.
     Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
     register use.
+
+    16-bit backward on sm_90, head_dim <= 64: each program owns 128 rows (two warpgroups, 8 warps, 2 stages)
+    and steps over 32 q rows in dK/dV and 64 keys in dQ, so every dot is a wgmma of N >= 32 (the former
+    64 rows owned with 16-row steps gave 64x16 wgmma tiles; its main loops read 53-56% in ``vit-fast
+    report``'s SASS ceiling, these 86-92% without dropout and 44-46% with it, no spills at 173-246
+    registers). 64x64 steps at 4 warps spill with the bias partials, at 8 warps they split into 64x32
+    wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads keep the small tiles: 64-row steps
+    with a 128-wide head spill hundreds of bytes.
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     stages = 3 if arch >= 90 else 2
@@ -455,6 +463,8 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
         # narrow 32x64 / 64x32 at 4 warps: 8-40 B spills on sm_80 (at 8 warps: 48 B without bias)
         dkdv, dq = (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)) if wide else \
             (Tile(16, 64, 4, stages), Tile(64, 16, 4, stages))
+        if not wide and arch >= 90:  # wgmma tiles of N >= 32: 128 rows owned, 32 q rows per dK/dV step
+            dkdv, dq = Tile(32, 128, 8, 2), Tile(128, 64, 8, 2)
         if wide and arch < 90:  # 128x64: 48-64 B spills with bias; 128x32 with 3 stages: 183-194 regs
             fwd = Tile(128, 32, 8, 3)
     cap = max(16, next_power_of_2(seq_len))

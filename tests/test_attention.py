@@ -308,10 +308,11 @@ def test_config_table_and_aot_specs():
     for N in (1, 7, 50, 197, 257, 577, 1025):
         for D in (32, 64, 80, 128):
             for dtype in DTYPES:
-                for arch in (80, 90):
-                    cfg = A.attention_config(N, D, dtype, arch)
-                    for tile in (cfg.fwd, cfg.dkdv, cfg.dq):
+                for arch, dropout in ((80, False), (80, True), (90, False), (90, True)):
+                    cfg = A.attention_config(N, D, dtype, arch, dropout=dropout)
+                    for tile in (cfg.fwd, cfg.dkdv, cfg.dq):  # dropout's keep tile: columns in groups of 16
                         assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
+                        assert tile.block_m % 16 == 0 and tile.block_n % 16 == 0
     specs = A.aot_specs(tokens=197, width=768, num_heads=12, dtype=torch.bfloat16, arch=90)
     assert {s.name for s in specs} == {"attention_fwd", "attention_bwd", "attention_probs"}
     for s in specs:  # every kernel argument is typed, constexprs given, alignment as a real launch

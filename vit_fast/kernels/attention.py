@@ -421,8 +421,8 @@ class AttentionConfig:
 
 
 def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
-                     input_precision: str | None = None) -> AttentionConfig:
-    """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
+                     input_precision: str | None = None, dropout: bool = False) -> AttentionConfig:
+    """Block sizes per (N, D, dtype, arch, dropout on or off): a small explicit table, no autotuning.
 
     ``vit-fast report`` compiles every entry for sm_80 and sm_90, with and without dropout and the
     qkv bias's gradient partials, and prints its registers and spills. The tiles were sized when the
@@ -440,6 +440,10 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     registers). 64x64 steps at 4 warps spill with the bias partials, at 8 warps they split into 64x32
     wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads keep the small tiles: 64-row steps
     with a 128-wide head spill hundreds of bytes.
+
+    Dropout's keep tile (16 bytes per Philox call, spread over the score tile) holds registers of its own, so
+    a few entries shrink when ``dropout`` is on, where the no-dropout tile would spill: the wide 16-bit forward
+    (sm_80 64x32 at 4 warps, sm_90 128x32) and the IEEE fp32 backward on sm_80.
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     stages = 3 if arch >= 90 else 2
@@ -453,6 +457,9 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             dkdv, dq = Tile(16, 32, 4, stages), Tile(32, 16, 4, stages)  # 144-150 regs, no spills
         if wide and arch < 90:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one 120-152 regs
             fwd = Tile(32, 16, 4, stages)
+        if dropout and arch < 90:  # the tiles above spill 8-104 B with the keep tile
+            dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
+                (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages))
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
         fwd = Tile(64, 32, warps, stages)
         # wide 16x32 / 32x16: 48 B spills on sm_90 with bias + dropout
@@ -467,6 +474,10 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             dkdv, dq = Tile(32, 128, 8, 2), Tile(128, 64, 8, 2)
         if wide and arch < 90:  # 128x64: 48-64 B spills with bias; 128x32 with 3 stages: 183-194 regs
             fwd = Tile(128, 32, 8, 3)
+        if wide and dropout:  # with the keep tile 128x32 spills 8 B on sm_80, 128x64 32-40 B on sm_90 (D = 72)
+            fwd = Tile(128, 32, 8, stages)
+            if arch < 90:  # D = 72 (masked columns) spills with every tile tried: 8 B at 128x16, 256 B at 64x32
+                fwd = Tile(64, 32, 4, 3) if head_dim % 16 == 0 else Tile(128, 16, 8, 3)
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))
@@ -594,7 +605,7 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
             H, N, D, scale, threshold, inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
             INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    static = attention_config(N, D, q.dtype, arch, precision).fwd
+    static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
                           _tuning.tile_candidates(static), launch, q.device))
 
@@ -621,7 +632,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
             BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, BIAS_GRAD=partial is not None,
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
-    static = attention_config(N, D, q.dtype, arch, precision)
+    static = attention_config(N, D, q.dtype, arch, precision, dropout)
     return launch(_tuning.choose("attention_bwd", (bucket(N), D, str(q.dtype), arch, precision, dropout,
                                                    bias_dtype is not None), _bwd_candidates(static), launch, q.device))
 
@@ -970,9 +981,9 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     block_d, values = _block_d(D), _launch_values(tokens, num_heads, D)
     specs = []
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
-        cfg = attention_config(tokens, D, dtype, arch, precision)
         tensor_cores = dtype != torch.float32 or precision == "tf32"
         for dropout in (False, True):
+            cfg = attention_config(tokens, D, dtype, arch, precision, dropout)
             note = f"N={tokens} D={D} dropout={dropout}"
             common = dict(BLOCK_D=block_d, DROPOUT=dropout, INPUT_PRECISION=precision)
             specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
@@ -983,6 +994,7 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
                 specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
                                        f"{note} qkv_bias_grad={bias_grad} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
                                        f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores, bias_grad))
+        cfg = attention_config(tokens, D, dtype, arch, precision)
         specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
                                dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
                                     INPUT_PRECISION=precision), cfg.dq,

@@ -52,8 +52,8 @@ TUTORIAL_CONFIGS = {
 
 def matmul_spec(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, gelu_a: bool = False,
                 dtype: str = "bf16"):
-    """An AotSpec (vit_fast.kernels._utils) of the reference GEMM, with the real launch's 16-alignment."""
-    from vit_fast.kernels._utils import AotSpec
+    """An AotSpec (vit_fast.kernels._aot) of the reference GEMM, with the real launch's 16-alignment."""
+    from vit_fast.kernels._aot import AotSpec
 
     ptr = "*" + dtype
     signature = dict(A=ptr, B=ptr, C=ptr, M="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_cm="i32",

@@ -167,13 +167,42 @@ def test_gradient_layout_one_buffer():
 # ---------------------------------------------------------------------------------------------- #
 # Dropout
 # ---------------------------------------------------------------------------------------------- #
-def test_dropout_rate_within_3_sigma():
-    p, B, H, N = 0.3, 2, 3, 64
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])
+def test_dropout_rate_within_3_sigma(p):
+    """The drop rate is the quantised t / 256 (p = 0.1 -> 26/256), within 3 sigma of a binomial over all draws and
+    within 4 sigma for each of the 16 column positions one Philox call serves (each reads its own byte)."""
+    B, H, N = 2, 3, 64
+    rate_q = kutils.dropout_rate(p)
+    assert rate_q == round(256 * p) / 256
     keep = A.attention_dropout_mask(1234, B, H, N, p, device=DEVICE)
     n = keep.numel()
     rate = 1 - keep.float().mean().item()
-    assert abs(rate - p) < 3 * math.sqrt(p * (1 - p) / n), f"drop rate {rate:.4f} vs p={p} over {n} draws"
+    assert abs(rate - rate_q) < 3 * math.sqrt(rate_q * (1 - rate_q) / n), f"drop rate {rate:.4f} vs {rate_q} over {n}"
+    per_position = 1 - keep.view(B, H, N, N // 16, 16).float().mean((0, 1, 2, 3))
+    sigma = math.sqrt(rate_q * (1 - rate_q) / (n // 16))
+    assert (per_position - rate_q).abs().max().item() < 4 * sigma, per_position
     assert not torch.equal(keep, A.attention_dropout_mask(1235, B, H, N, p, device=DEVICE)), "seed ignored"
+
+
+def test_dropout_rate_quantisation_and_extremes():
+    """p is quantised to t / 256 (halves up); t = 0 keeps everything (and draws no seed), t = 256 drops all."""
+    rates = (0.0, 0.001, 0.1, 0.25, 0.5, 0.999, 1.0)
+    assert [kutils.dropout_threshold(p) for p in rates] == [0, 0, 26, 64, 128, 256, 256]
+    assert kutils.dropout_threshold(1.5 / 256) == 2  # round half up
+    assert A.attention_dropout_mask(7, 1, 2, 40, 0.0, device=DEVICE).all()
+    assert not A.attention_dropout_mask(7, 1, 2, 40, 1.0, device=DEVICE).any()
+    qkv = make_qkv(1, 20, 2, 16, torch.float32)
+    state = torch.get_rng_state()
+    assert torch.equal(A.attention(qkv, 2, dropout_p=0.001, training=True), A.attention(qkv, 2))
+    assert torch.equal(torch.get_rng_state(), state), "a rate that quantises to 0 must not draw a seed"
+
+
+def test_dropout_mask_depends_only_on_seed_head_and_position():
+    """Element (i, j) of head b * H + h draws from Philox counter (j // 16, i, b * H + h): the mask of a shorter
+    sequence is the corner of a longer one's, whatever the tiling (the kernels tile it differently again)."""
+    long = A.attention_dropout_mask(99, 2, 2, 80, 0.5, device=DEVICE)
+    short = A.attention_dropout_mask(99, 2, 2, 37, 0.5, device=DEVICE)
+    assert torch.equal(short, long[..., :37, :37])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -185,6 +214,22 @@ def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
     qkv = make_qkv(B, N, H, D, dtype)
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
                    lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep), [qkv], ["dqkv"])
+
+
+def test_dropout_quantised_rate_same_mask_and_deterministic(monkeypatch):
+    """p = 0.1 runs as 26/256: the kernels scale kept values by 1 / (1 - 26/256) (1 / 0.9 would miss the fp32
+    bound by far); forward, dK/dV (transposed tiles) and dQ use the mask the helper draws; two runs are
+    bitwise equal in the output and the gradient."""
+    B, N, H, D, p, seed = 1, 50, 2, 16, 0.1, 2024
+    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
+    qkv = make_qkv(B, N, H, D, torch.float32, seed=3)
+    mine = check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
+                          lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep), [qkv],
+                          ["dqkv"])
+    grad = torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    again = run(lambda x: A.attention(x, H, dropout_p=p, training=True), [qkv], grad)
+    assert torch.equal(mine[0], again[0]) and torch.equal(mine[1][0], again[1][0])
 
 
 def test_dropout_off_paths_identical():
@@ -263,10 +308,11 @@ def test_config_table_and_aot_specs():
     for N in (1, 7, 50, 197, 257, 577, 1025):
         for D in (32, 64, 80, 128):
             for dtype in DTYPES:
-                for arch in (80, 90):
-                    cfg = A.attention_config(N, D, dtype, arch)
-                    for tile in (cfg.fwd, cfg.dkdv, cfg.dq):
+                for arch, dropout in ((80, False), (80, True), (90, False), (90, True)):
+                    cfg = A.attention_config(N, D, dtype, arch, dropout=dropout)
+                    for tile in (cfg.fwd, cfg.dkdv, cfg.dq):  # dropout's keep tile: columns in groups of 16
                         assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
+                        assert tile.block_m % 16 == 0 and tile.block_n % 16 == 0
     specs = A.aot_specs(tokens=197, width=768, num_heads=12, dtype=torch.bfloat16, arch=90)
     assert {s.name for s in specs} == {"attention_fwd", "attention_bwd", "attention_probs"}
     for s in specs:  # every kernel argument is typed, constexprs given, alignment as a real launch

@@ -4,6 +4,7 @@ programs fill a GPU. Nothing here touches a device at import time.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -96,6 +97,48 @@ def dropout_keep_mask(seed, offsets, p):
     and backward, on every run and in the interpreter. An element is kept with probability 1 - p.
     """
     return tl.rand(seed, offsets) >= p
+
+
+# Attention dropout draws 8-bit random values: its rate is quantised to multiples of 1/256.
+DROPOUT_LEVELS = 256
+
+
+def dropout_threshold(p: float) -> int:
+    """The 8-bit threshold t = round(256 p) (halves up) of ``dropout_keep_tile``: an element is kept iff its
+    random byte is >= t, so the rate actually applied is t / 256 (p = 0.1 -> 26 / 256 = 0.1016) and the kept
+    values are scaled by 1 / (1 - t / 256), which keeps the expectation exact. t = 0 (p < 1/512) keeps
+    everything and draws nothing; t = 256 (p > 511/512) drops everything."""
+    return int(math.floor(float(p) * DROPOUT_LEVELS + 0.5))
+
+
+def dropout_rate(p: float) -> float:
+    """The dropout rate ``dropout_keep_tile`` applies for a requested rate p: t / 256, t = dropout_threshold(p)."""
+    return dropout_threshold(p) / DROPOUT_LEVELS
+
+
+@triton.jit
+def dropout_keep_tile(seed, stream, rows, col_start, threshold, BLOCK_N: tl.constexpr):
+    """Keep mask of the (len(rows) x BLOCK_N) tile of columns col_start .. col_start + BLOCK_N - 1 (col_start a
+    multiple of 16) of a per-element dropout over a (rows x columns) matrix, e.g. one head's attention scores
+    (``stream`` = b * H + h, ``rows`` the query indices, columns the keys).
+
+    One Philox-4x32-10 call serves 16 elements: element (i, j) reads the counter (j // 16, i, stream, 0) under
+    key ``seed``; byte k (bits 8k .. 8k + 7) of the call's 32-bit word w decides column 16 * (j // 16) + 4w + k,
+    kept iff that byte >= ``threshold`` (``dropout_threshold(p)``, 0..256). The decision depends only on
+    (seed, stream, i, j), not on the tile: any tiling, or a transposed tile (``tl.trans`` of a tile drawn in
+    this orientation), regenerates the same mask bit for bit. Draws run on a (rows x BLOCK_N / 16) grid;
+    two rounds of ``tl.interleave`` spread the four words, two more the four bytes of each word.
+    """
+    tl.static_assert(BLOCK_N % 16 == 0, "dropout_keep_tile: BLOCK_N must be a multiple of 16")
+    zero = tl.zeros([rows.shape[0], BLOCK_N // 16], tl.uint32)
+    groups = (col_start // 16 + tl.arange(0, BLOCK_N // 16)).to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, zero + groups[None, :], zero + rows.to(tl.uint32)[:, None],
+                               zero + stream.to(tl.uint32), zero)
+    words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # column 4g + w holds word w of group g
+    lo = tl.interleave(words & 0xFF, (words >> 16) & 0xFF)  # bytes 0 and 2
+    hi = tl.interleave((words >> 8) & 0xFF, words >> 24)  # bytes 1 and 3
+    # compared as uint32: t = 256 (drop all) must not wrap to 0
+    return tl.interleave(lo, hi) >= threshold.to(tl.uint32)  # column 16g + 4w + k holds byte k of word w
 
 
 def gpu_arch(device: torch.device) -> int:

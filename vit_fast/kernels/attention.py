@@ -38,11 +38,17 @@ the same kernels) 1 forward, 1 + 1 backward (``sum_partials``).
 Dtypes: fp16 and bf16 dots run on tensor cores with fp32 accumulation; softmax, lse and all
 elementwise math are fp32; P is cast to the input dtype for the P v dot (as FlashAttention does).
 fp32 inputs use IEEE fp32 dots unless torch.backends.cuda.matmul.allow_tf32 is True (then tf32).
-Dropout regenerates its mask in every kernel from (seed, ((b * H + h) * N + i) * N + j) with the
-shared Philox helper ``dropout_keep_mask``; the mask is never stored. The seed is a 1-element CPU
-tensor from ``_utils.next_seed()`` (torch's CPU generator: ``torch.manual_seed`` and checkpointing
-replay it), read as an int only inside the custom ops (torch.compile traces it, no graph break)
-and saved for backward.
+Dropout is 8-bit, like FlashAttention's: each score element gets a random byte and is kept iff the byte is
+>= t = round(256 p), so the rate applied is t / 256 (p = 0.1 runs as 26/256 = 0.1016; ``dropout_rate(p)``
+says which) and kept values are scaled by 1 / (1 - t / 256), which keeps the expectation exact (t = 0 draws
+nothing, t = 256 drops everything). One Philox-4x32-10 call serves 16 elements: element (i, j) of head
+b * H + h reads byte k of word w of the call at counter (j // 16, i, b * H + h, 0), j = 16 (j // 16) + 4w + k
+(``_utils.dropout_keep_tile``). Every kernel regenerates the mask from (seed, head, i, j), never stored:
+the forward and dQ on their (q rows x keys) tiles, dK/dV on the same tile transposed, bitwise the same
+mask. One Philox per element (the former draw) cost 4-5x the loop's instructions; one per 16 costs about
+twice the loop without dropout. The seed is a 1-element CPU tensor from ``_utils.next_seed()`` (torch's CPU
+generator: ``torch.manual_seed`` and checkpointing replay it), read as an int only inside the custom ops
+(torch.compile traces it, no graph break) and saved for backward.
 
 Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probability), head_dim
 1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory).
@@ -81,7 +87,9 @@ from ._utils import (
     check_kernel_device,
     check_ndim,
     check_shape,
-    dropout_keep_mask,
+    dropout_keep_tile,
+    dropout_rate,
+    dropout_threshold,
     gpu_arch,
     next_power_of_2,
     next_seed,
@@ -152,7 +160,7 @@ def _attention_fwd_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     num_heads, seq_len, head_dim,
     scale,  # softmax scale
-    dropout_p, inv_keep, seed,  # dropout probability, 1 / (1 - p) (0 when p == 1), Philox seed
+    drop_threshold, inv_keep, seed,  # dropout: 8-bit threshold t, 256 / (256 - t) (0 when t == 256), Philox seed
     BLOCK_M: tl.constexpr,  # q rows per program
     BLOCK_N: tl.constexpr,  # k/v rows per loop step
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16)
@@ -184,8 +192,7 @@ def _attention_fwd_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            offsets = (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
-            p = tl.where(dropout_keep_mask(seed, offsets, dropout_p), p, 0.0)
+            p = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), p, 0.0)
         v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -204,7 +211,7 @@ def _bwd_dkdv(
     dk_head, dv_head, PK, PV, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-    seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
@@ -235,7 +242,8 @@ def _bwd_dkdv(
         pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
         if DROPOUT:
-            keep = dropout_keep_mask(seed, (row_base + rows[None, :]) * seq_len + cols[:, None], dropout_p)
+            # drawn as the (q rows x k/v rows) tile the forward and dQ draw, then transposed: the same bits
+            keep = tl.trans(dropout_keep_tile(seed, bh, rows, tile * BLOCK_N, drop_threshold, BLOCK_N))
             dv += tl.dot(tl.where(keep, pT * inv_keep, 0.0).to(do.dtype), do, input_precision=INPUT_PRECISION)
             dpT = tl.where(keep, dpT * inv_keep, 0.0)
         else:
@@ -258,7 +266,7 @@ def _bwd_dq(
     dq_head, PQ, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-    seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+    seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
@@ -288,8 +296,7 @@ def _bwd_dq(
         p = tl.where(col_ok[None, :], p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         if DROPOUT:
-            offsets = (row_base + rows[:, None]) * seq_len + cols[None, :]
-            dp = tl.where(dropout_keep_mask(seed, offsets, dropout_p), dp * inv_keep, 0.0)
+            dp = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
 
@@ -313,7 +320,7 @@ def _attention_bwd_kernel(
     stride_gb, stride_gh, stride_gn, stride_gd,  # dO
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
     num_heads, seq_len, head_dim,
-    scale, dropout_p, inv_keep, seed,
+    scale, drop_threshold, inv_keep, seed,
     BLOCK: tl.constexpr,  # rows owned: k/v rows in the dK/dV phase, q rows in the dQ phase
     KV_BLOCK_M: tl.constexpr,  # dK/dV phase: q rows per loop step
     Q_BLOCK_N: tl.constexpr,  # dQ phase: k/v rows per loop step
@@ -335,7 +342,7 @@ def _attention_bwd_kernel(
               _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-              seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+              seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh), PQ,
             _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
@@ -343,7 +350,7 @@ def _attention_bwd_kernel(
             _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-            seq_len, head_dim, scale, dropout_p, inv_keep, seed,
+            seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
             BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
 
 
@@ -377,11 +384,17 @@ def _attention_probs_kernel(
 
 
 @triton.jit
-def _attention_dropout_mask_kernel(Keep, seq_len, dropout_p, seed, BLOCK: tl.constexpr):
-    """Test helper: materialise the keep mask (B * H, N, N) exactly as the kernels draw it."""
-    local = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offsets = tl.program_id(1).to(tl.int64) * seq_len * seq_len + local
-    tl.store(Keep + offsets, dropout_keep_mask(seed, offsets, dropout_p).to(tl.int8), mask=local < seq_len * seq_len)
+def _attention_dropout_mask_kernel(Keep, seq_len, drop_threshold, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Test helper: materialise the keep mask (B * H, N, N) exactly as the kernels draw it (program (tile, bh)
+    writes BLOCK_M query rows of head bh, BLOCK_N keys at a time)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_len
+    keep_rows = Keep + (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len
+    for start_n in range(0, seq_len, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        keep = dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N)
+        tl.store(keep_rows + cols[None, :], keep.to(tl.int8), mask=row_ok[:, None] & (cols < seq_len)[None, :])
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -408,8 +421,8 @@ class AttentionConfig:
 
 
 def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
-                     input_precision: str | None = None) -> AttentionConfig:
-    """Block sizes per (N, D, dtype, arch): a small explicit table, no autotuning.
+                     input_precision: str | None = None, dropout: bool = False) -> AttentionConfig:
+    """Block sizes per (N, D, dtype, arch, dropout on or off): a small explicit table, no autotuning.
 
     ``vit-fast report`` compiles every entry for sm_80 and sm_90, with and without dropout and the
     qkv bias's gradient partials, and prints its registers and spills. The tiles were sized when the
@@ -419,6 +432,18 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     tiles than tf32 ones. The backward's two phases share one launch, hence one warp count.
     Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
     register use.
+
+    16-bit backward on sm_90, head_dim <= 64: each program owns 128 rows (two warpgroups, 8 warps, 2 stages)
+    and steps over 32 q rows in dK/dV and 64 keys in dQ, so every dot is a wgmma of N >= 32 (the former
+    64 rows owned with 16-row steps gave 64x16 wgmma tiles; its main loops read 53-56% in ``vit-fast
+    report``'s SASS ceiling, these 86-92% without dropout and 44-46% with it, no spills at 173-246
+    registers). 64x64 steps at 4 warps spill with the bias partials, at 8 warps they split into 64x32
+    wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads keep the small tiles: 64-row steps
+    with a 128-wide head spill hundreds of bytes.
+
+    Dropout's keep tile (16 bytes per Philox call, spread over the score tile) holds registers of its own, so
+    a few entries shrink when ``dropout`` is on, where the no-dropout tile would spill: the wide 16-bit forward
+    (sm_80 64x32 at 4 warps, sm_90 128x32) and the IEEE fp32 backward on sm_80.
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     stages = 3 if arch >= 90 else 2
@@ -432,6 +457,9 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             dkdv, dq = Tile(16, 32, 4, stages), Tile(32, 16, 4, stages)  # 144-150 regs, no spills
         if wide and arch < 90:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one 120-152 regs
             fwd = Tile(32, 16, 4, stages)
+        if dropout and arch < 90:  # the tiles above spill 8-104 B with the keep tile
+            dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
+                (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages))
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
         fwd = Tile(64, 32, warps, stages)
         # wide 16x32 / 32x16: 48 B spills on sm_90 with bias + dropout
@@ -442,8 +470,14 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
         # narrow 32x64 / 64x32 at 4 warps: 8-40 B spills on sm_80 (at 8 warps: 48 B without bias)
         dkdv, dq = (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)) if wide else \
             (Tile(16, 64, 4, stages), Tile(64, 16, 4, stages))
+        if not wide and arch >= 90:  # wgmma tiles of N >= 32: 128 rows owned, 32 q rows per dK/dV step
+            dkdv, dq = Tile(32, 128, 8, 2), Tile(128, 64, 8, 2)
         if wide and arch < 90:  # 128x64: 48-64 B spills with bias; 128x32 with 3 stages: 183-194 regs
             fwd = Tile(128, 32, 8, 3)
+        if wide and dropout:  # with the keep tile 128x32 spills 8 B on sm_80, 128x64 32-40 B on sm_90 (D = 72)
+            fwd = Tile(128, 32, 8, stages)
+            if arch < 90:  # D = 72 (masked columns) spills with every tile tried: 8 B at 128x16, 256 B at 64x32
+                fwd = Tile(64, 32, 4, 3) if head_dim % 16 == 0 else Tile(128, 16, 8, 3)
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))
@@ -554,23 +588,24 @@ def _heads_view(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.unflatten(-1, (num_heads, t.shape[-1] // num_heads)).transpose(1, 2)
 
 
-def _dropout_args(dropout_p: float):
-    inv_keep = 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
-    return dropout_p > 0.0, inv_keep
+def _dropout_args(dropout_p: float) -> tuple[bool, int, float]:
+    """(draw a mask at all, the 8-bit threshold t, the scale 1 / (1 - t / 256) of kept values, 0 when t == 256)."""
+    threshold = dropout_threshold(dropout_p)
+    return threshold > 0, threshold, (0.0 if threshold >= 256 else 256.0 / (256 - threshold))
 
 
 def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
     B, H, N, D = q.shape
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
-    dropout, inv_keep = _dropout_args(dropout_p)
+    dropout, threshold, inv_keep = _dropout_args(dropout_p)
 
     def launch(cfg: Tile) -> None:
         _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
             out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            H, N, D, scale, dropout_p, inv_keep, seed,
+            H, N, D, scale, threshold, inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
             INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    static = attention_config(N, D, q.dtype, arch, precision).fwd
+    static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
                           _tuning.tile_candidates(static), launch, q.device))
 
@@ -583,7 +618,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     d(bias) (3 * H * D,) in that dtype."""
     B, H, N, D = q.shape
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
-    dropout, inv_keep = _dropout_args(dropout_p)
+    dropout, threshold, inv_keep = _dropout_args(dropout_p)
 
     def launch(cfg: AttentionConfig) -> Optional[torch.Tensor]:
         partial = None if bias_dtype is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D),
@@ -592,12 +627,12 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
         _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
             dq, dk, dv, *slabs, q, k, v, out, do, lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
-            H, N, D, scale, dropout_p, inv_keep, seed,
+            H, N, D, scale, threshold, inv_keep, seed,
             BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
             BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, BIAS_GRAD=partial is not None,
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
-    static = attention_config(N, D, q.dtype, arch, precision)
+    static = attention_config(N, D, q.dtype, arch, precision, dropout)
     return launch(_tuning.choose("attention_bwd", (bucket(N), D, str(q.dtype), arch, precision, dropout,
                                                    bias_dtype is not None), _bwd_candidates(static), launch, q.device))
 
@@ -746,7 +781,7 @@ def _dropout_and_seed(dropout_p: float, training: bool) -> tuple[float, Optional
     """(p, seed): a ``next_seed()`` tensor only when dropout is active (else None, nothing drawn).
     dropout_p was checked by the caller."""
     p = float(dropout_p) if training else 0.0
-    return p, (next_seed() if p > 0.0 else None)
+    return p, (next_seed() if dropout_threshold(p) > 0 else None)
 
 
 def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale: float | None, dropout_p: float,
@@ -766,7 +801,12 @@ def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = 
 
 def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
               training: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D)."""
+    """softmax(q k^T * scale) v from the packed qkv (B, N, 3 * H * D) -> (B, N, H * D).
+
+    ``dropout_p`` (in [0, 1], applied when ``training``) is quantised to a multiple of 1/256: the kernels
+    drop t / 256 of the probabilities, t = round(256 p) (p = 0.1 -> 26/256), and scale the rest by
+    1 / (1 - t / 256); ``dropout_rate(p)`` returns the rate applied. The same holds for every functional
+    here (``attention_linear``, ``attention_qkv``, ``attention_with_lse``)."""
     head_dim = _check_attention("attention", qkv, num_heads, dropout_p)
     return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training)[0]
 
@@ -838,11 +878,13 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
 
 def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, dropout_p: float,
                            device="cpu") -> torch.Tensor:
-    """Test helper: the bool keep mask (B, H, N, N) the kernels draw for ``seed`` (small sizes only)."""
+    """Test helper: the bool keep mask (B, H, N, N) the kernels draw for ``seed`` (small sizes only); rate
+    ``dropout_rate(dropout_p)``. Drawn in tiles of another shape than the training kernels' on purpose:
+    the mask depends only on (seed, b * H + h, i, j)."""
     keep = _empty((batch * num_heads, seq_len, seq_len), torch.int8, torch.device(device))
-    block = 1024
-    _attention_dropout_mask_kernel[(triton.cdiv(seq_len * seq_len, block), batch * num_heads)](
-        keep, seq_len, dropout_p, seed, BLOCK=block)
+    block_m = 16
+    _attention_dropout_mask_kernel[(triton.cdiv(seq_len, block_m), batch * num_heads)](
+        keep, seq_len, dropout_threshold(dropout_p), seed, BLOCK_M=block_m, BLOCK_N=32)
     return keep.view(batch, num_heads, seq_len, seq_len).bool()
 
 
@@ -853,10 +895,11 @@ def attention_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     replaces the random draw, so a test can hand the reference the kernel's exact mask."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     attn = ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+    rate = dropout_rate(dropout_p)  # the kernels' rate: p quantised to a multiple of 1/256
     if dropout_mask is not None:
-        attn = attn * dropout_mask * (0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p))
-    elif training and dropout_p > 0.0:
-        attn = torch.nn.functional.dropout(attn, dropout_p)
+        attn = attn * dropout_mask * (0.0 if rate >= 1.0 else 1.0 / (1.0 - rate))
+    elif training and rate > 0.0:
+        attn = torch.nn.functional.dropout(attn, rate)
     return attn @ v
 
 
@@ -877,7 +920,7 @@ def attention_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 # ------------------------------------------------------------------------------ ahead-of-time specs
-_FLOAT_ARGS = ("scale", "dropout_p", "inv_keep")
+_FLOAT_ARGS = ("scale", "inv_keep")
 
 
 def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]:
@@ -938,9 +981,9 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     block_d, values = _block_d(D), _launch_values(tokens, num_heads, D)
     specs = []
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
-        cfg = attention_config(tokens, D, dtype, arch, precision)
         tensor_cores = dtype != torch.float32 or precision == "tf32"
         for dropout in (False, True):
+            cfg = attention_config(tokens, D, dtype, arch, precision, dropout)
             note = f"N={tokens} D={D} dropout={dropout}"
             common = dict(BLOCK_D=block_d, DROPOUT=dropout, INPUT_PRECISION=precision)
             specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
@@ -951,6 +994,7 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
                 specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
                                        f"{note} qkv_bias_grad={bias_grad} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
                                        f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores, bias_grad))
+        cfg = attention_config(tokens, D, dtype, arch, precision)
         specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
                                dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
                                     INPUT_PRECISION=precision), cfg.dq,

@@ -58,6 +58,12 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "l
 _TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed",
                     "linear_act": "GEMM", "swiglu": "elementwise",
                     "sum_partials": "elementwise"}  # the fixed-order parameter-gradient sums (kernels/_rows.py)
+# GEMM kernels whose tile rows run over batch x tokens: at the small count batches their last row tile is mostly
+# padding (wrapped rows) that a batch of 256 does not have (at most one tile in 50k rows), so counting tl.dot's
+# tile FLOPs would not extrapolate in the batch; they count 2*M*N*K from their M, N, K arguments instead. Attention
+# tiles run over one image's tokens: their padding is per image, real on a GPU, and counted.
+# (patch_embed's three GEMMs have the same padding; they are 0.3% of the step's FLOPs and are counted by tile.)
+_GEMM_FLOPS_FROM_ARGS = ("_linear_act_fwd_kernel", "_linear_act_bwd_kernel")
 
 
 @dataclass
@@ -234,6 +240,9 @@ class StepCounter(TorchDispatchMode):
                 op.seconds = time.perf_counter() - start
                 op.bytes_read = _distinct_bytes(counter._addresses["r"])
                 op.bytes_written = _distinct_bytes(counter._addresses["w"])
+                if fn.__name__ in _GEMM_FLOPS_FROM_ARGS:
+                    named = {**dict(zip(fn_self.arg_names, args)), **kwargs}
+                    op.flops = 2.0 * float(named["M"]) * float(named["N"]) * float(named["K"])
                 counter.ops.append(op)
                 if key is not None:
                     counter.memo[key] = op

@@ -173,3 +173,30 @@ def test_inductor_unavailable_is_clear(monkeypatch):
     monkeypatch.delattr(GraphLowering, "compile_to_module")
     with pytest.raises(inductor_count.InductorCountUnavailable, match="compile_to_module"):
         inductor_count._Inductor()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="max-autotune lowers where a GPU can time its choices")
+def test_max_autotune_without_a_gpu_is_unavailable_with_the_reason():
+    """max-autotune benchmarks its GEMM choices on the device while lowering: without a GPU the count says so."""
+    model = traffic.build_model("timm_eager", TINY, depth=1)
+    with pytest.raises(inductor_count.InductorCountUnavailable, match="could not lower the forward graph"):
+        inductor_count.count_compiled_step(model, 2, torch.bfloat16, mode="max-autotune")
+
+
+def test_verdict_checks_the_targets_and_prints_the_floor():
+    def path(name, gemm_tflop, other_gb, triton_tflop=0.0):
+        ops = [traffic.Op("mm", "GEMM", 10, 0.0, 0.0, gemm_tflop * 1e12),
+               traffic.Op("add", "elementwise", 10, other_gb * 1e9, 0.0, 0.0)]
+        if triton_tflop:
+            ops.append(traffic.Op("_linear_act_fwd_kernel", "GEMM", 10, 0.0, 0.0, triton_tflop * 1e12, triton=True))
+        return _path(name, ops)
+
+    by_path = {"timm_eager": path("timm_eager", 10, 100), "timm_compile": path("timm_compile", 10, 60),
+               "vit_fast": path("vit_fast", 8, 10, triton_tflop=2)}
+    text = predict.verdict(by_path, torch.bfloat16, {"H100": {"linear_act_fwd": 1.0}})
+    t = {p: predict.predicted_step(r, "H100", torch.bfloat16, {"linear_act_fwd": 1.0})["seconds"]
+         for p, r in by_path.items()}
+    assert f"vs timm eager: {t['timm_eager'] / t['vit_fast']:.2f}x" in text
+    assert "bytes / torch.compile's: 0.17x (target <= 0.7x): met" in text
+    ideal = predict.predicted_step(by_path["vit_fast"], "H100", torch.bfloat16, {}, calibration=1.0)["seconds"]
+    assert ideal < t["vit_fast"] and f"{ideal * 1e3:.1f} ms" in text

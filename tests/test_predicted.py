@@ -148,6 +148,21 @@ def test_measured_joins_predicted_per_family():
     assert "(predicted as A100)" in shown and "A100-SXM4" in shown
 
 
+def test_device_kernels_from_profiler_events():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, device, us):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event("aten::mm", DeviceType.CPU, 50.0), event("nvjet_tst_a", DeviceType.CUDA, 30.0),
+              event("triton_poi_fused_add_0", DeviceType.CUDA, 5.0)]
+    kernels = predict.device_kernels(events)
+    assert kernels == [("nvjet_tst_a", pytest.approx(30e-6)), ("triton_poi_fused_add_0", pytest.approx(5e-6))]
+    assert predict.measured_by_family(kernels)["GEMM"]["launches"] == 1
+
+
 def test_timing_skips_cleanly_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     measured = predict.measure_paths(TINY, 2, "bf16", ["timm_eager"])

@@ -298,6 +298,13 @@ def measured_by_family(kernels) -> dict[str, dict]:
     return {fam: out[fam] for fam in FAMILIES if fam in out}
 
 
+def device_kernels(events) -> list[tuple[str, float]]:
+    """(name, seconds) of the device-side events of a torch.profiler trace: the kernels (and memsets / copies),
+    each with its own time range in microseconds; host-side events are left out."""
+    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in events
+            if str(getattr(e, "device_type", "")).endswith("CUDA")]
+
+
 def join_families(predicted: dict[str, float], measured: dict[str, dict], steps: int = 1) -> list[tuple]:
     """Rows (family, predicted s, measured s per step, measured launches per step, measured / predicted),
     FAMILIES order, a family present on either side; then a 'total' row."""
@@ -365,9 +372,7 @@ def profile_families(path: str, preset: str, batch: int, dtype: torch.dtype, ste
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = [(e.name, (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e6)
-               for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    fams = measured_by_family(kernels)
+    fams = measured_by_family(device_kernels(prof.events()))
     return dict(families={f: dict(seconds=v["seconds"] / steps, launches=v["launches"] / steps)
                           for f, v in fams.items()},
                 step_s=sorted(times)[len(times) // 2], gpu=torch.cuda.get_device_name())

@@ -20,6 +20,11 @@ same ops on the same shapes, so every sum is affine in depth and is evaluated at
 (tests check both extrapolations against direct counts). The roofline lower bound of an op is
 max(FLOPs / peak, bytes / bandwidth) with the guide's
 measured H100 and A100 figures; the step time is the sum over ops, launch overhead excluded.
+
+timm under torch.compile is counted by lowering inductor's code for a fake H100 (vit_fast.tools.inductor_count),
+directly at the batch and full depth. ``--predict`` turns the counts into a PREDICTED step time per path on
+H100 and A100 with SASS ceilings and library efficiencies (vit_fast.tools.predict), and with a GPU at hand
+times the paths and prints measured beside predicted per op family.
 """
 from __future__ import annotations
 

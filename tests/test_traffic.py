@@ -9,6 +9,13 @@ from vit_fast.tools import traffic
 from . import fixture_kernels as fixture
 
 TINY = "vit_tiny_patch16_224"
+# Issue 25's levels reached on vit_tiny at batch 256 (measured value in the comment; bound with a small margin):
+BYTES_VS_COMPILE = 0.71  # vit_fast / timm torch.compile bytes: 0.698
+BYTES_VS_COMPILE_BF16 = 0.62  # with residual_in_fp32=False: 0.610
+LAUNCHES = 400  # vit_fast launches per step: 396 (torch.compile 604, eager 657)
+SPEEDUP_VS_EAGER = 1.68  # PREDICTED H100 step, ceilings at 100%: eager / vit_fast 1.706
+SPEEDUP_VS_COMPILE = 1.40  # compile / vit_fast 1.416
+SPEEDUP_VS_COMPILE_BF16 = 1.55  # compile / vit_fast with residual_in_fp32=False 1.575
 
 
 def test_aten_ops_count_tensor_bytes_flops_and_skip_views():
@@ -141,3 +148,53 @@ def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
         ratio = (f["read"] + f["written"]) / (e["read"] + e["written"])
         assert f["launches"] < e["launches"], f"{ours.path} vs {reference.path}: launches" + detail
         assert ratio <= bound, f"{ours.path} / {reference.path} bytes = {ratio:.3f} > {bound}" + detail
+    _hold_predicted_levels(eager_sdpa, fused, fused_bf16, detail)
+
+
+def _hold_predicted_levels(eager, fused, fused_bf16, detail):
+    """Issue 25 on vit_tiny: against timm under torch.compile (counted through inductor), bytes and launches,
+    and the PREDICTED H100 step against eager and compile, held to the levels reached (measured value in the
+    comment, bound with a small margin). The SASS ceilings enter at 100% here: tests/test_sass.py holds them,
+    this test holds what the counts decide (bytes, launches, which kernels carry the FLOPs)."""
+    from vit_fast.tools import predict
+
+    compiled = traffic.measure("timm_compile", TINY, 256)
+    detail += "\n" + traffic.format_summary([eager, compiled, fused, fused_bf16])
+    moved = {r.path: r.totals()["read"] + r.totals()["written"] for r in (compiled, fused, fused_bf16)}
+    launches = {r.path: r.totals()["launches"] for r in (eager, compiled, fused, fused_bf16)}
+    step = {r.path: predict.predicted_step(r, "H100", torch.bfloat16, {})["seconds"]
+            for r in (eager, compiled, fused, fused_bf16)}
+    levels = {  # (value, bound): vit_fast / compile bytes, launches; eager / vit_fast and compile / vit_fast time
+        "bytes vs compile": (moved["vit_fast"] / moved["timm_compile"], BYTES_VS_COMPILE),
+        "bytes vs compile, bf16 stream": (moved["vit_fast_bf16_residual"] / moved["timm_compile"],
+                                          BYTES_VS_COMPILE_BF16),
+        "launches": (launches["vit_fast"], LAUNCHES),
+    }
+    for label, (value, bound) in levels.items():
+        assert value <= bound, f"{label}: {value:.3f} > {bound}" + detail
+    speedups = {
+        "eager / vit_fast": (step["timm_eager"] / step["vit_fast"], SPEEDUP_VS_EAGER),
+        "compile / vit_fast": (step["timm_compile"] / step["vit_fast"], SPEEDUP_VS_COMPILE),
+        "compile / vit_fast bf16 stream": (step["timm_compile"] / step["vit_fast_bf16_residual"],
+                                           SPEEDUP_VS_COMPILE_BF16),
+    }
+    for label, (value, bound) in speedups.items():
+        assert value >= bound, f"PREDICTED {label}: {value:.3f} < {bound}" + detail
+    assert launches["timm_compile"] < launches["timm_eager"] and moved["timm_compile"] < sum(
+        eager.totals()[k] for k in ("read", "written")), detail
+
+
+def test_batch_spanning_gemm_counts_rows_with_data_not_tile_padding():
+    """linear_act's rows run over batch x tokens: 50 rows in a 64- or 128-row tile count as 50, so counts at
+    small batches extrapolate to 2*M*N*K at batch 256 (the padding there is at most one tile)."""
+    from vit_fast.kernels.linear_act import linear_act
+
+    x = torch.randn(50, 64, requires_grad=True)
+    w1, b1, w2 = torch.randn(96, 64), torch.randn(96), torch.randn(64, 96)
+    with traffic.StepCounter() as c:
+        linear_act(x, w1, b1, w2, "gelu").sum().backward()
+    fwd = [o for o in c.ops if o.name == "_linear_act_fwd_kernel"]
+    bwd = [o for o in c.ops if o.name == "_linear_act_bwd_kernel"]
+    assert len(fwd) == 1 and len(bwd) == 1
+    assert fwd[0].flops == 2 * 50 * 64 * 96  # x @ w1^T
+    assert bwd[0].flops == 2 * 50 * 64 * 96  # dy @ w2

@@ -20,6 +20,11 @@ same ops on the same shapes, so every sum is affine in depth and is evaluated at
 (tests check both extrapolations against direct counts). The roofline lower bound of an op is
 max(FLOPs / peak, bytes / bandwidth) with the guide's
 measured H100 and A100 figures; the step time is the sum over ops, launch overhead excluded.
+
+timm under torch.compile is counted by lowering inductor's code for a fake H100 (vit_fast.tools.inductor_count),
+directly at the batch and full depth. ``--predict`` turns the counts into a PREDICTED step time per path on
+H100 and A100 with SASS ceilings and library efficiencies (vit_fast.tools.predict), and with a GPU at hand
+times the paths and prints measured beside predicted per op family.
 """
 from __future__ import annotations
 
@@ -58,6 +63,12 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "l
 _TRITON_FAMILIES = {"layer_norm": "norm", "attention": "attention", "bias_gelu": "elementwise", "patch_embed": "embed",
                     "linear_act": "GEMM", "swiglu": "elementwise",
                     "sum_partials": "elementwise"}  # the fixed-order parameter-gradient sums (kernels/_rows.py)
+# GEMM kernels whose tile rows run over batch x tokens: at the small count batches their last row tile is mostly
+# padding (wrapped rows) that a batch of 256 does not have (at most one tile in 50k rows), so counting tl.dot's
+# tile FLOPs would not extrapolate in the batch; they count 2*M*N*K from their M, N, K arguments instead. Attention
+# tiles run over one image's tokens: their padding is per image, real on a GPU, and counted.
+# (patch_embed's three GEMMs have the same padding; they are 0.3% of the step's FLOPs and are counted by tile.)
+_GEMM_FLOPS_FROM_ARGS = ("_linear_act_fwd_kernel", "_linear_act_bwd_kernel")
 
 
 @dataclass
@@ -234,6 +245,9 @@ class StepCounter(TorchDispatchMode):
                 op.seconds = time.perf_counter() - start
                 op.bytes_read = _distinct_bytes(counter._addresses["r"])
                 op.bytes_written = _distinct_bytes(counter._addresses["w"])
+                if fn.__name__ in _GEMM_FLOPS_FROM_ARGS:
+                    named = {**dict(zip(fn_self.arg_names, args)), **kwargs}
+                    op.flops = 2.0 * float(named["M"]) * float(named["N"]) * float(named["K"])
                 counter.ops.append(op)
                 if key is not None:
                     counter.memo[key] = op
@@ -486,79 +500,6 @@ def measure_compiled(preset: str, batch: int, dtype: torch.dtype = torch.bfloat1
 
 
 # ----------------------------------------------------------------------------------------------
-# Predicted time (issue 25): max(bytes / bandwidth, FLOPs / (peak x efficiency)) + launches x overhead
-
-LAUNCH_OVERHEAD_S = 4e-6  # per kernel launch, back to back on one stream (a few microseconds)
-# Library ops: cuBLAS measured 769-798 TFLOP/s on an 8192^3 bf16 GEMM on H100/H200 (0.78-0.81 of 989); ViT's GEMMs
-# are smaller (M = 50k tokens, N, K = 768-4096 for ViT-B): assume 0.70 of the dense peak. FlashAttention at
-# head_dim 64 and 197 tokens: 0.40 (the tutorial flash-attention forward measures 0.40-0.61; short sequences sit low).
-LIBRARY_EFFICIENCY = {"GEMM": 0.70, "attention": 0.40, "embed": 0.50, "other": 0.50, "norm": 0.50, "elementwise": 0.50}
-# Triton tensor-core kernels: the SASS ceiling (vit-fast report) x this factor. The tutorial GEMM reads a 100% ceiling
-# and is measured at 53% of peak on an H100 and 69-86% on an A100 (triton #3672, #743): take the low end.
-TRITON_CALIBRATION = {"H100": 0.53, "A100": 0.69}
-# Dense 16-bit peaks (datasheet; the bandwidths are ROOFLINE's measured figures).
-DENSE_PEAK_TFLOPS = {"H100": 989.0, "A100": 312.0}
-
-
-def predicted_op_s(op: Op, gpu: str, dtype: torch.dtype, ceilings: dict | None = None) -> float:
-    """One op's predicted seconds on `gpu`. `ceilings` maps a vit_fast Triton kernel family ("GEMM", "attention",
-    "embed") to its SASS ceiling on that GPU's arch; kernels without tensor-core work are bound by bytes."""
-    peak = DENSE_PEAK_TFLOPS[gpu] * 1e12 * (0.5 if dtype == torch.float32 else 1.0)
-    if op.triton and op.flops:
-        eff = (ceilings or {}).get(op.family, 1.0) * TRITON_CALIBRATION[gpu]
-    else:
-        eff = LIBRARY_EFFICIENCY.get(op.family, 0.5)
-    compute = op.flops / (peak * eff) if op.flops else 0.0
-    return max(op.bytes / (ROOFLINE[gpu]["tb_per_s"] * 1e12), compute) + op.launches * LAUNCH_OVERHEAD_S
-
-
-def predicted_step(r: PathResult, gpu: str, dtype: torch.dtype, ceilings: dict | None = None) -> dict:
-    """Predicted step seconds, images/s and MFU (model FLOPs / (step x dense peak)) from a path's op groups."""
-    total = 0.0
-    for (family, name, triton), g in r.groups.items():
-        n = max(g["launches"], 1.0)
-        per = Op(name, family, 1, g["read"] / n, g["written"] / n, g["flops"] / n, triton=triton)
-        total += n * predicted_op_s(per, gpu, dtype, ceilings)
-    flops = r.totals()["flops"]
-    peak = DENSE_PEAK_TFLOPS[gpu] * 1e12
-    return dict(seconds=total, images_per_s=r.batch / total, mfu=flops / (total * peak))
-
-
-def ceilings_from_report(arch: int, dtype_name: str = "bf16", presets=("vit_base_patch16_224",)) -> dict:
-    """The worst SASS ceiling per Triton family of vit_fast's shipped tensor-core configs (no dropout), as
-    `vit-fast report` measures it (compiles, cached)."""
-    from vit_fast.tools import report
-
-    rows = report.run_report(presets, (dtype_name,), (arch,), tensor_core_only=True)
-    out: dict = {}
-    for row in rows:
-        if row.ceiling is None or "DROPOUT=True" in row.config or row.kernel == "attention_probs":
-            continue
-        family = triton_family(row.kernel, row.kernel)
-        out[family] = min(out.get(family, 1.0), row.ceiling)
-    return out
-
-
-def format_predicted(results: list[PathResult], dtype: torch.dtype, ceilings_by_gpu: dict) -> str:
-    head = ("path (PREDICTED, not measured)", "H100 ms", "H100 img/s", "H100 MFU", "A100 ms", "A100 img/s", "A100 MFU")
-    widths = (44, 8, 10, 8, 8, 10, 8)
-    lines = [_row(head, widths)]
-    for r in results:
-        cells = [PATH_LABELS.get(r.path, r.path)]
-        for gpu in ("H100", "A100"):
-            p = predicted_step(r, gpu, dtype, ceilings_by_gpu.get(gpu))
-            cells += [f"{p['seconds'] * 1e3:.1f}", f"{p['images_per_s']:.0f}", f"{p['mfu']:.0%}"]
-        lines.append(_row(cells, widths))
-    lines.append(f"model: per op max(bytes / bandwidth, FLOPs / (dense peak x efficiency)) "
-                 f"+ {LAUNCH_OVERHEAD_S * 1e6:.0f} us "
-                 f"per launch; library efficiency {LIBRARY_EFFICIENCY['GEMM']} (GEMM), "
-                 f"{LIBRARY_EFFICIENCY['attention']} "
-                 f"(SDPA); Triton tensor-core kernels: SASS ceiling x {TRITON_CALIBRATION} ; "
-                 f"ceilings used: {ceilings_by_gpu}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
 # Output
 
 
@@ -628,7 +569,8 @@ def fused_model_available() -> tuple[bool, str]:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="vit-fast traffic", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="vit_base_patch16_224", help="preset name")
+    parser.add_argument("--model", nargs="+", default=["vit_base_patch16_224"], metavar="PRESET",
+                        help="preset name(s); each is counted in turn")
     parser.add_argument("--batch", type=int, default=256, help="batch the counts are scaled to")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--count-batches", type=int, nargs=2, default=(2, 3), metavar=("B1", "B2"),
@@ -636,17 +578,27 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "(default 2 3; at batch 1 autograd skips some reductions)")
     parser.add_argument("--count-depths", type=int, nargs=2, default=(1, 2), metavar=("D1", "D2"),
                         help="the two depths actually counted (default 1 2); 0 0 counts the full depth")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--paths", nargs="+", default=None, choices=list(PATHS),
+                        help="default: every path; with --predict the four the prediction compares")
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="also list the N op groups moving the most bytes")
     parser.add_argument("--predict", action="store_true",
-                        help="also print the predicted step time, images/s and MFU per path (issue 25's model)")
+                        help="also print the PREDICTED step time, images/s and MFU per model and path on H100 and "
+                             "A100 (vit_fast.tools.predict), the time per op family and issue 25's targets")
+    parser.add_argument("--measure", choices=("auto", "on", "off"), default="auto",
+                        help="with --predict: also time the paths on the CUDA GPU and print predicted beside "
+                             "measured per op family (auto: when a GPU is present; on: say why not when none is)")
     parser.add_argument("--json", help="write per-path totals and per-family figures to this path")
     return parser
 
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args(argv)
+    if args.paths is None:
+        from vit_fast.tools.predict import PREDICT_PATHS
+
+        args.paths = list(PREDICT_PATHS) if args.predict else list(PATHS)
+    models = [args.model] if isinstance(args.model, str) else list(args.model)
     fused_paths = [p for p in args.paths if p.startswith("vit_fast")]
     from vit_fast.kernels._utils import interpreter_active
 
@@ -662,51 +614,82 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
 
         install_numpy_fix()  # triton <= 3.6's interpreter with numpy >= 2.4
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    print(f"vit-fast traffic: {args.model}, {args.dtype}, batch {args.batch}: one training step "
+    print(f"vit-fast traffic: {', '.join(models)}, {args.dtype}, batch {args.batch}: one training step "
           f"(forward + cross-entropy + backward, no optimizer), counted on CPU, not timed. "
           f"Roofline = sum over ops of max(FLOPs/peak, bytes/bandwidth); "
           f"H100 {ROOFLINE['H100']['tflops']:.0f} TFLOP/s, "
           f"{ROOFLINE['H100']['tb_per_s']} TB/s; A100 {ROOFLINE['A100']['tflops']:.0f} TFLOP/s, "
           f"{ROOFLINE['A100']['tb_per_s']} TB/s; "
           "launch overhead excluded. Eager: one launch per non-view aten op.\n")
-    results = []
-    for path in args.paths:
-        if path in fused_paths:
-            ok, why = fused_model_available()
-            if not ok:
-                print(f"{PATH_LABELS[path]}: not counted: {why}\n")
-                continue
-        try:
-            r = measure(path, args.model, args.batch, dtype, tuple(args.count_batches),
-                        tuple(args.count_depths) if all(args.count_depths) else None)
-        except RuntimeError as e:
-            from vit_fast.tools.inductor_count import InductorCountUnavailable
+    by_model: dict[str, list[PathResult]] = {}
+    for model in models:
+        results = by_model.setdefault(model, [])
+        for path in args.paths:
+            if path in fused_paths:
+                ok, why = fused_model_available()
+                if not ok:
+                    print(f"{PATH_LABELS[path]}: not counted: {why}\n")
+                    continue
+            try:
+                r = measure(path, model, args.batch, dtype, tuple(args.count_batches),
+                            tuple(args.count_depths) if all(args.count_depths) else None)
+            except RuntimeError as e:
+                from vit_fast.tools.inductor_count import InductorCountUnavailable
 
-            if not isinstance(e, InductorCountUnavailable):
-                raise
-            print(f"{PATH_LABELS[path]}: not counted: {e}\n")
-            continue
-        results.append(r)
-        print(format_path(r) + "\n", flush=True)
-        if args.top:
-            print(format_top_ops(r, args.top) + "\n", flush=True)
-    if results:
-        print(format_summary(results))
-        if args.predict:
-            dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
-            ceilings = {gpu: ceilings_from_report(arch, dtype_name) for gpu, arch in (("H100", 90), ("A100", 80))} \
-                if dtype_name else {}
-            print()
-            print(format_predicted(results, dtype, ceilings))
+                if not isinstance(e, InductorCountUnavailable):
+                    raise
+                print(f"{model}: {PATH_LABELS[path]}: not counted: {e}\n")
+                continue
+            results.append(r)
+            print(f"{model}: " + format_path(r) + "\n", flush=True)
+            if args.top:
+                print(format_top_ops(r, args.top) + "\n", flush=True)
+        if results:
+            print(f"{model}:\n" + format_summary(results) + "\n", flush=True)
+    predicted = report_predicted(by_model, dtype, args) if args.predict else {}
     if args.json:
         import json
 
+        def path_json(model, r):
+            return dict(how=r.how, totals=r.totals(), families=r.by_family(),
+                        block_bytes_per_image=r.block_by_family(), predicted=predicted.get(model, {}).get(r.path, {}))
+
+        per_model = {m: dict(paths={r.path: path_json(m, r) for r in rs}) for m, rs in by_model.items()}
+        doc = dict(model=models[0], **per_model[models[0]]) if len(models) == 1 else dict(models=per_model)
         with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, dtype=args.dtype, batch=args.batch, roofline=ROOFLINE,
-                           paths={r.path: dict(how=r.how, totals=r.totals(), families=r.by_family(),
-                                               block_bytes_per_image=r.block_by_family()) for r in results}),
-                      f, indent=1)
+            json.dump(dict(dtype=args.dtype, batch=args.batch, roofline=ROOFLINE, **doc), f, indent=1)
     return 0
+
+
+def report_predicted(by_model: dict[str, list[PathResult]], dtype: torch.dtype, args) -> dict:
+    """--predict: the PREDICTED table over models and paths, per-family time, issue 25's verdict for ViT-B/16,
+    and (with a GPU) measured beside predicted. Returns {model: {path: {gpu: predicted step}}} for --json."""
+    from vit_fast.tools import predict
+
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    by_model = {m: rs for m, rs in by_model.items() if rs}
+    # the SASS ceilings, live from `vit-fast report` (compiled once, cached), where a path has Triton tensor-core work
+    needs = [m for m, rs in by_model.items()
+             if any(g["flops"] for r in rs for (_, _, tri), g in r.groups.items() if tri)]
+    ceilings = {m: {gpu: predict.ceilings_from_report(arch, dtype_name, (m,)) for gpu, arch in predict.GPU_ARCH.items()}
+                for m in needs} if dtype_name else {}
+    print(predict.format_predicted(by_model, dtype, ceilings) + "\n")
+    out: dict = {}
+    for model, results in by_model.items():
+        c = ceilings.get(model, {})
+        for r in results:
+            out.setdefault(model, {})[r.path] = {gpu: predict.predicted_step(r, gpu, dtype, c.get(gpu),
+                                                                             flops=predict.model_flops(model, r.batch))
+                                                 for gpu in predict.GPU_ARCH}
+        paths = {r.path: r for r in results}
+        if all(p in paths for p in ("timm_eager", "timm_compile", "vit_fast")):
+            for r in results:
+                print(predict.format_families(r, dtype, c) + "\n")
+            print(predict.verdict(paths, dtype, c) + "\n", flush=True)
+        if args.measure == "on" or (args.measure == "auto" and torch.cuda.is_available()):
+            measured = predict.measure_paths(model, args.batch, args.dtype, [r.path for r in results])
+            print(predict.format_measured(model, results, measured, dtype, c) + "\n", flush=True)
+    return out
 
 
 if __name__ == "__main__":

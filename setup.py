@@ -23,6 +23,7 @@ setup(
             "pytest>=9.0",
             "pytest-benchmark",
             "pytest-xdist",
+            "setuptools>=70.1",  # tests/test_packaging.py builds the wheel without build isolation (bdist_wheel)
             "ruff",  # .ci/run lints before the tests (pyproject.toml)
             "hypothesis",
             "timm",

@@ -15,6 +15,11 @@ calls these helpers instead of checking versions itself.
   ``torch.backends.cudnn.allow_tf32``, ``torch._dynamo.config.capture_scalar_outputs``) its undo deletes the
   setting instead of restoring it, which breaks later tests in the same process.
 - ``driver_version``: the NVIDIA driver a result was measured with (tags of ``vit-fast bench``).
+- ``install_interpreter_numpy_fix``: triton <= 3.6's interpreter calls ``int()`` on the one-element 1-D array
+  that holds a scalar tensor (``range(tl.program_id(0), n, step)``, tensor indices), which numpy >= 2.4 refuses
+  ("only 0-dimensional arrays can be converted to Python scalars"); triton 3.8 squeezes first. Installed by the
+  kernels' device check whenever they run in the interpreter (so spawned DDP workers and users' scripts get it
+  too), and by the tools.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import subprocess
 from typing import Any, Callable
 
 _MISSING = object()
+_numpy_fix_installed = False
 
 
 class _Setting:
@@ -106,3 +112,33 @@ def driver_version() -> str:
         return out.strip().splitlines()[0] or "unknown"
     except Exception:
         return "unknown"
+
+
+def install_interpreter_numpy_fix() -> bool:
+    """Make ``int()`` of a scalar tensor squeeze first in Triton's interpreter, as triton 3.8 does (once; a
+    no-op where the interpreter is off or the installed triton has no such hook). Returns whether it is active."""
+    global _numpy_fix_installed
+    from vit_fast.kernels._utils import interpreter_active
+
+    if not interpreter_active():
+        return False
+    if _numpy_fix_installed:
+        return True
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    patch_lang_tensor = getattr(interp, "_patch_lang_tensor", None)
+    if patch_lang_tensor is not None:
+        def index_of_scalar(self):
+            return int(np.asarray(self.handle.data).squeeze())
+
+        def patch_lang_tensor_squeezed(tensor, *rest):
+            patch_lang_tensor(tensor, *rest)
+            if rest and hasattr(rest[0], "set_attr"):  # triton >= 3.5: the scope restores it after the launch
+                rest[0].set_attr(tensor, "__index__", index_of_scalar)
+            else:
+                tensor.__index__ = index_of_scalar
+
+        interp._patch_lang_tensor = patch_lang_tensor_squeezed
+    _numpy_fix_installed = True
+    return True

@@ -35,6 +35,9 @@ def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
     if device.type == "cuda":
         return device
     if device.type == "cpu" and interpreter_active():
+        from vit_fast._compat import install_interpreter_numpy_fix
+
+        install_interpreter_numpy_fix()  # triton <= 3.6's interpreter with numpy >= 2.4 (once)
         return device
     raise RuntimeError(
         f"{op}: the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "

@@ -14,15 +14,16 @@ the interpreter; never used on a GPU, and a no-op unless TRITON_INTERPRET=1.
 3. ``int()`` of a scalar tensor (``range(tl.program_id(0), n, step)``, tensor indices): triton <= 3.6 calls
    ``int()`` on the one-element 1-D array that holds the scalar, which numpy >= 2.4 refuses ("only
    0-dimensional arrays can be converted to Python scalars"); triton 3.8 squeezes first. Do what 3.8 does,
-   so the interpreter runs with every numpy the installed triton accepts. Not a bf16 gap, but installed by
-   the same call because every interpreter user needs it.
+   so the interpreter runs with every numpy the installed triton accepts. Not a bf16 gap: it lives in
+   vit_fast/_compat.py, and the kernels install it themselves whenever they run in the interpreter.
 """
 from __future__ import annotations
 
 import torch
 
+from vit_fast._compat import install_interpreter_numpy_fix
+
 _installed = False
-_numpy_fix_installed = False
 
 
 def install_bf16_shims() -> bool:
@@ -62,30 +63,5 @@ def install_bf16_shims() -> bool:
 
 
 def install_numpy_fix() -> bool:
-    """Fix 3 above alone (once): ``int()`` of a scalar tensor squeezes first; a no-op where the interpreter
-    is off. Returns whether it is active."""
-    global _numpy_fix_installed
-    from vit_fast.kernels._utils import interpreter_active
-
-    if not interpreter_active():
-        return False
-    if _numpy_fix_installed:
-        return True
-    import numpy as np
-    from triton.runtime import interpreter as interp
-
-    patch_lang_tensor = getattr(interp, "_patch_lang_tensor", None)
-    if patch_lang_tensor is not None:
-        def index_of_scalar(self):
-            return int(np.asarray(self.handle.data).squeeze())
-
-        def patch_lang_tensor_squeezed(tensor, *rest):
-            patch_lang_tensor(tensor, *rest)
-            if rest and hasattr(rest[0], "set_attr"):  # triton >= 3.5: the scope restores it after the launch
-                rest[0].set_attr(tensor, "__index__", index_of_scalar)
-            else:
-                tensor.__index__ = index_of_scalar
-
-        interp._patch_lang_tensor = patch_lang_tensor_squeezed
-    _numpy_fix_installed = True
-    return True
+    """Fix 3 above alone (``vit_fast._compat.install_interpreter_numpy_fix``); returns whether it is active."""
+    return install_interpreter_numpy_fix()

@@ -169,6 +169,28 @@ def test_base_preset_compiles_without_spills_for_sm80_and_sm90():
     assert not bad, f"{len(bad)} of {len(rows)} configs fail the GPU-readiness gate:\n" + "\n".join(bad)
 
 
+def test_report_covers_the_family_presets():
+    from vit_fast.family_presets import FAMILY_PRESETS
+
+    assert set(FAMILY_PRESETS) <= set(report.REPORT_PRESETS)
+    assert set(report.VIT_PRESETS) <= set(report.REPORT_PRESETS)
+
+
+# SigLIP So400m/14 (head_dim 72, not a multiple of 16: masked columns in the attention tiles; MLP 4304 at
+# ratio 3.7362; patch 14) and DINOv2-g/14 (SwiGLU at width 1536, 1370 tokens): the shapes no ViT preset has.
+NEW_SHAPE_PRESETS = ("vit_so400m_patch14_siglip_224", "vit_giant_patch14_dinov2")
+
+
+@pytest.mark.slow
+def test_family_presets_with_new_shapes_compile_without_spills():
+    """Every config So400m and DINOv2-g launch in bf16 (autocast and pure), sm_80 and sm_90, compiles with no
+    spill, shared memory within the limit and tensor cores on every dot (about 900 compiles cold, seconds warm)."""
+    rows = report.run_report(NEW_SHAPE_PRESETS, dtypes=["bf16"], archs=list(report.ARCHS), workers=2)
+    assert any("D=72" in r.note for r in rows if r.kernel == "attention_fwd")
+    bad = [f"{r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}" for r in rows if r.problems()]
+    assert not bad, f"{len(bad)} of {len(rows)} configs fail the GPU-readiness gate:\n" + "\n".join(bad)
+
+
 def _recorded_launches(monkeypatch, step):
     """Every Triton launch `step()` makes in the interpreter: (kernel, {argument: value}, num_warps, num_stages)."""
     from triton.backends.nvidia.compiler import CUDAOptions

@@ -444,6 +444,14 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     Dropout's keep tile (16 bytes per Philox call, spread over the score tile) holds registers of its own, so
     a few entries shrink when ``dropout`` is on, where the no-dropout tile would spill: the wide 16-bit forward
     (sm_80 64x32 at 4 warps, sm_90 128x32) and the IEEE fp32 backward on sm_80.
+
+    Head dims that are not a multiple of 16 (SigLIP So400m's 72; 88) pad to BLOCK_D = 128 with the padded
+    columns masked inside the dots' 16-wide k-steps, which holds registers the 80- and 128-wide heads do not
+    need; ``ragged`` picks their own tiles where the wide ones spill (checked at N = 256 and 257, whose
+    seq_len divisibility gives different builds): the sm_80 IEEE forward 32x32 at 8 warps, the sm_80 16-bit
+    forward with dropout 64x16, and on sm_90 the 16-bit forward 128x32, the 16-bit backward 32 rows owned at
+    1 stage (16 rows with dropout) and the IEEE backward with dropout at 2 stages. The sm_90 16-bit backward
+    pays for it in its ceiling (``vit-fast report``; README, Performance).
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     # D = 72, 88 (SigLIP So400m: 72): not a multiple of the 16-wide MMA k-step, so the padded columns are

@@ -216,6 +216,20 @@ def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
                    lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep), [qkv], ["dqkv"])
 
 
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_head_dim_72_tables(monkeypatch, arch, p):
+    """SigLIP So400m's head_dim 72 (not a multiple of 16: its own tiles in attention_config) on the sm_80 and
+    sm_90 tables, with and without dropout: N = 37 spans several of the smallest (16-row) tiles."""
+    B, N, H, D, seed = 1, 37, 2, 72, 99
+    monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
+    check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
+                   lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
+                   [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
+
+
 def test_dropout_quantised_rate_same_mask_and_deterministic(monkeypatch):
     """p = 0.1 runs as 26/256: the kernels scale kept values by 1 / (1 - 26/256) (1 / 0.9 would miss the fp32
     bound by far); forward, dK/dV (transposed tiles) and dQ use the mask the helper draws; two runs are
@@ -306,10 +320,11 @@ def test_forward_allocates_only_out_and_lse(monkeypatch):
 
 def test_config_table_and_aot_specs():
     for N in (1, 7, 50, 197, 257, 577, 1025):
-        for D in (32, 64, 80, 128):
+        for D in (32, 64, 72, 80, 88, 128):
             for dtype in DTYPES:
                 for arch, dropout in ((80, False), (80, True), (90, False), (90, True)):
                     cfg = A.attention_config(N, D, dtype, arch, dropout=dropout)
+                    assert A._bwd_candidates(cfg)[0] == cfg  # every candidate keeps the phases' shared rows/warps
                     for tile in (cfg.fwd, cfg.dkdv, cfg.dq):  # dropout's keep tile: columns in groups of 16
                         assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
                         assert tile.block_m % 16 == 0 and tile.block_n % 16 == 0

@@ -5,6 +5,7 @@ fp16, fp32; sm_80 and sm_90) and fails on any spill, any shared memory over the 
 compile error, or a dot compiled without tensor-core instructions. Results are cached on disk
 (~/.cache/vit_fast/aot); a cold run compiles in 2 processes.
 """
+import functools
 import importlib
 import sys
 import types
@@ -167,6 +168,62 @@ def test_base_preset_compiles_without_spills_for_sm80_and_sm90():
     assert dots and all(r.regs > 0 and r.threads > 0 for r in rows if not r.error)
     bad = [f"{r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}" for r in rows if r.problems()]
     assert not bad, f"{len(bad)} of {len(rows)} configs fail the GPU-readiness gate:\n" + "\n".join(bad)
+
+
+def test_report_covers_the_family_presets():
+    from vit_fast.family_presets import FAMILY_PRESETS
+
+    assert set(FAMILY_PRESETS) <= set(report.REPORT_PRESETS)
+    assert set(report.VIT_PRESETS) <= set(report.REPORT_PRESETS)
+
+
+# SigLIP So400m/14 (head_dim 72, not a multiple of 16: masked columns in the attention tiles; MLP 4304 at
+# ratio 3.7362; patch 14) and DINOv2-g/14 (SwiGLU at width 1536, 518 px, 1370 tokens): the shapes no ViT preset has.
+NEW_SHAPE_PRESETS = ("vit_so400m_patch14_siglip_224", "vit_giant_patch14_dinov2")
+# Known spills, kernel -> why: strict xfails in the test below, so a fix has to remove its entry.
+KNOWN_SPILLS = {
+    "vit_giant_patch14_dinov2": {
+        # every DINOv2 preset (518 px images) spills here, ViT-H/14 at 224 px not: patch_embed's table is per
+        # arch and dtype only, and image rows of 518 px (strides no multiple of 16) cost registers
+        "patch_embed_fwd": "8-192 B at 518 px (sm_80 40 B with fp32 images; sm_90 8 B / 192 B)",
+        "patch_embed_dimages": "8-416 B on sm_80 at 518 px (416 B with fp32 images)",
+    },
+}
+
+
+@functools.cache
+def _new_shape_rows(preset):
+    return report.run_report([preset], dtypes=["bf16"], archs=list(report.ARCHS), workers=2)
+
+
+def _gate_failures(rows, kernels=None):
+    return [f"{r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}"
+            for r in rows if r.problems() and (kernels is None or r.kernel in kernels)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", NEW_SHAPE_PRESETS)
+def test_family_presets_with_new_shapes_compile_without_spills(preset):
+    """Every config So400m and DINOv2-g launch in bf16 (autocast and pure), sm_80 and sm_90, compiles with no
+    spill, shared memory within the limit and tensor cores on every dot (about 900 compiles cold for both,
+    seconds warm); the kernels of KNOWN_SPILLS are left to the strict xfail below."""
+    rows = _new_shape_rows(preset)
+    if preset.startswith("vit_so400m"):
+        assert any("D=72" in r.note for r in rows if r.kernel == "attention_fwd")
+    known = set(KNOWN_SPILLS.get(preset, {}))
+    bad = _gate_failures([r for r in rows if r.kernel not in known])
+    assert not bad, f"{len(bad)} of {len(rows)} configs fail the GPU-readiness gate:\n" + "\n".join(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, kernel", [
+    pytest.param(p, k, marks=pytest.mark.xfail(strict=True, reason=why))
+    for p, kernels in KNOWN_SPILLS.items() for k, why in kernels.items()])
+def test_known_spills(preset, kernel):
+    rows = _new_shape_rows(preset)
+    assert any(r.kernel == kernel for r in rows)
+    bad = _gate_failures(rows, {kernel})
+    assert not bad, "\n".join(bad)
 
 
 def _recorded_launches(monkeypatch, step):

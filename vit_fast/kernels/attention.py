@@ -444,8 +444,19 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     Dropout's keep tile (16 bytes per Philox call, spread over the score tile) holds registers of its own, so
     a few entries shrink when ``dropout`` is on, where the no-dropout tile would spill: the wide 16-bit forward
     (sm_80 64x32 at 4 warps, sm_90 128x32) and the IEEE fp32 backward on sm_80.
+
+    Head dims that are not a multiple of 16 (SigLIP So400m's 72; 88) pad to BLOCK_D = 128 with the padded
+    columns masked inside the dots' 16-wide k-steps, which holds registers the 80- and 128-wide heads do not
+    need; ``ragged`` picks their own tiles where the wide ones spill (checked at N = 256 and 257, whose
+    seq_len divisibility gives different builds): the sm_80 IEEE forward 32x32 at 8 warps, the sm_80 16-bit
+    forward with dropout 64x16, and on sm_90 the 16-bit forward 128x32, the 16-bit backward 32 rows owned at
+    1 stage (16 rows with dropout) and the IEEE backward with dropout at 2 stages. The sm_90 16-bit backward
+    pays for it in its ceiling (``vit-fast report``; README, Performance).
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
+    # D = 72, 88 (SigLIP So400m: 72): not a multiple of the 16-wide MMA k-step, so the padded columns are
+    # masked inside the dots' tiles, which costs registers of their own; checked at N = 256 and 257
+    ragged = head_dim % 16 != 0
     stages = 3 if arch >= 90 else 2
     warps = 8 if wide else 4
     # Backward tiles: (dK/dV: q rows per step, k/v rows owned), (dQ: q rows owned, k/v rows per step).
@@ -455,11 +466,13 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
         fwd, dkdv, dq = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)
         if not wide and arch < 90:  # at 8 warps ptxas caps the bias-gradient builds at 64 regs: 8-16 B spills
             dkdv, dq = Tile(16, 32, 4, stages), Tile(32, 16, 4, stages)  # 144-150 regs, no spills
-        if wide and arch < 90:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one 120-152 regs
-            fwd = Tile(32, 16, 4, stages)
+        if wide and arch < 90 and not ragged:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one
+            fwd = Tile(32, 16, 4, stages)  # 120-152 regs (D = 72: 24-176 B spills; 32x32 at 8 warps 105-174 regs)
         if dropout and arch < 90:  # the tiles above spill 8-104 B with the keep tile
             dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
                 (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages))
+        if ragged and dropout and arch >= 90:  # D = 72: 24 B spills at 3 stages, 144-212 regs at 2
+            dkdv, dq = Tile(16, 32, 8, 2), Tile(32, 16, 8, 2)
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
         fwd = Tile(64, 32, warps, stages)
         # wide 16x32 / 32x16: 48 B spills on sm_90 with bias + dropout
@@ -476,8 +489,12 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             fwd = Tile(128, 32, 8, 3)
         if wide and dropout:  # with the keep tile 128x32 spills 8 B on sm_80, 128x64 32-40 B on sm_90 (D = 72)
             fwd = Tile(128, 32, 8, stages)
-            if arch < 90:  # D = 72 (masked columns) spills with every tile tried: 8 B at 128x16, 256 B at 64x32
-                fwd = Tile(64, 32, 4, 3) if head_dim % 16 == 0 else Tile(128, 16, 8, 3)
+            if arch < 90:  # D = 72: 8-16 B spills at 128x16, 256 B at 64x32 on 4 warps; 64x16 on 8: 175-180 regs
+                fwd = Tile(64, 16, 8, 3) if ragged else Tile(64, 32, 4, 3)
+        if ragged and arch >= 90:  # D = 72, N = 257: 128x64 spills 8 B; the backward 8-32 B at 32 rows owned and
+            fwd = Tile(128, 32, 8, stages)  # 3 stages (16 B with bias at 2), 24-48 B with dropout at 1 or 2
+            dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if dropout else \
+                (Tile(16, 32, 8, 1), Tile(32, 16, 8, 1))  # 217 / 172-204 regs
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))

@@ -220,7 +220,7 @@ def test_backward_is_bitwise_repeatable(monkeypatch):
     """Two backward passes give identical bits, also with the dW partials split over several programs."""
     small = pe.patch_embed_config(80, torch.float32)
     small["dweight"] = dict(small["dweight"], BLOCK_M=16)
-    monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype: small)
+    monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype, aligned=True: small)
     M, D = 2 * 4 * 6, 64  # rows of the dW GEMM, width
     splits, _ = pe._dweight_split(M, D, 3 * 1, dict(small["dweight"], num_sms=small["num_sms"]))
     assert splits == 3

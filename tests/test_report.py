@@ -180,15 +180,6 @@ def test_report_covers_the_family_presets():
 # SigLIP So400m/14 (head_dim 72, not a multiple of 16: masked columns in the attention tiles; MLP 4304 at
 # ratio 3.7362; patch 14) and DINOv2-g/14 (SwiGLU at width 1536, 518 px, 1370 tokens): the shapes no ViT preset has.
 NEW_SHAPE_PRESETS = ("vit_so400m_patch14_siglip_224", "vit_giant_patch14_dinov2")
-# Known spills, kernel -> why: strict xfails in the test below, so a fix has to remove its entry.
-KNOWN_SPILLS = {
-    "vit_giant_patch14_dinov2": {
-        # every DINOv2 preset (518 px images) spills here, ViT-H/14 at 224 px not: patch_embed's table is per
-        # arch and dtype only, and image rows of 518 px (strides no multiple of 16) cost registers
-        "patch_embed_fwd": "8-192 B at 518 px (sm_80 40 B with fp32 images; sm_90 8 B / 192 B)",
-        "patch_embed_dimages": "8-416 B on sm_80 at 518 px (416 B with fp32 images)",
-    },
-}
 
 
 @functools.cache
@@ -196,9 +187,8 @@ def _new_shape_rows(preset):
     return report.run_report([preset], dtypes=["bf16"], archs=list(report.ARCHS), workers=2)
 
 
-def _gate_failures(rows, kernels=None):
-    return [f"{r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}"
-            for r in rows if r.problems() and (kernels is None or r.kernel in kernels)]
+def _gate_failures(rows):
+    return [f"{r.kernel} [{r.config}] sm_{r.arch} {r.dtype}: {'; '.join(r.problems())}" for r in rows if r.problems()]
 
 
 @pytest.mark.slow
@@ -206,24 +196,12 @@ def _gate_failures(rows, kernels=None):
 def test_family_presets_with_new_shapes_compile_without_spills(preset):
     """Every config So400m and DINOv2-g launch in bf16 (autocast and pure), sm_80 and sm_90, compiles with no
     spill, shared memory within the limit and tensor cores on every dot (about 900 compiles cold for both,
-    seconds warm); the kernels of KNOWN_SPILLS are left to the strict xfail below."""
+    seconds warm), patch_embed at DINOv2's 518 px images included (its unaligned-image tiles)."""
     rows = _new_shape_rows(preset)
     if preset.startswith("vit_so400m"):
         assert any("D=72" in r.note for r in rows if r.kernel == "attention_fwd")
-    known = set(KNOWN_SPILLS.get(preset, {}))
-    bad = _gate_failures([r for r in rows if r.kernel not in known])
+    bad = _gate_failures(rows)
     assert not bad, f"{len(bad)} of {len(rows)} configs fail the GPU-readiness gate:\n" + "\n".join(bad)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("preset, kernel", [
-    pytest.param(p, k, marks=pytest.mark.xfail(strict=True, reason=why))
-    for p, kernels in KNOWN_SPILLS.items() for k, why in kernels.items()])
-def test_known_spills(preset, kernel):
-    rows = _new_shape_rows(preset)
-    assert any(r.kernel == kernel for r in rows)
-    bad = _gate_failures(rows, {kernel})
-    assert not bad, "\n".join(bad)
 
 
 def _recorded_launches(monkeypatch, step):
@@ -301,3 +279,38 @@ def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype
                            for k, v in values.items() if isinstance(v, (torch.Tensor, bool)) or k.isupper())
                for fn, values, w, st in launches if not any(_covers(s, fn, values, w, st) for s in specs)}
     assert not missing, "launches no aot_specs entry lists:\n" + "\n".join(sorted(missing))
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["bf16_autocast", "pure_bf16"])
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
+def test_patch_embed_launches_at_unaligned_image_rows_are_in_the_aot_report(monkeypatch, pure, arch):
+    """Images whose rows are no multiple of 16 elements (DINOv2's 518 px; here 42 px, patch 14) take
+    patch_embed's unaligned tiles, and aot_specs at that image size lists those launches (images with grad)."""
+    from vit_fast.kernels import patch_embed as pe
+
+    monkeypatch.setattr(pe, "gpu_arch", lambda device: arch)
+    torch.manual_seed(0)
+    D, P, S = 64, 14, 42
+    dtype = torch.bfloat16
+    x = torch.randn(2, 3, S, S, dtype=dtype if pure else torch.float32, requires_grad=True)
+    params = [torch.randn(D, 3, P, P), torch.randn(D), torch.randn(1, 1 + 9, D), torch.randn(1, 1, D)]
+    params = [p.to(dtype if pure else torch.float32).requires_grad_() for p in params]
+
+    def step():
+        with torch.autocast("cpu", dtype=dtype, enabled=not pure):
+            out = pe.patch_embed(x, params[0], params[1], params[2], params[3])
+        out.float().square().mean().backward()
+
+    launches = _recorded_launches(monkeypatch, step)
+    kind = dict(param_dtype=dtype, images_dtype=dtype) if pure else {}
+    specs = pe.aot_specs(tokens=10, width=D, dtype=dtype, arch=arch, patch_size=P, img_size=S, batch=2, **kind)
+    assert {fn.__name__ for fn, *_ in launches} >= {"_patch_embed_fwd_kernel", "_patch_embed_dimages_kernel"}
+    missing = [(fn.__name__, w, st) for fn, values, w, st in launches
+               if not any(_covers(s, fn, values, w, st) for s in specs)]
+    assert not missing, missing
+    assert not pe.images_aligned(x.stride())
+    unaligned, aligned = pe.patch_embed_config(arch, dtype, False), pe.patch_embed_config(arch, dtype)
+    assert unaligned["fwd"] != aligned["fwd"]
+    fwd = next(s for s in specs if s.name == "patch_embed_fwd")
+    assert (fwd.num_warps, fwd.num_stages) == (unaligned["fwd"]["num_warps"], unaligned["fwd"]["num_stages"])
+    assert fwd.constexprs["ROWS"] == unaligned["fwd"]["BLOCK_K"] // 16

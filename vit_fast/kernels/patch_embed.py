@@ -363,13 +363,29 @@ _CONFIGS = {
     (80, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
     (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
 }
+# Images whose strides are not all multiples of 16 elements (DINOv2's 518 px rows): Triton cannot prove the gathered
+# pixel runs aligned, so each pixel of the A / dX tile keeps its own address registers and the 16-bit tiles above
+# spill (sm_80 fwd and dimages, sm_90 fwd). These entries replace those kernels' tiles there: fewer pixels per
+# thread (a shorter K tile in the forward, twice the warps for dimages); fp32 and dweight stay as above.
+_CONFIGS_UNALIGNED_IMAGES = {
+    (80, 2): dict(fwd=(128, 128, 16, 8, 3), dimages=(128, 64, 64, 8, 3)),
+    (90, 2): dict(fwd=(128, 128, 32, 8, 3)),
+}
 _REDUCE = dict(BLOCK=1024, BATCH_TILE=8, num_warps=8, num_stages=1)  # batch sums: 8 x 128 tiles
 _DW_PROGRAMS_PER_SM = 2  # the dW split fills the GPU with ~2 programs per SM (_utils.programs_to_fill)
 
 
-def patch_embed_config(arch: int, dtype: torch.dtype) -> dict:
-    """Launch parameters of every kernel for a GPU arch (80|90) and compute dtype (one table, no autotune)."""
-    table = _CONFIGS[(arch, 4 if dtype == torch.float32 else 2)]
+def images_aligned(strides) -> bool:
+    """Whether every image stride is 1 or a multiple of 16 elements, as Triton specialises integer arguments
+    (224 px: yes; 518 px rows: no): picks the table of patch_embed_config."""
+    return all(s == 1 or s % 16 == 0 for s in strides)
+
+
+def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True) -> dict:
+    """Launch parameters of every kernel for a GPU arch (80|90), compute dtype and image alignment
+    (``images_aligned`` of the strides the kernel gathers from or scatters to); a table, no autotune."""
+    key = (arch, 4 if dtype == torch.float32 else 2)
+    table = dict(_CONFIGS[key], **({} if aligned else _CONFIGS_UNALIGNED_IMAGES.get(key, {})))
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
     cfg = {kernel: dict(zip(names, entry)) for kernel, entry in table.items()}
     cfg["reduce"] = dict(_REDUCE)
@@ -482,9 +498,10 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             M, D, C, Np, Wp, T, prefix, prefix if pos_embed_covers_prefix else 0,
             HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
             POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
-    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), arch, T - Np)
-    launch(_tuning.choose("patch_embed_fwd", key, _candidates(patch_embed_config(arch, compute_dtype)["fwd"]),
-                          launch, device))
+    aligned = images_aligned(images.stride())
+    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), arch, T - Np, aligned)
+    launch(_tuning.choose("patch_embed_fwd", key,
+                          _candidates(patch_embed_config(arch, compute_dtype, aligned)["fwd"]), launch, device))
     return out
 
 
@@ -529,8 +546,9 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
     if B == 0:  # an empty batch contributes nothing (and would make an empty split of the patch axis)
         return [g.zero_() for g in grads]
     arch = gpu_arch(device)
-    cfg = patch_embed_config(arch, dtokens.dtype)
-    key = (bucket(M), D, C, P, str(images.dtype), str(dtokens.dtype), arch, prefix, bias is not None)
+    aligned = images_aligned(images.stride())  # dW gathers from the images, dimages scatters to its own strides
+    cfg = patch_embed_config(arch, dtokens.dtype, aligned)
+    key = (bucket(M), D, C, P, str(images.dtype), str(dtokens.dtype), arch, prefix, bias is not None, aligned)
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
     if needs_proj_grads:
@@ -558,14 +576,17 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
         num_warps=red["num_warps"], num_stages=red["num_stages"])
 
     if needs_dimages:
+        dx_aligned = images_aligned(dimages.stride())
+        dx_tile = patch_embed_config(arch, dtokens.dtype, dx_aligned)["dimages"]
+
         def launch_dimages(tile: dict) -> None:
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
             grid = (triton.cdiv(M, consts["BLOCK_M"]) * k_tiles,)
             _patch_embed_dimages_kernel[grid](
                 dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
                 M, D, C, Np, Wp, prefix, **consts, **opts)
-        launch_dimages(_tuning.choose("patch_embed_dimages", key, _candidates(cfg["dimages"]), launch_dimages,
-                                      device))
+        launch_dimages(_tuning.choose("patch_embed_dimages", key + (dx_aligned,), _candidates(dx_tile),
+                                      launch_dimages, device))
     return grads
 
 
@@ -636,15 +657,15 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     token plus ``tokens - 1 - patches`` register tokens. Defaults: mixed precision (fp32 images and
     parameters, ``dtype`` compute). Integer arguments take the values this launch would pass, so unit
     strides become constexpr 1 and multiples of 16 land in divisible_by_16, as Triton specialises them."""
-    cfg = patch_embed_config(arch, dtype)
     P, C, D, T = patch_size, in_chans, width, tokens
+    image_strides = dict(b=C * img_size * img_size, c=img_size * img_size, h=img_size, w=1)
+    cfg = patch_embed_config(arch, dtype, images_aligned(image_strides.values()))  # images and dimages alike
     Wp = img_size // P
     Np = Wp * Wp
     prefix, K, M = T - Np, C * P * P, batch * Np
     cdt, img, par = (TRITON_DTYPE_NAMES[d] for d in (dtype, images_dtype, param_dtype))
     k_tiles = _gemm_launch(cfg["dweight"], dtype, P, C)[2]
     splits, per_split = _dweight_split(M, D, k_tiles, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
-    image_strides = dict(b=C * img_size * img_size, c=img_size * img_size, h=img_size, w=1)
     values = dict(  # every integer argument of the four kernels at this launch
         {f"sx{k}": v for k, v in image_strides.items()}, **{f"sg{k}": v for k, v in image_strides.items()},
         swd=K, swc=P * P, swy=P, swx=1, spt=D, spd=1, srt=D, sdb=T * D, sdt=D, sdd=1,

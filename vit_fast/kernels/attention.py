@@ -51,7 +51,8 @@ generator: ``torch.manual_seed`` and checkpointing replay it), read as an int on
 (torch.compile traces it, no graph break) and saved for backward.
 
 Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probability), head_dim
-1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory).
+1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory; a 16-bit
+D = 72 runs as 64 + 16 columns, see ``attention_config``).
 
 Memory and bytes: the forward allocates only the output and the fp32 lse (B * H * N); nothing grows
 with N^2 (the backward adds nothing but the bias partials). HBM traffic per token and layer,
@@ -163,16 +164,18 @@ def _attention_fwd_kernel(
     drop_threshold, inv_keep, seed,  # dropout: 8-bit threshold t, 256 / (256 - t) (0 when t == 256), Philox seed
     BLOCK_M: tl.constexpr,  # q rows per program
     BLOCK_N: tl.constexpr,  # k/v rows per loop step
-    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16)
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16), or its main part (see BLOCK_D_TAIL)
     DROPOUT: tl.constexpr,  # False skips the Philox draw entirely
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
+    BLOCK_D_TAIL: tl.constexpr = 0,  # 16: columns BLOCK_D.. BLOCK_D + 16 as a second part (D = 72: 64 + 16)
 ):
     bh, rows = _program_tile(seq_len, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
-    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
+    q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
 
@@ -180,11 +183,21 @@ def _attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        q_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, False)
+        acc_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < seq_len
         kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
-        s = tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale
+        if BLOCK_D_TAIL:
+            kT_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, True)
+            s = tl.dot(q_t, kT_t, tl.dot(q, kT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
+            s = s * qk_scale
+        else:
+            s = tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))  # padded keys: exactly zero probability
         # The first tile always holds key 0, so m_new is finite from the first step on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -195,13 +208,23 @@ def _attention_fwd_kernel(
             p = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), p, 0.0)
         v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
+            acc_t = acc_t * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision=INPUT_PRECISION)
         m_i = m_new
 
     if DROPOUT:
         acc = acc * inv_keep
     acc = acc / l_i[:, None]
-    tl.store(_head(Out, bh, num_heads, stride_ob, stride_oh) + _tile(rows, offs_d, stride_on, stride_od, False),
+    out_head = _head(Out, bh, num_heads, stride_ob, stride_oh)
+    tl.store(out_head + _tile(rows, offs_d, stride_on, stride_od, False),
              acc.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
+    if BLOCK_D_TAIL:
+        if DROPOUT:
+            acc_t = acc_t * inv_keep
+        acc_t = acc_t / l_i[:, None]
+        tl.store(out_head + _tile(rows, offs_t, stride_on, stride_od, False),
+                 acc_t.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, t_ok, False))
     lse = (m_i + tl.log2(l_i)) * LN2  # back to natural log
     tl.store(Lse + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
 
@@ -214,10 +237,12 @@ def _bwd_dkdv(
     seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr = 0,
 ):
     """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles.
     delta_i = rowsum(dO_i * out_i) is recomputed for each q tile from out and dO (no pre-pass).
-    ``*_head`` point at head (b, h) of each tensor; the strides are its row and column strides."""
+    ``*_head`` point at head (b, h) of each tensor; the strides are its row and column strides.
+    With BLOCK_D_TAIL every (rows x D) tile is two: columns 0..BLOCK_D and the tail (``_t``)."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -230,6 +255,13 @@ def _bwd_dkdv(
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        k_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, False)
+        v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
+        dk_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
+        dv_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < seq_len
@@ -239,17 +271,36 @@ def _bwd_dkdv(
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         # Padded q rows get lse = +inf, hence probability exactly 0.
         lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E
-        pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
-        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
+        if BLOCK_D_TAIL:
+            qT_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, True)
+            do_t = _load(do_head, rows, row_ok, offs_t, t_ok, stride_gn, stride_gd, False)
+            o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
+            delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
+            sT = tl.dot(k_t, qT_t, tl.dot(k, qT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
+            pT = tl.exp2(sT * qk_scale - lse2[None, :])
+            dpT = tl.dot(v_t, tl.trans(do_t), tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION),
+                         input_precision=INPUT_PRECISION)
+        else:
+            pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
+            dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
         if DROPOUT:
             # drawn as the (q rows x k/v rows) tile the forward and dQ draw, then transposed: the same bits
             keep = tl.trans(dropout_keep_tile(seed, bh, rows, tile * BLOCK_N, drop_threshold, BLOCK_N))
-            dv += tl.dot(tl.where(keep, pT * inv_keep, 0.0).to(do.dtype), do, input_precision=INPUT_PRECISION)
+            if BLOCK_D_TAIL:
+                pT_drop = tl.where(keep, pT * inv_keep, 0.0).to(do.dtype)
+                dv += tl.dot(pT_drop, do, input_precision=INPUT_PRECISION)
+                dv_t += tl.dot(pT_drop, do_t, input_precision=INPUT_PRECISION)
+            else:
+                dv += tl.dot(tl.where(keep, pT * inv_keep, 0.0).to(do.dtype), do, input_precision=INPUT_PRECISION)
             dpT = tl.where(keep, dpT * inv_keep, 0.0)
         else:
             dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
+            if BLOCK_D_TAIL:
+                dv_t += tl.dot(pT.to(do_t.dtype), do_t, input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            dk_t += tl.dot(dsT.to(qT_t.dtype), tl.trans(qT_t), input_precision=INPUT_PRECISION)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
@@ -259,6 +310,15 @@ def _bwd_dkdv(
     if BIAS_GRAD:  # padded k/v rows hold junk (p of a zero key), hence the row mask
         _store_column_sums(PK, dk, col_ok, offs_d, d_ok, partial_row, head_dim)
         _store_column_sums(PV, dv, col_ok, offs_d, d_ok, partial_row, head_dim)
+    if BLOCK_D_TAIL:
+        offsets_t = _tile(cols, offs_t, stride_dn, stride_dd, False)
+        mask_t = _tile_mask(col_ok, t_ok, False)
+        dk_t = dk_t * scale
+        tl.store(dk_head + offsets_t, dk_t.to(dk_head.dtype.element_ty), mask=mask_t)
+        tl.store(dv_head + offsets_t, dv_t.to(dv_head.dtype.element_ty), mask=mask_t)
+        if BIAS_GRAD:
+            _store_column_sums(PK, dk_t, col_ok, offs_t, t_ok, partial_row, head_dim)
+            _store_column_sums(PV, dv_t, col_ok, offs_t, t_ok, partial_row, head_dim)
 
 
 @triton.jit
@@ -269,8 +329,10 @@ def _bwd_dq(
     seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr = 0,
 ):
-    """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles."""
+    """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles (with
+    BLOCK_D_TAIL, each (rows x D) tile as its main part and its tail ``_t``, as in ``_bwd_dkdv``)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -281,6 +343,14 @@ def _bwd_dq(
     do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
     o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        q_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, False)
+        do_t = _load(do_head, rows, row_ok, offs_t, t_ok, stride_gn, stride_gd, False)
+        o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
+        delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
+        dq_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
     lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E
 
     qk_scale = scale * LOG2E
@@ -292,19 +362,35 @@ def _bwd_dq(
         vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
         # Padded keys (k loaded as 0) must get p = 0: exp(0 - lse) overflows when every real score of
         # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
-        p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
-        p = tl.where(col_ok[None, :], p, 0.0)
-        dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            kT_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, True)
+            vT_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, True)
+            s = tl.dot(q_t, kT_t, tl.dot(q, kT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
+            p = tl.exp2(s * qk_scale - lse2[:, None])
+            p = tl.where(col_ok[None, :], p, 0.0)
+            dp = tl.dot(do_t, vT_t, tl.dot(do, vT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
+        else:
+            p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
+            p = tl.where(col_ok[None, :], p, 0.0)
+            dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         if DROPOUT:
             dp = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            dq_t += tl.dot(ds.to(kT_t.dtype), tl.trans(kT_t), input_precision=INPUT_PRECISION)
 
     dq = dq * scale
     tl.store(dq_head + _tile(rows, offs_d, stride_dn, stride_dd, False), dq.to(dq_head.dtype.element_ty),
              mask=_tile_mask(row_ok, d_ok, False))
     if BIAS_GRAD:
         _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, partial_row, head_dim)
+    if BLOCK_D_TAIL:
+        dq_t = dq_t * scale
+        tl.store(dq_head + _tile(rows, offs_t, stride_dn, stride_dd, False), dq_t.to(dq_head.dtype.element_ty),
+                 mask=_tile_mask(row_ok, t_ok, False))
+        if BIAS_GRAD:
+            _store_column_sums(PQ, dq_t, row_ok, offs_t, t_ok, partial_row, head_dim)
 
 
 @triton.jit
@@ -328,6 +414,7 @@ def _attention_bwd_kernel(
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BIAS_GRAD: tl.constexpr,  # also write column partials of dq, dk, dv (the qkv bias's gradient)
+    BLOCK_D_TAIL: tl.constexpr = 0,  # 16: head_dim as BLOCK_D + a 16-wide tail (see the forward)
 ):
     """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
     pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
@@ -343,7 +430,7 @@ def _attention_bwd_kernel(
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
               seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
-              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh), PQ,
             _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
             _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
@@ -351,7 +438,7 @@ def _attention_bwd_kernel(
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
             seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
-            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
+            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL)
 
 
 @triton.jit
@@ -404,6 +491,7 @@ class Tile:
     block_n: int  # k/v rows (per loop step, or per program in dK/dV)
     num_warps: int
     num_stages: int
+    split: bool = False  # head_dim 65..79, not a multiple of 16: 64 columns + a 16-wide tail (``_block_dims``)
 
 
 @dataclass(frozen=True)
@@ -414,9 +502,11 @@ class AttentionConfig:
 
     def __post_init__(self):
         dkdv, dq = self.dkdv, self.dq
-        if (dkdv.block_n, dkdv.num_warps, dkdv.num_stages) != (dq.block_m, dq.num_warps, dq.num_stages):
+        if (dkdv.block_n, dkdv.num_warps, dkdv.num_stages, dkdv.split) != (dq.block_m, dq.num_warps, dq.num_stages,
+                                                                           dq.split):
             raise ValueError(f"attention_config: the dK/dV and dQ phases run in one kernel, each program owning "
-                             f"the same rows in both, so they need one row count, num_warps and num_stages; "
+                             f"the same rows in both, so they need one row count, num_warps, num_stages and "
+                             f"head_dim split; "
                              f"got {dkdv} and {dq}")
 
 
@@ -452,6 +542,18 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     forward with dropout 64x16, and on sm_90 the 16-bit forward 128x32, the 16-bit backward 32 rows owned at
     1 stage (16 rows with dropout) and the IEEE backward with dropout at 2 stages. The sm_90 16-bit backward
     pays for it in its ceiling (``vit-fast report``; README, Performance).
+
+    16-bit head dims in 65..79 that are no multiple of 16 (D = 72) instead split the head (``Tile.split``,
+    ``_block_dims``): 64 columns plus a 16-wide tail, two dots summed for q k^T and dO v^T and two accumulators for
+    out, dq, dk, dv, so the tiles carry 80 columns, not 128. Its tiles (0 spills for bf16/fp16 at N = 256 and 257,
+    with and without the bias partials; SASS ceilings count issued MMA work, padding included: 56 of the padded
+    build's 128 columns, 8 of the split's 80, so equal ceilings mean 1.6x the useful rate): forward sm_80 128x32
+    (64-71%, 216-221 regs; the padded build 68-80%), with dropout 64x32 on 8 warps (44-48%, 241-243; padded 64x16
+    44-46%), sm_90 128x64 (38-43%, 177-220; padded 128x32 39-46%), with dropout 25-27% (208-227; padded 29-33%);
+    backward without dropout, 32 rows owned, 16-row steps: sm_80 2 stages 69-70% (254-255 regs; padded 52-54%),
+    sm_90 1 stage 32-34% (238-255; padded 26-28%). The split backward with dropout spills with the bias partials at
+    every tile tried (8-80 B on sm_80, 16-32 B on sm_90), so it keeps the padded build and its tiles above; fp32
+    keeps the padded builds too (not measured split).
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     # D = 72, 88 (SigLIP So400m: 72): not a multiple of the 16-wide MMA k-step, so the padded columns are
@@ -495,8 +597,14 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             fwd = Tile(128, 32, 8, stages)  # 3 stages (16 B with bias at 2), 24-48 B with dropout at 1 or 2
             dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if dropout else \
                 (Tile(16, 32, 8, 1), Tile(32, 16, 8, 1))  # 217 / 172-204 regs
+    if _block_dims(head_dim, True)[1] and dtype != torch.float32:  # D = 72 as 64 + 16 columns, 16-bit only
+        fwd = Tile(128, 64, 8, 3, True) if arch >= 90 else Tile(64, 32, 8, 3, True) if dropout else \
+            Tile(128, 32, 8, 3, True)
+        if not dropout:  # with dropout the split backward spills with the bias partials: the padded one stays
+            dkdv, dq = (Tile(16, 32, 8, 1, True), Tile(32, 16, 8, 1, True)) if arch >= 90 else \
+                (Tile(16, 32, 8, 2, True), Tile(32, 16, 8, 2, True))
     cap = max(16, next_power_of_2(seq_len))
-    clamp = lambda t: Tile(min(t.block_m, cap), min(t.block_n, cap), t.num_warps, t.num_stages)  # noqa: E731
+    clamp = lambda t: replace(t, block_m=min(t.block_m, cap), block_n=min(t.block_n, cap))  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))
 
 
@@ -511,6 +619,15 @@ def attention_grid(batch_heads: int, seq_len: int, block: int) -> tuple[int]:
 
 def _block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
+
+
+def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_D_TAIL) of a forward or backward launch: with ``split`` (the config's Tile), a head_dim in
+    65..79 that is no multiple of 16 (SigLIP So400m's 72) runs as 64 columns plus a 16-wide tail (80 wide, not
+    128); every other launch as one power-of-two part (tail 0, the kernels' single-part path)."""
+    if split and head_dim % 16 and 64 < head_dim < 80:
+        return 64, 16
+    return _block_d(head_dim), 0
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
@@ -617,10 +734,11 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
 
     def launch(cfg: Tile) -> None:
+        block_d, tail = _block_dims(D, cfg.split)
         _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
             out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             H, N, D, scale, threshold, inv_keep, seed,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout,
             INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
@@ -638,6 +756,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
 
     def launch(cfg: AttentionConfig) -> Optional[torch.Tensor]:
+        block_d, tail = _block_dims(D, cfg.dq.split)
         partial = None if bias_dtype is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D),
                                                          torch.float32, q.device)
         slabs = (None, None, None) if partial is None else partial.unbind(0)
@@ -646,7 +765,8 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
             H, N, D, scale, threshold, inv_keep, seed,
             BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
-            BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION=precision, BIAS_GRAD=partial is not None,
+            BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout, INPUT_PRECISION=precision,
+            BIAS_GRAD=partial is not None,
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
@@ -995,25 +1115,26 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     only tf32 entries are expected to use tensor cores). The d(qkv_bias) reduction is bias_gelu's
     ``sum_partials`` at width 3 * C (the same BLOCK_N=256 build its own specs list for C)."""
     D = width // num_heads
-    block_d, values = _block_d(D), _launch_values(tokens, num_heads, D)
+    values = _launch_values(tokens, num_heads, D)
     specs = []
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
         tensor_cores = dtype != torch.float32 or precision == "tf32"
         for dropout in (False, True):
             cfg = attention_config(tokens, D, dtype, arch, precision, dropout)
             note = f"N={tokens} D={D} dropout={dropout}"
-            common = dict(BLOCK_D=block_d, DROPOUT=dropout, INPUT_PRECISION=precision)
+            common = lambda tile: dict(zip(("BLOCK_D", "BLOCK_D_TAIL"), _block_dims(D, tile.split)),  # noqa: E731
+                                       DROPOUT=dropout, INPUT_PRECISION=precision)
             specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
-                                   dict(common, BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n), cfg.fwd,
+                                   dict(common(cfg.fwd), BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n), cfg.fwd,
                                    note, values, tensor_cores))
-            bwd = dict(common, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n)
+            bwd = dict(common(cfg.dq), BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n)
             for bias_grad in (False, True):
                 specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
                                        f"{note} qkv_bias_grad={bias_grad} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
                                        f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores, bias_grad))
         cfg = attention_config(tokens, D, dtype, arch, precision)
         specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,
-                               dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+                               dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=_block_d(D),
                                     INPUT_PRECISION=precision), cfg.dq,
                                f"N={tokens} D={D} attention maps", values, tensor_cores))
     return specs

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import vit_fast
 from vit_fast import CheckpointError, load_checkpoint, save_checkpoint
 from vit_fast.interop.convert import CheckpointNotFoundError, read_state_dict
+from vit_fast.kernels._utils import interpreter_active
 from vit_fast.kernels.attention import attention
 from vit_fast.kernels.layer_norm import layer_norm
 from vit_fast.training import train as vt
@@ -23,7 +24,7 @@ from vit_fast.training import train as vt
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 NOT_FLOATS = (torch.int32, torch.int64, torch.uint8, torch.bool, torch.float64)
-interpreter_or_gpu = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+interpreter_or_gpu = pytest.mark.skipif(not (torch.cuda.is_available() or interpreter_active()),
                                         reason="the Triton path needs CUDA or the interpreter")
 
 

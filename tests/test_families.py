@@ -216,6 +216,7 @@ def _compare_module(ours, theirs, x, backend):
     theirs_params = dict(theirs.named_parameters())
     for k, p in ours.named_parameters():
         assert_close(p.grad, theirs_params[k].grad, FP32, f"grad {k}")
+    return {k for k, _ in ours.named_parameters()}, set(theirs_params)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -229,7 +230,9 @@ def test_swiglu_mlp_matches_timm(backend, packed):
     else:
         ours, theirs = SwiGLUMlp(48, 40), SwiGLU(48, 40)
     _load_from(ours, theirs)
-    _compare_module(ours.to(DEVICE), theirs.to(DEVICE), torch.randn(2, 9, 48, device=DEVICE), backend)
+    compared, theirs_names = _compare_module(ours.to(DEVICE), theirs.to(DEVICE), torch.randn(2, 9, 48, device=DEVICE),
+                                             backend)
+    assert compared == theirs_names  # every parameter's gradient compared, under timm's names
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -183,13 +183,8 @@ def _int64(x):
 def _rows_start(m, Np, Wp, P: tl.constexpr, prefix, stride_b, stride_h, stride_w, stride_tb, stride_tt):
     """State of patch rows m = b*Np + hp*Wp + wp for _rows_advance_image / _rows_advance_tokens: (image offset,
     hp, wp, token offset, p = hp*Wp + wp); the only divisions, once per program."""
-    b = m // Np
-    p = m % Np
-    hp = p // Wp
-    wp = p % Wp
-    img = b.to(tl.int64) * stride_b + (hp * P).to(tl.int64) * stride_h + (wp * P).to(tl.int64) * stride_w
-    tok = b.to(tl.int64) * stride_tb + (prefix + p).to(tl.int64) * stride_tt
-    return img, hp, wp, tok, p
+    img, tok, p = _patch_rows(m, Np, Wp, P, prefix, stride_b, stride_h, stride_w, stride_tb, stride_tt)
+    return img, p // Wp, p % Wp, tok, p
 
 
 @triton.jit

@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -410,20 +409,15 @@ def format_measured(preset: str, results: list[PathResult], measured: dict, dtyp
     return "\n\n".join(out)
 
 
-@dataclass
-class _TimeArgs:
-    preset: str
-    batch: int
-    dtype: str
-    paths: list
-
-
 def _time_main(argv) -> int:
     """`python -m vit_fast.tools.predict --time PRESET BATCH DTYPE PATH...`: one JSON line {path: result}."""
     parser = argparse.ArgumentParser(prog="vit_fast.tools.predict")
-    parser.add_argument("--time", nargs="+", required=True, metavar="ARG")
-    a = parser.parse_args(argv).time
-    args = _TimeArgs(a[0], int(a[1]), a[2], a[3:])
+    parser.add_argument("--time", action="store_true", required=True, help="time the paths (a CUDA GPU)")
+    parser.add_argument("preset")
+    parser.add_argument("batch", type=int)
+    parser.add_argument("dtype", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("paths", nargs="+")
+    args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     out = {}
     for path in args.paths:

@@ -230,6 +230,24 @@ def test_head_dim_72_tables(monkeypatch, arch, p):
                    [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
 
 
+@pytest.mark.parametrize("N", [197, 211, 64])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
+    """Every loop runs its full tiles unmasked, then the rest as one masked step: 16 wide when at most 16 are
+    left, else one more full-width tile. On the sm_90 table (forward 128 x 64, dK/dV 32-row q steps, dQ 64-key
+    steps) N = 197 leaves 5 rows / keys everywhere (the 16-wide steps), N = 211 leaves 19 (full-width masked
+    steps), N = 64 none (no masked step at all)."""
+    B, H, D, seed = 1, 2, 64, 7
+    monkeypatch.setattr(A, "gpu_arch", lambda device: 90)
+    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    cfg = A.attention_config(N, D, torch.float16, 90, dropout=bool(p))
+    assert (cfg.fwd.block_n, cfg.dkdv.block_m, cfg.dq.block_n) == (64, 32, 64)
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
+    check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
+                   lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
+                   [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
+
+
 def test_dropout_quantised_rate_same_mask_and_deterministic(monkeypatch):
     """p = 0.1 runs as 26/256: the kernels scale kept values by 1 / (1 - 26/256) (1 / 0.9 would miss the fp32
     bound by far); forward, dK/dV (transposed tiles) and dQ use the mask the helper draws; two runs are

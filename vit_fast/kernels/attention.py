@@ -70,6 +70,7 @@ token). The forward's bias costs nothing here: it rides in the qkv GEMM's epilog
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -129,7 +130,10 @@ def _tile(rows, offs_d, stride_n, stride_d, TRANS: tl.constexpr):
 
 @triton.jit
 def _tile_mask(row_ok, d_ok, TRANS: tl.constexpr):
-    if TRANS:
+    """The (rows x D) tile's mask, or its transpose's; ``row_ok`` None: every row is inside N (full tiles)."""
+    if row_ok is None:
+        mask = d_ok[:, None] if TRANS else d_ok[None, :]
+    elif TRANS:
         mask = row_ok[None, :] & d_ok[:, None]
     else:
         mask = row_ok[:, None] & d_ok[None, :]
@@ -152,6 +156,43 @@ def _store_column_sums(P, x, row_ok, offs_d, d_ok, partial_row, head_dim):
 
 
 @triton.jit
+def _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, start_n, seq_len, head_dim,
+              stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, drop_threshold, seed,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, MASK_KEYS: tl.constexpr,
+              DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One k/v tile (keys start_n.. start_n + BLOCK_N) of the forward's online softmax; returns the updated
+    (acc, acc_t, m_i, l_i). Only the last tile (``MASK_KEYS``) can run past seq_len: full tiles load and
+    score without a key mask. The scale is applied inside the exponent's FFMA, s * qk_scale - m: the row
+    max is taken on the raw scores (qk_scale > 0 commutes with max)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    col_ok = cols < seq_len if MASK_KEYS else None
+    kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
+    s = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        kT_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, True)
+        s = tl.dot(q_t, kT_t, s, input_precision=INPUT_PRECISION)
+    if MASK_KEYS:
+        s = tl.where(col_ok[None, :], s, float("-inf"))  # padded keys: exactly zero probability
+    # The first tile always holds key 0, so m_new is finite from the first step on.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), p, 0.0)
+    v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
+        acc_t = acc_t * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision=INPUT_PRECISION)
+    return acc, acc_t, m_new, l_i
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Out, Lse,  # outputs: (B, H, N, D) through strides; lse (B * H, N) fp32, natural log
     Q, K, V,  # inputs: (B, H, N, D) through strides (views of the packed qkv)
@@ -168,9 +209,9 @@ def _attention_fwd_kernel(
     DROPOUT: tl.constexpr,  # False skips the Philox draw entirely
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: columns BLOCK_D.. BLOCK_D + 16 as a second part (D = 72: 64 + 16)
+    TAIL_N: tl.constexpr = 16,  # keys left after the full tiles, if at most this many, run as one TAIL_N-wide step
 ):
     bh, rows = _program_tile(seq_len, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
@@ -183,35 +224,31 @@ def _attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_t, acc_t = q, 0.0  # the head_dim tail's q and accumulator (BLOCK_D_TAIL), unused placeholders without it
     if BLOCK_D_TAIL:
         offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
         t_ok = offs_t < head_dim
         q_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, False)
         acc_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < seq_len
-        kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
-        if BLOCK_D_TAIL:
-            kT_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, True)
-            s = tl.dot(q_t, kT_t, tl.dot(q, kT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
-            s = s * qk_scale
-        else:
-            s = tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale
-        s = tl.where(col_ok[None, :], s, float("-inf"))  # padded keys: exactly zero probability
-        # The first tile always holds key 0, so m_new is finite from the first step on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), p, 0.0)
-        v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        if BLOCK_D_TAIL:
-            v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
-            acc_t = acc_t * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision=INPUT_PRECISION)
-        m_i = m_new
+    # Full k/v tiles without a key mask, then the rest as one masked step: TAIL_N wide when it fits (197 tokens
+    # = 3 x 64 + 5 run 208 keys, not 256), else one more BLOCK_N-wide tile.
+    full_end = seq_len - seq_len % BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, start_n, seq_len,
+                                         head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                         drop_threshold, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT,
+                                         INPUT_PRECISION)
+    rest = seq_len - full_end  # < BLOCK_N
+    if rest > TAIL_N:
+        acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, full_end, seq_len,
+                                         head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                         drop_threshold, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT,
+                                         INPUT_PRECISION)
+    elif rest > 0:
+        acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, full_end, seq_len,
+                                         head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                         drop_threshold, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT,
+                                         INPUT_PRECISION)
 
     if DROPOUT:
         acc = acc * inv_keep
@@ -230,6 +267,60 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
+def _dkdv_step(
+    dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh, tile, start_m,
+    stride_qn, stride_qd, stride_on, stride_od, stride_gn, stride_gd,
+    seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
+    MASK_ROWS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """One q tile (rows start_m.. start_m + BLOCK_M) of phase 1; returns the updated (dk, dv, dk_t, dv_t).
+    Only the last tile (``MASK_ROWS``) can run past seq_len. delta_i = rowsum(dO_i * out_i) is recomputed
+    here from out and dO (no pre-pass)."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    row_ok = rows < seq_len if MASK_ROWS else None
+    qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
+    do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+    o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if MASK_ROWS:  # padded q rows get lse = +inf, hence probability exactly 0
+        lse2 = tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E
+    else:
+        lse2 = tl.load(lse_head + rows) * LOG2E
+    sT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
+    dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        qT_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, True)
+        do_t = _load(do_head, rows, row_ok, offs_t, t_ok, stride_gn, stride_gd, False)
+        o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
+        delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
+        sT = tl.dot(k_t, qT_t, sT, input_precision=INPUT_PRECISION)
+        dpT = tl.dot(v_t, tl.trans(do_t), dpT, input_precision=INPUT_PRECISION)
+    pT = tl.exp2(sT * qk_scale - lse2[None, :])
+    if DROPOUT:
+        # drawn as the (q rows x k/v rows) tile the forward and dQ draw, then transposed: the same bits
+        keep = tl.trans(dropout_keep_tile(seed, bh, rows, tile * BLOCK_N, drop_threshold, BLOCK_N))
+        pT_drop = tl.where(keep, pT * inv_keep, 0.0).to(do.dtype)
+        dv += tl.dot(pT_drop, do, input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            dv_t += tl.dot(pT_drop, do_t, input_precision=INPUT_PRECISION)
+        dpT = tl.where(keep, dpT * inv_keep, 0.0)
+    else:
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            dv_t += tl.dot(pT.to(do_t.dtype), do_t, input_precision=INPUT_PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        dk_t += tl.dot(dsT.to(qT_t.dtype), tl.trans(qT_t), input_precision=INPUT_PRECISION)
+    return dk, dv, dk_t, dv_t
+
+
+@triton.jit
 def _bwd_dkdv(
     dk_head, dv_head, PK, PV, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -237,24 +328,24 @@ def _bwd_dkdv(
     seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    BLOCK_D_TAIL: tl.constexpr = 0,
+    BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr,
 ):
-    """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles.
-    delta_i = rowsum(dO_i * out_i) is recomputed for each q tile from out and dO (no pre-pass).
+    """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles: full ones
+    without a row mask, then the rest as one masked step, TAIL_M rows wide when it fits (as the forward's keys).
     ``*_head`` point at head (b, h) of each tensor; the strides are its row and column strides.
     With BLOCK_D_TAIL every (rows x D) tile is two: columns 0..BLOCK_D and the tail (``_t``)."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = cols < seq_len
     d_ok = offs_d < head_dim
     k = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
     v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-    row_base = bh.to(tl.int64) * seq_len
+    lse_head = Lse + bh.to(tl.int64) * seq_len
 
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    k_t, v_t, dk_t, dv_t = k, v, 0.0, 0.0  # the head_dim tail's tiles (BLOCK_D_TAIL), placeholders without it
     if BLOCK_D_TAIL:
         offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
         t_ok = offs_t < head_dim
@@ -262,45 +353,23 @@ def _bwd_dkdv(
         v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
         dk_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
         dv_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
-    for start_m in range(0, seq_len, BLOCK_M):
-        rows = start_m + offs_m
-        row_ok = rows < seq_len
-        qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
-        do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
-        o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        # Padded q rows get lse = +inf, hence probability exactly 0.
-        lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E
-        if BLOCK_D_TAIL:
-            qT_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, True)
-            do_t = _load(do_head, rows, row_ok, offs_t, t_ok, stride_gn, stride_gd, False)
-            o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
-            delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
-            sT = tl.dot(k_t, qT_t, tl.dot(k, qT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
-            pT = tl.exp2(sT * qk_scale - lse2[None, :])
-            dpT = tl.dot(v_t, tl.trans(do_t), tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION),
-                         input_precision=INPUT_PRECISION)
-        else:
-            pT = tl.exp2(tl.dot(k, qT, input_precision=INPUT_PRECISION) * qk_scale - lse2[None, :])
-            dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
-        if DROPOUT:
-            # drawn as the (q rows x k/v rows) tile the forward and dQ draw, then transposed: the same bits
-            keep = tl.trans(dropout_keep_tile(seed, bh, rows, tile * BLOCK_N, drop_threshold, BLOCK_N))
-            if BLOCK_D_TAIL:
-                pT_drop = tl.where(keep, pT * inv_keep, 0.0).to(do.dtype)
-                dv += tl.dot(pT_drop, do, input_precision=INPUT_PRECISION)
-                dv_t += tl.dot(pT_drop, do_t, input_precision=INPUT_PRECISION)
-            else:
-                dv += tl.dot(tl.where(keep, pT * inv_keep, 0.0).to(do.dtype), do, input_precision=INPUT_PRECISION)
-            dpT = tl.where(keep, dpT * inv_keep, 0.0)
-        else:
-            dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
-            if BLOCK_D_TAIL:
-                dv_t += tl.dot(pT.to(do_t.dtype), do_t, input_precision=INPUT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
-        if BLOCK_D_TAIL:
-            dk_t += tl.dot(dsT.to(qT_t.dtype), tl.trans(qT_t), input_precision=INPUT_PRECISION)
+    full_end = seq_len - seq_len % BLOCK_M
+    for start_m in range(0, full_end, BLOCK_M):
+        dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                        tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                        stride_gd, seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+    rest = seq_len - full_end  # < BLOCK_M
+    if rest > TAIL_M:
+        dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                        tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                        stride_gd, seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    elif rest > 0:
+        dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                        tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                        stride_gd, seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                        TAIL_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
@@ -322,6 +391,45 @@ def _bwd_dkdv(
 
 
 @triton.jit
+def _dq_step(
+    dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
+    MASK_KEYS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """One k/v tile (keys start_n.. start_n + BLOCK_N) of phase 2; returns the updated (dq, dq_t). Only the
+    last tile (``MASK_KEYS``) can run past seq_len."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    col_ok = cols < seq_len if MASK_KEYS else None
+    kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
+    vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
+    s = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+    dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        kT_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, True)
+        vT_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, True)
+        s = tl.dot(q_t, kT_t, s, input_precision=INPUT_PRECISION)
+        dp = tl.dot(do_t, vT_t, dp, input_precision=INPUT_PRECISION)
+    p = tl.exp2(s * qk_scale - lse2[:, None])
+    if MASK_KEYS:
+        # Padded keys (k loaded as 0) must get p = 0: exp(0 - lse) overflows when every real score of
+        # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
+        p = tl.where(col_ok[None, :], p, 0.0)
+    if DROPOUT:
+        dp = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), dp * inv_keep, 0.0)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        dq_t += tl.dot(ds.to(kT_t.dtype), tl.trans(kT_t), input_precision=INPUT_PRECISION)
+    return dq, dq_t
+
+
+@triton.jit
 def _bwd_dq(
     dq_head, PQ, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -329,20 +437,20 @@ def _bwd_dq(
     seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    BLOCK_D_TAIL: tl.constexpr = 0,
+    BLOCK_D_TAIL: tl.constexpr, TAIL_N: tl.constexpr,
 ):
-    """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles (with
-    BLOCK_D_TAIL, each (rows x D) tile as its main part and its tail ``_t``, as in ``_bwd_dkdv``)."""
+    """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles as the forward
+    does (full tiles unmasked, then one masked step, TAIL_N wide when it fits; with BLOCK_D_TAIL, each
+    (rows x D) tile as its main part and its tail ``_t``, as in ``_bwd_dkdv``)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_len
     d_ok = offs_d < head_dim
-    row_base = bh.to(tl.int64) * seq_len
     q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
     o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    q_t, do_t, dq_t = q, do, 0.0  # the head_dim tail's tiles (BLOCK_D_TAIL), placeholders without it
     if BLOCK_D_TAIL:
         offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
         t_ok = offs_t < head_dim
@@ -351,34 +459,24 @@ def _bwd_dq(
         o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
         delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
         dq_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
-    lse2 = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E
+    lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=float("inf")) * LOG2E
 
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < seq_len
-        kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
-        vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
-        # Padded keys (k loaded as 0) must get p = 0: exp(0 - lse) overflows when every real score of
-        # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
-        if BLOCK_D_TAIL:
-            kT_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, True)
-            vT_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, True)
-            s = tl.dot(q_t, kT_t, tl.dot(q, kT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
-            p = tl.exp2(s * qk_scale - lse2[:, None])
-            p = tl.where(col_ok[None, :], p, 0.0)
-            dp = tl.dot(do_t, vT_t, tl.dot(do, vT, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
-        else:
-            p = tl.exp2(tl.dot(q, kT, input_precision=INPUT_PRECISION) * qk_scale - lse2[:, None])
-            p = tl.where(col_ok[None, :], p, 0.0)
-            dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
-        if DROPOUT:
-            dp = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
-        if BLOCK_D_TAIL:
-            dq_t += tl.dot(ds.to(kT_t.dtype), tl.trans(kT_t), input_precision=INPUT_PRECISION)
+    full_end = seq_len - seq_len % BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
+                            stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                            inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+    rest = seq_len - full_end  # < BLOCK_N
+    if rest > TAIL_N:
+        dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
+                            stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                            inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    elif rest > 0:
+        dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
+                            stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                            inv_keep, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     dq = dq * scale
     tl.store(dq_head + _tile(rows, offs_d, stride_dn, stride_dd, False), dq.to(dq_head.dtype.element_ty),
@@ -415,6 +513,7 @@ def _attention_bwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     BIAS_GRAD: tl.constexpr,  # also write column partials of dq, dk, dv (the qkv bias's gradient)
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: head_dim as BLOCK_D + a 16-wide tail (see the forward)
+    TAIL: tl.constexpr = 16,  # the last, partial q step (dK/dV) or k/v step (dQ) runs this wide when it fits
 ):
     """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
     pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
@@ -430,7 +529,7 @@ def _attention_bwd_kernel(
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
               seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
-              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL)
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh), PQ,
             _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
             _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
@@ -438,7 +537,7 @@ def _attention_bwd_kernel(
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
             seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
-            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL)
+            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL)
 
 
 @triton.jit
@@ -1078,8 +1177,11 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_gra
     """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
     (lse/delta/probs/partials fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1
     and multiples of 16 are listed in divisible_by_16, both as Triton specialises a real launch.
-    Without ``bias_grad`` the partials are constexpr None."""
-    constexprs = dict(constexprs, **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
+    Without ``bias_grad`` the partials are constexpr None; constexprs a launch leaves at their default keep it."""
+    defaults = {a: prm.default for a, prm in inspect.signature(fn.fn).parameters.items()
+                if prm.default is not inspect.Parameter.empty}
+    constexprs = dict(defaults, **constexprs,
+                      **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
     if "BIAS_GRAD" in fn.arg_names:
         constexprs["BIAS_GRAD"] = bias_grad
         if not bias_grad:

@@ -478,6 +478,38 @@ def test_attention_linear_forward_and_gradients(dtype, B, N, H, D):
     assert errors(out, A.attention_linear_ref(x, w, None, H))[0] > 10 * bound(dtype, "dot"), "the bias is a no-op"
 
 
+@pytest.mark.parametrize("dtype, N, rows, p", [
+    (torch.float32, 37, 1, 0.0), (torch.bfloat16, 37, 1, 0.25), (torch.bfloat16, 197, 5, 0.0),
+    (torch.float16, 71, 40, 0.25), (torch.float32, 37, 37, 0.0),
+], ids=dtype_id)
+def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p):
+    """query_rows = M (the last block under class-token pooling): out is (B, M, C) and bitwise the first M rows
+    of the full output, every gradient bitwise that of the full output with zero gradient past row M (the dQ
+    rows past M written as zeros, dK/dV summed over M queries), and within 2x eager of float64."""
+    B, H, D, seed = 2, 2, 64, 11
+    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
+    inputs = make_linear(B, N, H, D, dtype)
+    fn = lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=rows)  # noqa: E731
+    mine = check_2x_eager(fn, lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True,
+                                                                     dropout_mask=keep, query_rows=rows),
+                          inputs, LINEAR_GRADS)
+    assert mine[0].shape == (B, rows, H * D)
+    grad = torch.zeros(B, N, H * D, dtype=dtype, device=DEVICE)
+    grad[:, :rows] = torch.randn(B, rows, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    full = run(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True), inputs, grad)
+    assert torch.equal(mine[0], full[0][:, :rows])
+    for name, got, want in zip(LINEAR_GRADS, mine[1], full[1]):
+        assert torch.equal(got, want), name
+
+
+def test_attention_linear_query_rows_checked():
+    x, w, b = make_linear(1, 9, 2, 16, torch.float32)
+    for bad in (0, 10, 2.0):
+        with pytest.raises(ValueError, match="expected query_rows an int in 1..9"):
+            A.attention_linear(x, w, b, 2, query_rows=bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_attention_linear_bias_large_next_to_the_projection(dtype):
     """x @ W^T ~ -b (|b| ~ 16) and q, k, v = x @ W^T + b ~ 1: every rounding must be that of eager, on

@@ -194,13 +194,14 @@ def _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, start_n, s
 
 @triton.jit
 def _attention_fwd_kernel(
-    Out, Lse,  # outputs: (B, H, N, D) through strides; lse (B * H, N) fp32, natural log
-    Q, K, V,  # inputs: (B, H, N, D) through strides (views of the packed qkv)
+    Out, Lse,  # outputs: (B, H, M, D) through strides; lse (B * H, M) fp32, natural log (M = q_len)
+    Q, K, V,  # inputs: (B, H, N, D) through strides (views of the packed qkv); q's first M rows are read
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     num_heads, seq_len, head_dim,
+    q_len,  # query rows computed: the first q_len of the N (all N but for the last block under class pooling)
     scale,  # softmax scale
     drop_threshold, inv_keep, seed,  # dropout: 8-bit threshold t, 256 / (256 - t) (0 when t == 256), Philox seed
     BLOCK_M: tl.constexpr,  # q rows per program
@@ -211,9 +212,9 @@ def _attention_fwd_kernel(
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: columns BLOCK_D.. BLOCK_D + 16 as a second part (D = 72: 64 + 16)
     TAIL_N: tl.constexpr = 16,  # keys left after the full tiles, if at most this many, run as one TAIL_N-wide step
 ):
-    bh, rows = _program_tile(seq_len, BLOCK_M)
+    bh, rows = _program_tile(q_len, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_len
+    row_ok = rows < q_len
     d_ok = offs_d < head_dim
     q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
     q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
@@ -263,24 +264,24 @@ def _attention_fwd_kernel(
         tl.store(out_head + _tile(rows, offs_t, stride_on, stride_od, False),
                  acc_t.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, t_ok, False))
     lse = (m_i + tl.log2(l_i)) * LN2  # back to natural log
-    tl.store(Lse + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
+    tl.store(Lse + bh.to(tl.int64) * q_len + rows, lse, mask=row_ok)
 
 
 @triton.jit
 def _dkdv_step(
     dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh, tile, start_m,
     stride_qn, stride_qd, stride_on, stride_od, stride_gn, stride_gd,
-    seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+    q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
     MASK_ROWS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """One q tile (rows start_m.. start_m + BLOCK_M) of phase 1; returns the updated (dk, dv, dk_t, dv_t).
-    Only the last tile (``MASK_ROWS``) can run past seq_len. delta_i = rowsum(dO_i * out_i) is recomputed
+    Only the last tile (``MASK_ROWS``) can run past q_len. delta_i = rowsum(dO_i * out_i) is recomputed
     here from out and dO (no pre-pass)."""
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    row_ok = rows < seq_len if MASK_ROWS else None
+    row_ok = rows < q_len if MASK_ROWS else None
     qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
     do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
     o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
@@ -325,7 +326,7 @@ def _bwd_dkdv(
     dk_head, dv_head, PK, PV, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-    seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
+    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
     BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr,
@@ -340,7 +341,7 @@ def _bwd_dkdv(
     d_ok = offs_d < head_dim
     k = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
     v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-    lse_head = Lse + bh.to(tl.int64) * seq_len
+    lse_head = Lse + bh.to(tl.int64) * q_len
 
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -353,22 +354,22 @@ def _bwd_dkdv(
         v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
         dk_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
         dv_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
-    full_end = seq_len - seq_len % BLOCK_M
+    full_end = q_len - q_len % BLOCK_M  # over the q_len query rows: the others have zero gradient
     for start_m in range(0, full_end, BLOCK_M):
         dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
                                         tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                        stride_gd, seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                        stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
                                         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
-    rest = seq_len - full_end  # < BLOCK_M
+    rest = q_len - full_end  # < BLOCK_M
     if rest > TAIL_M:
         dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
                                         tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                        stride_gd, seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                        stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
                                         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
     elif rest > 0:
         dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
                                         tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                        stride_gd, seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                        stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
                                         TAIL_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
@@ -434,7 +435,7 @@ def _bwd_dq(
     dq_head, PQ, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-    seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
+    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
     BLOCK_D_TAIL: tl.constexpr, TAIL_N: tl.constexpr,
@@ -444,7 +445,7 @@ def _bwd_dq(
     (rows x D) tile as its main part and its tail ``_t``, as in ``_bwd_dkdv``)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_len
+    row_ok = rows < q_len  # rows q_len.. N: q, dO, out load as 0 and lse as +inf, so their dq is exactly 0
     d_ok = offs_d < head_dim
     q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
@@ -459,16 +460,17 @@ def _bwd_dq(
         o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
         delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
         dq_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
-    lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=float("inf")) * LOG2E
+    lse2 = tl.load(Lse + bh.to(tl.int64) * q_len + rows, mask=row_ok, other=float("inf")) * LOG2E
 
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full_end = seq_len - seq_len % BLOCK_N
+    keys = tl.where(tile * BLOCK_M < q_len, seq_len, 0)  # a tile past q_len skips the loop: its dq is 0
+    full_end = keys - keys % BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
                             stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
                             inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
-    rest = seq_len - full_end  # < BLOCK_N
+    rest = keys - full_end  # < BLOCK_N
     if rest > TAIL_N:
         dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
                             stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
@@ -479,14 +481,15 @@ def _bwd_dq(
                             inv_keep, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     dq = dq * scale
+    store_ok = rows < seq_len  # every q row of the gradient is written, the rows past q_len as zeros
     tl.store(dq_head + _tile(rows, offs_d, stride_dn, stride_dd, False), dq.to(dq_head.dtype.element_ty),
-             mask=_tile_mask(row_ok, d_ok, False))
+             mask=_tile_mask(store_ok, d_ok, False))
     if BIAS_GRAD:
         _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, partial_row, head_dim)
     if BLOCK_D_TAIL:
         dq_t = dq_t * scale
         tl.store(dq_head + _tile(rows, offs_t, stride_dn, stride_dd, False), dq_t.to(dq_head.dtype.element_ty),
-                 mask=_tile_mask(row_ok, t_ok, False))
+                 mask=_tile_mask(store_ok, t_ok, False))
         if BIAS_GRAD:
             _store_column_sums(PQ, dq_t, row_ok, offs_t, t_ok, partial_row, head_dim)
 
@@ -504,6 +507,7 @@ def _attention_bwd_kernel(
     stride_gb, stride_gh, stride_gn, stride_gd,  # dO
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
     num_heads, seq_len, head_dim,
+    q_len,  # query rows of out, dO and lse (the forward's q_len): the other q rows get zero gradient
     scale, drop_threshold, inv_keep, seed,
     BLOCK: tl.constexpr,  # rows owned: k/v rows in the dK/dV phase, q rows in the dQ phase
     KV_BLOCK_M: tl.constexpr,  # dK/dV phase: q rows per loop step
@@ -528,7 +532,7 @@ def _attention_bwd_kernel(
               _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-              seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
+              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh), PQ,
             _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
@@ -536,7 +540,7 @@ def _attention_bwd_kernel(
             _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-            seq_len, head_dim, scale, drop_threshold, inv_keep, seed,
+            seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
             BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL)
 
 
@@ -745,6 +749,11 @@ def _check_dropout(op: str, dropout_p: float) -> None:
         raise ValueError(f"{op}: expected dropout_p in [0, 1], got {dropout_p}")
 
 
+def _check_query_rows(op: str, query_rows: int | None, seq_len: int) -> None:
+    if query_rows is not None and not (isinstance(query_rows, int) and 1 <= query_rows <= seq_len):
+        raise ValueError(f"{op}: expected query_rows an int in 1..{seq_len} (the tokens) or None, got {query_rows!r}")
+
+
 def _check_num_heads(op: str, num_heads: int) -> None:
     if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
         raise ValueError(f"{op}: expected num_heads to be a positive int, got {num_heads!r}")
@@ -828,15 +837,17 @@ def _dropout_args(dropout_p: float) -> tuple[bool, int, float]:
 
 
 def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
+    """out (B, H, M, D) and lse (B, H, M) of the first M = out.shape[2] query rows (M <= N)."""
     B, H, N, D = q.shape
+    q_len = out.shape[2]
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
 
     def launch(cfg: Tile) -> None:
         block_d, tail = _block_dims(D, cfg.split)
-        _attention_fwd_kernel[attention_grid(B * H, N, cfg.block_m)](
+        _attention_fwd_kernel[attention_grid(B * H, q_len, cfg.block_m)](
             out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            H, N, D, scale, threshold, inv_keep, seed,
+            H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout,
             INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
@@ -849,8 +860,10 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     """One launch writes dq, dk, dv (which share one stride layout). With ``bias_dtype`` (the qkv bias's
     gradient is wanted) its programs also write fp32 column partials of dk, dv and dq into the three
     slabs of one (3, G, H * D) buffer (G = B * tiles), and ``sum_partials`` (one launch) returns
-    d(bias) (3 * H * D,) in that dtype."""
+    d(bias) (3 * H * D,) in that dtype. out, dO and lse may hold the first M < N query rows only (the
+    forward's): the other rows of dq are written as zeros."""
     B, H, N, D = q.shape
+    q_len = out.shape[2]
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
 
@@ -862,7 +875,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
         _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
             dq, dk, dv, *slabs, q, k, v, out, do, lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
-            H, N, D, scale, threshold, inv_keep, seed,
+            H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
             BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout, INPUT_PRECISION=precision,
             BIAS_GRAD=partial is not None,
@@ -892,22 +905,23 @@ def _bwd_candidates(static: AttentionConfig) -> list[AttentionConfig]:
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.
 @torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
 def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
-                  seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, N, H * D), lse (B, H, N) fp32). Inputs were
-    validated by the calling functional."""
+                  seed: Optional[torch.Tensor], query_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, M, H * D), lse (B, H, M) fp32) for the first
+    M = query_rows queries (every token still a key and value). Inputs were validated by the calling
+    functional."""
     B, N, width = qkv.shape
     D = width // (3 * num_heads)
-    out = _empty((B, N, num_heads * D), qkv.dtype, qkv.device)
-    lse = _empty((B, num_heads, N), torch.float32, qkv.device)
+    out = _empty((B, query_rows, num_heads * D), qkv.dtype, qkv.device)
+    lse = _empty((B, num_heads, query_rows), torch.float32, qkv.device)
     _launch_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p,
                 seed_value(seed))
     return out, lse
 
 
 @attention_fwd.register_fake
-def _(qkv, num_heads, scale, dropout_p, seed):
+def _(qkv, num_heads, scale, dropout_p, seed, query_rows):
     B, N, width = qkv.shape
-    return qkv.new_empty((B, N, width // 3)), qkv.new_empty((B, num_heads, N), dtype=torch.float32)
+    return qkv.new_empty((B, query_rows, width // 3)), qkv.new_empty((B, num_heads, query_rows), dtype=torch.float32)
 
 
 @torch.library.custom_op("vit_fast::attention_bwd", mutates_args=())
@@ -915,7 +929,7 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[
                   lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed backward: (dqkv, dbias). dqkv is one (B, N, 3 * H * D) gradient with dQ, dK, dV written
-    into its three slices; with ``qkv_bias`` (the bias already inside qkv: only its presence and dtype
+    into its three slices (dQ zero past the forward's query rows, out.shape[1]); with ``qkv_bias`` (the bias already inside qkv: only its presence and dtype
     matter here) dbias (3 * H * D,) in the bias dtype is the sum of dqkv over batch and tokens, else an
     empty tensor (custom ops cannot return None)."""
     check_kernel_device("attention_bwd", grad_out, qkv, qkv_bias, out, lse)
@@ -981,8 +995,8 @@ class AttentionFunction(torch.autograd.Function):
     None. It is an input only so that the backward returns its gradient, from the kernel's partials."""
 
     @staticmethod
-    def forward(ctx, qkv, qkv_bias, num_heads, scale, dropout_p, seed):
-        out, lse = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
+    def forward(ctx, qkv, qkv_bias, num_heads, scale, dropout_p, seed, query_rows):
+        out, lse = attention_fwd(qkv, num_heads, scale, dropout_p, seed, query_rows)
         ctx.save_for_backward(qkv, qkv_bias, out, lse, seed)
         ctx.set_materialize_grads(False)  # no zero-filled grad for the non-differentiable lse
         ctx.args = (num_heads, scale, dropout_p)
@@ -993,7 +1007,7 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         qkv, qkv_bias, out, lse, seed = ctx.saved_tensors
         dqkv, dbias = attention_bwd(grad_out, qkv, qkv_bias, out, lse, *ctx.args, seed)
-        return dqkv, (dbias if qkv_bias is not None else None), None, None, None, None
+        return dqkv, (dbias if qkv_bias is not None else None), None, None, None, None, None
 
 
 class AttentionQKVFunction(torch.autograd.Function):
@@ -1021,11 +1035,13 @@ def _dropout_and_seed(dropout_p: float, training: bool) -> tuple[float, Optional
 
 
 def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale: float | None, dropout_p: float,
-                        training: bool, qkv_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        training: bool, qkv_bias: torch.Tensor | None = None,
+                        query_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed path after validation (done once, by the public functional that calls this)."""
     p, seed = _dropout_and_seed(dropout_p, training)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed)
+    rows = qkv.shape[1] if query_rows is None else query_rows
+    return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed, rows)
 
 
 def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
@@ -1049,19 +1065,22 @@ def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dro
 
 def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
                      scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
-                     return_lse: bool = False):
+                     return_lse: bool = False, query_rows: int | None = None):
     """The qkv Linear then ``attention``: attention(F.linear(x, weight, bias), num_heads) -> (B, N, H * D).
 
     The bias rides in the GEMM's epilogue (cuBLAS; under autocast cast like eager's, so qkv is bitwise
     eager timm's) and its gradient comes from the attention backward's column partials, not from a
     separate sum over d(qkv): the Linear sees the bias detached, the attention Function returns d(bias).
     ``return_lse``: also return the fp32 log-sum-exp (B, H, N) for ``attention_probs`` (which then takes
-    the biased qkv, F.linear(x, weight, bias))."""
+    the biased qkv, F.linear(x, weight, bias)). ``query_rows`` = M: only the first M tokens' output,
+    (B, M, H * D), bitwise ``attention_linear(...)[:, :M]``; every token is still a key and value, the
+    kernels skip the other queries (the last block under class-token pooling needs token 0 only)."""
     head_dim = _check_linear("attention_linear", x, weight, bias, num_heads)
     _check_dropout("attention_linear", dropout_p)
+    _check_query_rows("attention_linear", query_rows, x.shape[1])
     qkv = F.linear(x, weight, None if bias is None else bias.detach())  # contiguous (B, N, 3 * H * D)
     grad_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
-    out, lse = _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, grad_bias)
+    out, lse = _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, grad_bias, query_rows)
     return (out, lse) if return_lse else out
 
 
@@ -1150,9 +1169,10 @@ def attention_ref(qkv: torch.Tensor, num_heads: int, scale: float | None = None,
 
 def attention_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
                          scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
-                         dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for ``attention_linear``: timm's qkv Linear, then ``attention_ref``."""
-    return attention_ref(F.linear(x, weight, bias), num_heads, scale, dropout_p, training, dropout_mask)
+                         dropout_mask: torch.Tensor | None = None, query_rows: int | None = None) -> torch.Tensor:
+    """Reference for ``attention_linear``: timm's qkv Linear, then ``attention_ref`` (its first query_rows)."""
+    out = attention_ref(F.linear(x, weight, bias), num_heads, scale, dropout_p, training, dropout_mask)
+    return out if query_rows is None else out[:, :query_rows]
 
 
 # ------------------------------------------------------------------------------ ahead-of-time specs

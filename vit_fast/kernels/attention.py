@@ -31,6 +31,11 @@ Kernels (grid: batch * heads folded onto axis 0 with the tile index, so B * H ma
                              (``_bwd_dkdv``), then dQ of q tile t looping over k/v tiles (``_bwd_dq``);
                              delta of each q tile is recomputed from out and dO where it is needed
     _attention_probs_kernel  attention maps: exp(S - lse) for chosen query rows, outside training
+Every loop runs its full tiles without key or row masks, then what is left as one masked step, 16 wide
+when at most 16 are left (ViT's 197 tokens = 3 x 64 + 5 run 208 keys per query row, not 256).
+``query_rows`` = M < N (``attention_linear``; the last block under class-token pooling, M = 1) computes the
+first M queries only: the forward writes (B, M, C) and lse (B, H, M), the dK/dV loop steps over M query
+rows, dQ tiles past M skip their loop and write zeros.
 No atomics and no program reads what another writes in the same launch: gradients are bitwise
 reproducible. Launches: 1 forward, 1 backward; with the qkv bias's gradient (constexpr BIAS_GRAD,
 the same kernels) 1 forward, 1 + 1 backward (``sum_partials``).
@@ -113,9 +118,13 @@ def _program_tile(seq_len, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _head(X, bh, num_heads, stride_b, stride_h):
-    """Pointer to head (b, h) = divmod(bh, H) of a (B, H, N, D)-strided tensor (int64 offset)."""
-    return X + (bh // num_heads).to(tl.int64) * stride_b + (bh % num_heads).to(tl.int64) * stride_h
+def _head(X, bh, num_heads, stride_b, stride_h, ALIGN: tl.constexpr):
+    """Pointer to head (b, h) = divmod(bh, H) of a (B, H, N, D)-strided tensor (int64 offset). ``ALIGN``: the
+    launcher's promise that the offset is a multiple of it (the packed layout's head stride is D: 72 = 8 x 9
+    elements is 16-byte aligned, which Triton, knowing only multiples of 16, cannot see; without the hint
+    every load of a D = 72 head is one element wide)."""
+    offset = (bh // num_heads).to(tl.int64) * stride_b + (bh % num_heads).to(tl.int64) * stride_h
+    return X + tl.multiple_of(offset, ALIGN)
 
 
 @triton.jit
@@ -200,7 +209,7 @@ def _attention_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    num_heads, seq_len, head_dim,
+    num_heads, seq_len, head_dim: tl.constexpr,  # a constant: the d masks fold, loads vectorise at D = 72
     q_len,  # query rows computed: the first q_len of the N (all N but for the last block under class pooling)
     scale,  # softmax scale
     drop_threshold, inv_keep, seed,  # dropout: 8-bit threshold t, 256 / (256 - t) (0 when t == 256), Philox seed
@@ -211,15 +220,16 @@ def _attention_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 dots; ignored for fp16/bf16
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: columns BLOCK_D.. BLOCK_D + 16 as a second part (D = 72: 64 + 16)
     TAIL_N: tl.constexpr = 16,  # keys left after the full tiles, if at most this many, run as one TAIL_N-wide step
+    HEAD_ALIGN: tl.constexpr = 1,  # every head's offset is a multiple of this many elements (_head_align)
 ):
     bh, rows = _program_tile(q_len, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < q_len
     d_ok = offs_d < head_dim
-    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh)
+    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN)
     q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
-    v_head = _head(V, bh, num_heads, stride_vb, stride_vh)
+    k_head = _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN)
+    v_head = _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN)
 
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -254,7 +264,7 @@ def _attention_fwd_kernel(
     if DROPOUT:
         acc = acc * inv_keep
     acc = acc / l_i[:, None]
-    out_head = _head(Out, bh, num_heads, stride_ob, stride_oh)
+    out_head = _head(Out, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN)
     tl.store(out_head + _tile(rows, offs_d, stride_on, stride_od, False),
              acc.to(Out.dtype.element_ty), mask=_tile_mask(row_ok, d_ok, False))
     if BLOCK_D_TAIL:
@@ -506,7 +516,7 @@ def _attention_bwd_kernel(
     stride_ob, stride_oh, stride_on, stride_od,  # out
     stride_gb, stride_gh, stride_gn, stride_gd,  # dO
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
-    num_heads, seq_len, head_dim,
+    num_heads, seq_len, head_dim: tl.constexpr,  # a constant: the d masks fold, loads vectorise at D = 72
     q_len,  # query rows of out, dO and lse (the forward's q_len): the other q rows get zero gradient
     scale, drop_threshold, inv_keep, seed,
     BLOCK: tl.constexpr,  # rows owned: k/v rows in the dK/dV phase, q rows in the dQ phase
@@ -518,6 +528,7 @@ def _attention_bwd_kernel(
     BIAS_GRAD: tl.constexpr,  # also write column partials of dq, dk, dv (the qkv bias's gradient)
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: head_dim as BLOCK_D + a 16-wide tail (see the forward)
     TAIL: tl.constexpr = 16,  # the last, partial q step (dK/dV) or k/v step (dQ) runs this wide when it fits
+    HEAD_ALIGN: tl.constexpr = 1,  # every head's offset is a multiple of this many elements (_head_align)
 ):
     """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
     pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
@@ -526,18 +537,18 @@ def _attention_bwd_kernel(
     bh, tile = pid // num_tiles, pid % num_tiles
     partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
     # Each phase gets its heads' pointers computed at its call (not kept live across phase 1).
-    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh), _head(DV, bh, num_heads, stride_db, stride_dh), PK, PV,
-              _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
-              _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
-              _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
+    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PK, PV,
+              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN), _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN), _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
               seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL)
-    _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh), PQ,
-            _head(Q, bh, num_heads, stride_qb, stride_qh), _head(K, bh, num_heads, stride_kb, stride_kh),
-            _head(V, bh, num_heads, stride_vb, stride_vh), _head(O, bh, num_heads, stride_ob, stride_oh),
-            _head(DO, bh, num_heads, stride_gb, stride_gh), Lse, bh, tile, partial_row,
+    _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PQ,
+            _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN), _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+            _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN), _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+            _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
             seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
@@ -550,10 +561,11 @@ def _attention_probs_kernel(
     Q, K, Lse, Rows,  # q, k through strides; lse (B * H, N); Rows (R,) int64 query indices
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
-    num_heads, seq_len, head_dim, num_rows,
+    num_heads, seq_len, head_dim: tl.constexpr, num_rows,
     scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr = 1,
 ):
     bh, r = _program_tile(num_rows, BLOCK_M)
     r_ok = r < num_rows
@@ -561,9 +573,9 @@ def _attention_probs_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * LOG2E
-    k_head = _head(K, bh, num_heads, stride_kb, stride_kh)
+    k_head = _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN)
     p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + offs_n
@@ -630,7 +642,7 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     and steps over 32 q rows in dK/dV and 64 keys in dQ, so every dot is a wgmma of N >= 32 (the former
     64 rows owned with 16-row steps gave 64x16 wgmma tiles; its main loops read 53-56% in ``vit-fast
     report``'s SASS ceiling, these 86-92% without dropout and 44-46% with it, no spills at 173-246
-    registers). 64x64 steps at 4 warps spill with the bias partials, at 8 warps they split into 64x32
+    registers; with the full tiles unmasked, 100% and 50-59%). 64x64 steps at 4 warps spill with the bias partials, at 8 warps they split into 64x32
     wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads keep the small tiles: 64-row steps
     with a 128-wide head spill hundreds of bytes.
 
@@ -648,15 +660,14 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
 
     16-bit head dims in 65..79 that are no multiple of 16 (D = 72) instead split the head (``Tile.split``,
     ``_block_dims``): 64 columns plus a 16-wide tail, two dots summed for q k^T and dO v^T and two accumulators for
-    out, dq, dk, dv, so the tiles carry 80 columns, not 128. Its tiles (0 spills for bf16/fp16 at N = 256 and 257,
-    with and without the bias partials; SASS ceilings count issued MMA work, padding included: 56 of the padded
-    build's 128 columns, 8 of the split's 80, so equal ceilings mean 1.6x the useful rate): forward sm_80 128x32
-    (64-71%, 216-221 regs; the padded build 68-80%), with dropout 64x32 on 8 warps (44-48%, 241-243; padded 64x16
-    44-46%), sm_90 128x64 (38-43%, 177-220; padded 128x32 39-46%), with dropout 25-27% (208-227; padded 29-33%);
-    backward without dropout, 32 rows owned, 16-row steps: sm_80 2 stages 69-70% (254-255 regs; padded 52-54%),
-    sm_90 1 stage 32-34% (238-255; padded 26-28%). The split backward with dropout spills with the bias partials at
-    every tile tried (8-80 B on sm_80, 16-32 B on sm_90), so it keeps the padded build and its tiles above; fp32
-    keeps the padded builds too (not measured split).
+    out, dq, dk, dv, so the tiles carry 80 columns, not 128. With head_dim a constant and the head offsets known
+    to be 16-byte aligned (HEAD_ALIGN 8: 72 = 8 x 9) every load is vectorised, and the split takes the D <= 64
+    tiles (checked at N = 256 and 257, bf16 and fp16, with and without the bias partials, 0 spills; SASS
+    ceilings, dropout in brackets): forward sm_80 128x32 100% (64x32 on 8 warps: 66%), sm_90 128x64 90% (43%);
+    backward sm_80 16 q rows per step, 32 rows owned, 100% (16 rows owned on 4 warps: 74%; 8 warps spill 8 B),
+    sm_90 as D <= 64 (128 rows owned, 32-row / 64-key steps) 100% (55%), 202-254 regs. (Before the alignment hint
+    every D = 72 load was one element wide: sm_90 forward 38-51%, backward 32-34% at 32 rows owned, 1 stage.)
+    fp32 keeps the padded builds (not measured split).
     """
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     # D = 72, 88 (SigLIP So400m: 72): not a multiple of the 16-wide MMA k-step, so the padded columns are
@@ -703,9 +714,12 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     if _block_dims(head_dim, True)[1] and dtype != torch.float32:  # D = 72 as 64 + 16 columns, 16-bit only
         fwd = Tile(128, 64, 8, 3, True) if arch >= 90 else Tile(64, 32, 8, 3, True) if dropout else \
             Tile(128, 32, 8, 3, True)
-        if not dropout:  # with dropout the split backward spills with the bias partials: the padded one stays
-            dkdv, dq = (Tile(16, 32, 8, 1, True), Tile(32, 16, 8, 1, True)) if arch >= 90 else \
-                (Tile(16, 32, 8, 2, True), Tile(32, 16, 8, 2, True))
+        if arch >= 90:  # the D <= 64 tiles, with dropout too
+            dkdv, dq = Tile(32, 128, 8, 2, True), Tile(128, 64, 8, 2, True)
+        elif dropout:  # 16 rows owned on 4 warps (on 8 warps: 8 B spills with the bias partials)
+            dkdv, dq = Tile(16, 16, 4, 2, True), Tile(16, 16, 4, 2, True)
+        else:
+            dkdv, dq = Tile(16, 32, 8, 2, True), Tile(32, 16, 8, 2, True)
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: replace(t, block_m=min(t.block_m, cap), block_n=min(t.block_n, cap))  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))
@@ -734,6 +748,17 @@ def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
+def _head_align(*tensors: torch.Tensor) -> int:
+    """The largest of 16, 8, 4, 2, 1 dividing the batch and head strides of every (B, H, N, D) tensor: the
+    kernels' HEAD_ALIGN (``_head``)."""
+    align = 16
+    for t in tensors:
+        for stride in t.stride()[:2]:
+            while stride % align:
+                align //= 2
+    return align
+
+
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Every allocation of the launchers goes through here (tests track and poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -849,7 +874,8 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
             out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout,
-            INPUT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            INPUT_PRECISION=precision, HEAD_ALIGN=_head_align(q, k, v, out), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
                           _tuning.tile_candidates(static), launch, q.device))
@@ -878,7 +904,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
             H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
             BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout, INPUT_PRECISION=precision,
-            BIAS_GRAD=partial is not None,
+            BIAS_GRAD=partial is not None, HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv),
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
@@ -1127,7 +1153,7 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
     _attention_probs_kernel[attention_grid(B * num_heads, R, block_m)](
         probs, q, k, lse, rows, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(head_dim),
-        INPUT_PRECISION=precision, num_warps=cfg.num_warps)
+        INPUT_PRECISION=precision, HEAD_ALIGN=_head_align(q, k), num_warps=cfg.num_warps)
     return probs
 
 
@@ -1182,7 +1208,7 @@ _FLOAT_ARGS = ("scale", "inv_keep")
 def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]:
     """Integer arguments of a packed-layout launch (qkv (B, N, 3HD), out/dO (B, N, HD))."""
     N, H, D = tokens, num_heads, head_dim
-    values = dict(num_heads=H, seq_len=N, head_dim=D, num_rows=1)
+    values = dict(num_heads=H, seq_len=N, q_len=N, head_dim=D, num_rows=1)
     for t in "qkvd":  # q, k, v and the packed gradient: (B, H, N, D) view of a (B, N, 3HD) tensor
         values.update({f"stride_{t}b": N * 3 * H * D, f"stride_{t}h": D, f"stride_{t}n": 3 * H * D, f"stride_{t}d": 1})
     for t in "og":  # out and dO: (B, H, N, D) view of a (B, N, HD) tensor
@@ -1200,7 +1226,9 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_gra
     Without ``bias_grad`` the partials are constexpr None; constexprs a launch leaves at their default keep it."""
     defaults = {a: prm.default for a, prm in inspect.signature(fn.fn).parameters.items()
                 if prm.default is not inspect.Parameter.empty}
-    constexprs = dict(defaults, **constexprs,
+    # the packed layout's head and batch strides are multiples of D: HEAD_ALIGN as _head_align finds it
+    head_align = next(a for a in (16, 8, 4, 2, 1) if values["head_dim"] % a == 0)
+    constexprs = dict(defaults, **constexprs, head_dim=values["head_dim"], HEAD_ALIGN=head_align,
                       **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
     if "BIAS_GRAD" in fn.arg_names:
         constexprs["BIAS_GRAD"] = bias_grad

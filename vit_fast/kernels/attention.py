@@ -75,7 +75,6 @@ token). The forward's bias costs nothing here: it rides in the qkv GEMM's epilog
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -105,6 +104,7 @@ from ._utils import (
 from ._utils import input_precision as dot_input_precision
 
 MAX_HEAD_DIM = 128
+LAST_STEP = 16  # the loops' last, partial step runs 16 wide (one MMA k-step) when at most 16 keys / rows are left
 MAX_GRID = 2**31 - 1
 
 
@@ -874,7 +874,7 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
             out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout,
-            INPUT_PRECISION=precision, HEAD_ALIGN=_head_align(q, k, v, out), num_warps=cfg.num_warps,
+            INPUT_PRECISION=precision, TAIL_N=LAST_STEP, HEAD_ALIGN=_head_align(q, k, v, out), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
@@ -904,7 +904,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
             H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
             BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout, INPUT_PRECISION=precision,
-            BIAS_GRAD=partial is not None, HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv),
+            BIAS_GRAD=partial is not None, TAIL=LAST_STEP, HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv),
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
@@ -1223,12 +1223,10 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_gra
     """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
     (lse/delta/probs/partials fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1
     and multiples of 16 are listed in divisible_by_16, both as Triton specialises a real launch.
-    Without ``bias_grad`` the partials are constexpr None; constexprs a launch leaves at their default keep it."""
-    defaults = {a: prm.default for a, prm in inspect.signature(fn.fn).parameters.items()
-                if prm.default is not inspect.Parameter.empty}
-    # the packed layout's head and batch strides are multiples of D: HEAD_ALIGN as _head_align finds it
+    Without ``bias_grad`` the partials are constexpr None. head_dim is a constexpr; HEAD_ALIGN is what
+    ``_head_align`` finds for the packed layout (its batch and head strides are multiples of D)."""
     head_align = next(a for a in (16, 8, 4, 2, 1) if values["head_dim"] % a == 0)
-    constexprs = dict(defaults, **constexprs, head_dim=values["head_dim"], HEAD_ALIGN=head_align,
+    constexprs = dict(constexprs, head_dim=values["head_dim"], HEAD_ALIGN=head_align,
                       **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
     if "BIAS_GRAD" in fn.arg_names:
         constexprs["BIAS_GRAD"] = bias_grad
@@ -1275,9 +1273,10 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
             common = lambda tile: dict(zip(("BLOCK_D", "BLOCK_D_TAIL"), _block_dims(D, tile.split)),  # noqa: E731
                                        DROPOUT=dropout, INPUT_PRECISION=precision)
             specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
-                                   dict(common(cfg.fwd), BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n), cfg.fwd,
+                                   dict(common(cfg.fwd), BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n, TAIL_N=LAST_STEP), cfg.fwd,
                                    note, values, tensor_cores))
-            bwd = dict(common(cfg.dq), BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n)
+            bwd = dict(common(cfg.dq), BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
+                       TAIL=LAST_STEP)
             for bias_grad in (False, True):
                 specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
                                        f"{note} qkv_bias_grad={bias_grad} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "

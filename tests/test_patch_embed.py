@@ -137,6 +137,25 @@ def test_autocast_fp32_inputs(amp_dtype):
         assert_close(t.grad, ref_grads[name], bound(amp_dtype, "dot"), f"d{name}")
 
 
+# (P, C, H, W): Np = 64 patches, a multiple of the dW row block (64 rows for 16-bit, 32 for fp32 on sm_80), made of
+# whole 8-patch rows, or of 32-patch rows that a 32-row block covers piece by piece
+ALIGNED_CASES = {"whole_patch_rows": (8, 3, 64, 64), "pieces_of_patch_rows": (2, 5, 4, 64)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", list(ALIGNED_CASES), ids=list(ALIGNED_CASES))
+def test_dweight_aligned_row_blocks(monkeypatch, case, dtype):
+    """Row blocks that are alike whole patch rows take the dW gather with loop-invariant offsets (ALIGNED_BLOCKS);
+    one split walks every block of 3 images (block starts carry over patch rows and images), channels-last images."""
+    P, C, H, W = ALIGNED_CASES[case]
+    monkeypatch.setattr(pe, "_DW_PROGRAMS_PER_SM", 0)  # a single split: one program per tile runs every row block
+    block_m = pe.patch_embed_config(80, dtype)["dweight"]["BLOCK_M"]
+    assert pe._aligned_blocks((H // P) * (W // P), W // P, block_m)
+    inputs = make_inputs(3, C, H, W, P, 48, cls=True, regs=1, covers=True, dtype=dtype, seed=13)
+    inputs["images"] = inputs["images"].detach().to(memory_format=torch.channels_last).requires_grad_()
+    check_against_reference(inputs, True, dtype)
+
+
 def test_sum_backward_and_strided_images():
     """.sum() gives a stride-0 dtokens; channels-last images are read through their strides."""
     inputs = make_inputs(2, 3, 32, 48, 8, 64, cls=True, regs=2, covers=False, seed=6)

@@ -22,7 +22,9 @@ Backward (dY = dtokens, any strides, e.g. stride 0 from ``.sum()``):
               transposed tile X^T @ dY (pixels on the MMA's M side, n on its N side); the m axis is cut
               into S fixed chunks, each program writes fp32 partials, a reduction kernel sums the S
               partials in order (deterministic, no atomics). The row offsets of the gather advance by
-              BLOCK_M per step with carries (no div/mod by Np, Wp inside the loop). dbias[n] = sum_m dY[m, n]:
+              BLOCK_M per step with carries (no div/mod by Np, Wp inside the loop); where every row block is
+              alike whole patch rows (224 px at P = 14: 64 rows = 4 patch rows), the offsets inside a block
+              are loop-invariant and only the block's scalar start carries. dbias[n] = sum_m dY[m, n]:
               one extra program per n-block and split in the same launch, partials summed alike.
   dpos[t]   = sum_b dY[b, t] (t over all tokens, or the patches only), dcls = sum_b dY[b, 0],
   dreg[r]   = sum_b dY[b, 1+r]: fixed-order batch sums, extra programs of the reduction launch.
@@ -226,6 +228,7 @@ def _patch_embed_dweight_kernel(
     sxb, sxc, sxh, sxw,  # image strides
     M, D, K, Np, Wp, prefix, blocks_per_split,  # each split covers blocks_per_split row blocks
     HAS_BIAS: tl.constexpr,
+    ALIGNED_BLOCKS: tl.constexpr,  # _aligned_blocks(Np, Wp, BLOCK_M): row blocks are alike whole patch rows
     INPUT_PRECISION: tl.constexpr,
     PATCH: tl.constexpr, PATCH_PAD: tl.constexpr, ROWS: tl.constexpr, CHANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -251,13 +254,28 @@ def _patch_embed_dweight_kernel(
         pix, valid, offs_k = _tile_pixels(pid_t, C, sxc, sxh, sxw, PATCH, PATCH_PAD, ROWS, CHANS)
         cdt = DY.dtype.element_ty
         acc = tl.zeros((CHANS * ROWS * PATCH_PAD, BLOCK_N), dtype=tl.float32)
-        for m0 in range(m_begin, m_end, BLOCK_M):
-            mask_m = m0 + tl.arange(0, BLOCK_M) < m_end
-            dy = tl.load(DY + tok[:, None] + offs_n[None, :] * sdd, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-            xt = tl.load(X + img[None, :] + pix[:, None], mask=valid[:, None] & mask_m[None, :], other=0.0)
-            acc = _dot(xt.to(cdt), dy, acc, INPUT_PRECISION)
-            img, hp, wp = _rows_advance_image(img, hp, wp, Np, Wp, PATCH, sxb, sxh, sxw, BLOCK_M)
-            tok, p = _rows_advance_tokens(tok, p, Np, sdb, sdt, BLOCK_M)
+        if ALIGNED_BLOCKS:
+            # every row block is the same whole patch rows (or piece of one) of one image: the offsets inside a
+            # block are loop-invariant and only the block's scalar start advances (no per-row carries, no row mask)
+            j = tl.arange(0, BLOCK_M)
+            x_offs = (((j // Wp) * PATCH) * sxh + ((j % Wp) * PATCH) * sxw)[None, :] + pix[:, None]
+            dy_offs = (j * sdt)[:, None] + offs_n[None, :] * sdd
+            img0, hp0, wp0, tok0, p0 = _rows_start(m_begin, Np, Wp, PATCH, prefix, sxb, sxh, sxw, sdb, sdt)
+            for m0 in range(m_begin, m_end, BLOCK_M):
+                dy = tl.load(DY + tok0 + dy_offs, mask=mask_n[None, :], other=0.0)
+                xt = tl.load(X + img0 + x_offs, mask=valid[:, None], other=0.0)
+                acc = _dot(xt.to(cdt), dy, acc, INPUT_PRECISION)
+                img0, hp0, wp0 = _rows_advance_image(img0, hp0, wp0, Np, Wp, PATCH, sxb, sxh, sxw, BLOCK_M)
+                tok0, p0 = _rows_advance_tokens(tok0, p0, Np, sdb, sdt, BLOCK_M)
+        else:
+            for m0 in range(m_begin, m_end, BLOCK_M):
+                mask_m = m0 + tl.arange(0, BLOCK_M) < m_end
+                dy = tl.load(DY + tok[:, None] + offs_n[None, :] * sdd, mask=mask_m[:, None] & mask_n[None, :],
+                             other=0.0)
+                xt = tl.load(X + img[None, :] + pix[:, None], mask=valid[:, None] & mask_m[None, :], other=0.0)
+                acc = _dot(xt.to(cdt), dy, acc, INPUT_PRECISION)
+                img, hp, wp = _rows_advance_image(img, hp, wp, Np, Wp, PATCH, sxb, sxh, sxw, BLOCK_M)
+                tok, p = _rows_advance_tokens(tok, p, Np, sdb, sdt, BLOCK_M)
         tl.store(row + offs_n[None, :] * K + offs_k[:, None], acc, mask=valid[:, None] & mask_n[None, :])
     else:
         # dbias[n] = sum_m dY[m, n]: once per n-block (not per k-tile), elementwise fp32 sums, one tl.sum at the end
@@ -354,17 +372,18 @@ def _patch_embed_dimages_kernel(
 # on tensor cores) uses smaller tiles so the fp32 operands stay in registers without spills.
 _CONFIGS = {
     (80, 2): dict(fwd=(128, 128, 32, 8, 3), dweight=(64, 128, 64, 8, 3), dimages=(128, 64, 64, 4, 3)),
-    (90, 2): dict(fwd=(128, 128, 64, 8, 3), dweight=(64, 256, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
+    (90, 2): dict(fwd=(128, 128, 64, 8, 3), dweight=(64, 256, 64, 8, 3), dimages=(256, 64, 64, 8, 3)),
     (80, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
     (90, 4): dict(fwd=(64, 64, 32, 4, 2), dweight=(32, 64, 64, 4, 2), dimages=(64, 32, 64, 4, 2)),
 }
 # Images whose strides are not all multiples of 16 elements (DINOv2's 518 px rows): Triton cannot prove the gathered
 # pixel runs aligned, so each pixel of the A / dX tile keeps its own address registers and the 16-bit tiles above
-# spill (sm_80 fwd and dimages, sm_90 fwd). These entries replace those kernels' tiles there: fewer pixels per
-# thread (a shorter K tile in the forward, twice the warps for dimages); fp32 and dweight stay as above.
+# spill (sm_80 fwd and dimages, sm_90 fwd and dimages). These entries replace those kernels' tiles there: fewer pixels
+# per thread (a shorter K tile in the forward; twice the warps for dimages, on sm_90 over the same 256 rows);
+# fp32 and dweight stay as above.
 _CONFIGS_UNALIGNED_IMAGES = {
     (80, 2): dict(fwd=(128, 128, 16, 8, 3), dimages=(128, 64, 64, 8, 3)),
-    (90, 2): dict(fwd=(128, 128, 32, 8, 3)),
+    (90, 2): dict(fwd=(128, 128, 32, 8, 3), dimages=(256, 64, 64, 16, 3)),
 }
 _REDUCE = dict(BLOCK=1024, BATCH_TILE=8, num_warps=8, num_stages=1)  # batch sums: 8 x 128 tiles
 _DW_PROGRAMS_PER_SM = 2  # the dW split fills the GPU with ~2 programs per SM (_utils.programs_to_fill)
@@ -395,6 +414,12 @@ def _dweight_split(M: int, D: int, k_tiles: int, cfg: dict) -> tuple[int, int]:
     splits = min(m_blocks, max(1, triton.cdiv(_DW_PROGRAMS_PER_SM * cfg["num_sms"], tiles)))
     per_split = triton.cdiv(m_blocks, splits)
     return triton.cdiv(m_blocks, per_split), per_split
+
+
+def _aligned_blocks(Np: int, Wp: int, block_m: int) -> bool:
+    """Whether every BLOCK_M-row block of the patch axis covers the same patch positions relative to its start (whole
+    patch rows of one image, or a piece of one row): then the dW gather's offsets are loop-invariant."""
+    return Np % block_m == 0 and (block_m % Wp == 0 or Wp % block_m == 0)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -554,7 +579,8 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
             grid = (triton.cdiv(D, consts["BLOCK_N"]) * (k_tiles + (bias is not None)), splits)
             _patch_embed_dweight_kernel[grid](
                 partials, dtokens, images, *dtokens.stride(), *images.stride(),
-                M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None, **consts, **opts)
+                M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None,
+                ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, consts["BLOCK_M"]), **consts, **opts)
             return splits, partials
         splits, partials = launch_dweight(_tuning.choose("patch_embed_dweight", key, _candidates(cfg["dweight"]),
                                                          launch_dweight, device))
@@ -673,7 +699,7 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
          dict(Out=cdt, X=img, W=par, Bias=par, Pos=par, Cls=par, Reg=par),
          dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg["fwd"]),
         ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
-         dict(HAS_BIAS=True), cfg["dweight"]),
+         dict(HAS_BIAS=True, ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, cfg["dweight"]["BLOCK_M"])), cfg["dweight"]),
         ("patch_embed_reduce", _patch_embed_reduce_kernel,
          dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), dict(flags, HAS_DW=True),
          cfg["reduce"]),

@@ -114,14 +114,16 @@ def test_gemm_with_gelu_on_operand_tile_reads_low():
 
 
 # ------------------------------------------------------------------------------------------------------
-# Every tensor-core config ViT-B/16 ships (bf16 and fp16, autocast and pure, sm_80 and sm_90): a ceiling of at
-# least 60%, or 40% with attention dropout (issue 19). Grouped by (kernel, arch, dropout).
-CEILING_PRESETS = ("vit_base_patch16_224",)
+# Every tensor-core config ViT-B/16 and SigLIP So400m/14 ship (bf16 and fp16, autocast and pure, sm_80 and sm_90;
+# So400m: head_dim 72, MLP 4304, patch 14): a ceiling of at least 60%, or 40% with attention dropout (issues 19
+# and 20). Grouped by (kernel, arch, dropout) over both presets.
+CEILING_PRESETS = ("vit_base_patch16_224", "vit_so400m_patch14_siglip_224")
 # Known failures, measured with this analysis (ceiling range over the group's configs). They are strict xfails:
 # when a redesign lifts a group above its bar the test XPASSes and fails, and the entry must be removed.
 KNOWN_BELOW_BAR = {
-    ("attention_fwd", 90, True): "31-32%: one Philox per 16 scores, but the keep bits cross threads through shared "
-                                 "memory into the wgmma layout (about 400 instructions per warp per step)",
+    ("attention_fwd", 90, True): "37% (ViT-B; So400m 42-43%): one Philox per 16 scores, but the keep bits cross "
+                                 "threads through shared memory into the wgmma layout (about 690 instructions per "
+                                 "warp per step against 300 without dropout)",
     ("attention_probs", 90, False): "47%: attention maps for inspection, outside training",
 }
 

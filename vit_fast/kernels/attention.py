@@ -221,6 +221,7 @@ def _attention_fwd_kernel(
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: columns BLOCK_D.. BLOCK_D + 16 as a second part (D = 72: 64 + 16)
     TAIL_N: tl.constexpr = 16,  # keys left after the full tiles, if at most this many, run as one TAIL_N-wide step
     HEAD_ALIGN: tl.constexpr = 1,  # every head's offset is a multiple of this many elements (_head_align)
+    PEEL: tl.constexpr = True,  # full tiles unmasked, then the last one (Tile.peel); False: every tile masked
 ):
     bh, rows = _program_tile(q_len, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -243,23 +244,30 @@ def _attention_fwd_kernel(
         acc_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
     # Full k/v tiles without a key mask, then the rest as one masked step: TAIL_N wide when it fits (197 tokens
     # = 3 x 64 + 5 run 208 keys, not 256), else one more BLOCK_N-wide tile.
-    full_end = seq_len - seq_len % BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, start_n, seq_len,
-                                         head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-                                         drop_threshold, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT,
-                                         INPUT_PRECISION)
-    rest = seq_len - full_end  # < BLOCK_N
-    if rest > TAIL_N:
-        acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, full_end, seq_len,
-                                         head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-                                         drop_threshold, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT,
-                                         INPUT_PRECISION)
-    elif rest > 0:
-        acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, full_end, seq_len,
-                                         head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-                                         drop_threshold, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT,
-                                         INPUT_PRECISION)
+    if PEEL:
+        full_end = seq_len - seq_len % BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, start_n, seq_len,
+                                             head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                             drop_threshold, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT,
+                                             INPUT_PRECISION)
+        rest = seq_len - full_end  # < BLOCK_N
+        if rest > TAIL_N:
+            acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, full_end, seq_len,
+                                             head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                             drop_threshold, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT,
+                                             INPUT_PRECISION)
+        elif rest > 0:
+            acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, full_end, seq_len,
+                                             head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                             drop_threshold, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT,
+                                             INPUT_PRECISION)
+    else:  # every tile through the masked step (Tile.peel)
+        for start_n in range(0, seq_len, BLOCK_N):
+            acc, acc_t, m_i, l_i = _fwd_step(acc, acc_t, m_i, l_i, q, q_t, k_head, v_head, bh, rows, start_n, seq_len,
+                                             head_dim, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                             drop_threshold, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT,
+                                             INPUT_PRECISION)
 
     if DROPOUT:
         acc = acc * inv_keep
@@ -339,7 +347,7 @@ def _bwd_dkdv(
     seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr, PEEL: tl.constexpr,
 ):
     """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles: full ones
     without a row mask, then the rest as one masked step, TAIL_M rows wide when it fits (as the forward's keys).
@@ -364,23 +372,30 @@ def _bwd_dkdv(
         v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
         dk_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
         dv_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
-    full_end = q_len - q_len % BLOCK_M  # over the q_len query rows: the others have zero gradient
-    for start_m in range(0, full_end, BLOCK_M):
-        dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
-                                        tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                        stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
-                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
-    rest = q_len - full_end  # < BLOCK_M
-    if rest > TAIL_M:
-        dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
-                                        tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                        stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
-                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
-    elif rest > 0:
-        dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
-                                        tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                        stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
-                                        TAIL_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    if PEEL:
+        full_end = q_len - q_len % BLOCK_M  # over the q_len query rows: the others have zero gradient
+        for start_m in range(0, full_end, BLOCK_M):
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+        rest = q_len - full_end  # < BLOCK_M
+        if rest > TAIL_M:
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+        elif rest > 0:
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            TAIL_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    else:  # every q tile through the masked step (Tile.peel)
+        for start_m in range(0, q_len, BLOCK_M):
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
@@ -448,7 +463,7 @@ def _bwd_dq(
     seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    BLOCK_D_TAIL: tl.constexpr, TAIL_N: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr, TAIL_N: tl.constexpr, PEEL: tl.constexpr,
 ):
     """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles as the forward
     does (full tiles unmasked, then one masked step, TAIL_N wide when it fits; with BLOCK_D_TAIL, each
@@ -475,20 +490,26 @@ def _bwd_dq(
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     keys = tl.where(tile * BLOCK_M < q_len, seq_len, 0)  # a tile past q_len skips the loop: its dq is 0
-    full_end = keys - keys % BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
-                            stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
-                            inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
-    rest = keys - full_end  # < BLOCK_N
-    if rest > TAIL_N:
-        dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
-                            stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
-                            inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
-    elif rest > 0:
-        dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
-                            stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
-                            inv_keep, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    if PEEL:
+        full_end = keys - keys % BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+        rest = keys - full_end  # < BLOCK_N
+        if rest > TAIL_N:
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+        elif rest > 0:
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    else:  # every k/v tile through the masked step (Tile.peel)
+        for start_n in range(0, keys, BLOCK_N):
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     dq = dq * scale
     store_ok = rows < seq_len  # every q row of the gradient is written, the rows past q_len as zeros
@@ -529,6 +550,7 @@ def _attention_bwd_kernel(
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: head_dim as BLOCK_D + a 16-wide tail (see the forward)
     TAIL: tl.constexpr = 16,  # the last, partial q step (dK/dV) or k/v step (dQ) runs this wide when it fits
     HEAD_ALIGN: tl.constexpr = 1,  # every head's offset is a multiple of this many elements (_head_align)
+    PEEL: tl.constexpr = True,  # as the forward's, for both phases' loops
 ):
     """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
     pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
@@ -537,22 +559,27 @@ def _attention_bwd_kernel(
     bh, tile = pid // num_tiles, pid % num_tiles
     partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
     # Each phase gets its heads' pointers computed at its call (not kept live across phase 1).
-    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PK, PV,
-              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN), _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
-              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN), _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
+              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PK, PV,
+              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
+              _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
+              _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
               _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
               seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
-              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL)
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PQ,
-            _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN), _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
-            _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN), _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+            _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
+            _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+            _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
+            _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
             _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
             seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
-            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL)
+            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)
 
 
 @triton.jit
@@ -573,7 +600,8 @@ def _attention_probs_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    q = _load(_head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN), rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN)
+    q = _load(q_head, rows, r_ok, offs_d, d_ok, stride_qn, stride_qd, False)
     lse2 = tl.load(Lse + bh.to(tl.int64) * seq_len + rows, mask=r_ok, other=float("inf")) * LOG2E
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN)
     p_rows = P + (bh.to(tl.int64) * num_rows + r[:, None]) * seq_len
@@ -607,6 +635,9 @@ class Tile:
     num_warps: int
     num_stages: int
     split: bool = False  # head_dim 65..79, not a multiple of 16: 64 columns + a 16-wide tail (``_block_dims``)
+    # Loops run their full tiles without masks, then the last, partial one (16 wide when it fits); False: every
+    # tile through the masked step, as fp32 needs (its peeled builds spill: 120-496 B at ViT-B, FMA dots)
+    peel: bool = True
 
 
 @dataclass(frozen=True)
@@ -617,11 +648,11 @@ class AttentionConfig:
 
     def __post_init__(self):
         dkdv, dq = self.dkdv, self.dq
-        if (dkdv.block_n, dkdv.num_warps, dkdv.num_stages, dkdv.split) != (dq.block_m, dq.num_warps, dq.num_stages,
-                                                                           dq.split):
+        if (dkdv.block_n, dkdv.num_warps, dkdv.num_stages, dkdv.split, dkdv.peel) != (
+                dq.block_m, dq.num_warps, dq.num_stages, dq.split, dq.peel):
             raise ValueError(f"attention_config: the dK/dV and dQ phases run in one kernel, each program owning "
-                             f"the same rows in both, so they need one row count, num_warps, num_stages and "
-                             f"head_dim split; "
+                             f"the same rows in both, so they need one row count, num_warps, num_stages, "
+                             f"head_dim split and peel; "
                              f"got {dkdv} and {dq}")
 
 
@@ -642,7 +673,8 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     and steps over 32 q rows in dK/dV and 64 keys in dQ, so every dot is a wgmma of N >= 32 (the former
     64 rows owned with 16-row steps gave 64x16 wgmma tiles; its main loops read 53-56% in ``vit-fast
     report``'s SASS ceiling, these 86-92% without dropout and 44-46% with it, no spills at 173-246
-    registers; with the full tiles unmasked, 100% and 50-59%). 64x64 steps at 4 warps spill with the bias partials, at 8 warps they split into 64x32
+    registers; with the full tiles unmasked, 100% and 50-59%). 64x64 steps at 4 warps spill with the bias
+    partials, at 8 warps they split into 64x32
     wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads keep the small tiles: 64-row steps
     with a 128-wide head spill hundreds of bytes.
 
@@ -720,6 +752,10 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             dkdv, dq = Tile(16, 16, 4, 2, True), Tile(16, 16, 4, 2, True)
         else:
             dkdv, dq = Tile(16, 32, 8, 2, True), Tile(32, 16, 8, 2, True)
+    # One masked loop where the peeled build spills: fp32 (FMA dots hold whole tiles; 120-496 B at ViT-B) and the
+    # 128-wide 16-bit heads with dropout (D = 80: 216 B in the sm_80 forward, 16 B in the backward)
+    fwd, dkdv, dq = (replace(t, peel=False) if dtype == torch.float32 or (wide and dropout and not t.split) else t
+                     for t in (fwd, dkdv, dq))
     cap = max(16, next_power_of_2(seq_len))
     clamp = lambda t: replace(t, block_m=min(t.block_m, cap), block_n=min(t.block_n, cap))  # noqa: E731
     return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))
@@ -874,7 +910,8 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
             out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout,
-            INPUT_PRECISION=precision, TAIL_N=LAST_STEP, HEAD_ALIGN=_head_align(q, k, v, out), num_warps=cfg.num_warps,
+            INPUT_PRECISION=precision, TAIL_N=LAST_STEP, PEEL=cfg.peel, HEAD_ALIGN=_head_align(q, k, v, out),
+            num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
@@ -904,7 +941,8 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
             H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
             BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout, INPUT_PRECISION=precision,
-            BIAS_GRAD=partial is not None, TAIL=LAST_STEP, HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv),
+            BIAS_GRAD=partial is not None, TAIL=LAST_STEP, PEEL=cfg.dq.peel,
+            HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv),
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
@@ -955,7 +993,8 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[
                   lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed backward: (dqkv, dbias). dqkv is one (B, N, 3 * H * D) gradient with dQ, dK, dV written
-    into its three slices (dQ zero past the forward's query rows, out.shape[1]); with ``qkv_bias`` (the bias already inside qkv: only its presence and dtype
+    into its three slices (dQ zero past the forward's query rows, out.shape[1]); with ``qkv_bias`` (the bias
+    already inside qkv: only its presence and dtype
     matter here) dbias (3 * H * D,) in the bias dtype is the sum of dqkv over batch and tokens, else an
     empty tensor (custom ops cannot return None)."""
     check_kernel_device("attention_bwd", grad_out, qkv, qkv_bias, out, lse)
@@ -1271,9 +1310,10 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
             cfg = attention_config(tokens, D, dtype, arch, precision, dropout)
             note = f"N={tokens} D={D} dropout={dropout}"
             common = lambda tile: dict(zip(("BLOCK_D", "BLOCK_D_TAIL"), _block_dims(D, tile.split)),  # noqa: E731
-                                       DROPOUT=dropout, INPUT_PRECISION=precision)
+                                       DROPOUT=dropout, INPUT_PRECISION=precision, PEEL=tile.peel)
             specs.append(_aot_spec("attention_fwd", _attention_fwd_kernel, dtype,
-                                   dict(common(cfg.fwd), BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n, TAIL_N=LAST_STEP), cfg.fwd,
+                                   dict(common(cfg.fwd), BLOCK_M=cfg.fwd.block_m, BLOCK_N=cfg.fwd.block_n,
+                                        TAIL_N=LAST_STEP), cfg.fwd,
                                    note, values, tensor_cores))
             bwd = dict(common(cfg.dq), BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
                        TAIL=LAST_STEP)

@@ -711,7 +711,9 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     # The merged kernel holds the larger of the two phases' live sets plus an out tile per dK/dV step
     # (delta), so its tiles are smaller than separate kernels' would be.
     if dtype == torch.float32 and (input_precision or dot_input_precision(dtype)) == "ieee":
-        fwd, dkdv, dq = Tile(32, 32, 8, stages), Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)
+        # backward at 2 stages: at 3 on sm_90 ptxas caps it at 80 registers, 8-24 B spills (D = 64 with dropout,
+        # D = 72 with dropout, D = 80)
+        fwd, dkdv, dq = Tile(32, 32, 8, stages), Tile(16, 32, 8, 2), Tile(32, 16, 8, 2)
         if not wide and arch < 90:  # at 8 warps ptxas caps the bias-gradient builds at 64 regs: 8-16 B spills
             dkdv, dq = Tile(16, 32, 4, stages), Tile(32, 16, 4, stages)  # 144-150 regs, no spills
         if wide and arch < 90 and not ragged:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one
@@ -719,8 +721,6 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
         if dropout and arch < 90:  # the tiles above spill 8-104 B with the keep tile
             dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
                 (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages))
-        if ragged and dropout and arch >= 90:  # D = 72: 24 B spills at 3 stages, 144-212 regs at 2
-            dkdv, dq = Tile(16, 32, 8, 2), Tile(32, 16, 8, 2)
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
         fwd = Tile(64, 32, warps, stages)
         # wide 16x32 / 32x16: 48 B spills on sm_90 with bias + dropout

@@ -230,13 +230,13 @@ def test_head_dim_72_tables(monkeypatch, arch, p):
                    [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
 
 
-@pytest.mark.parametrize("N", [197, 211, 64])
+@pytest.mark.parametrize("N", [197, 211, 64, 208, 209])
 @pytest.mark.parametrize("p", [0.0, 0.25])
 def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
     """Every loop runs its full tiles unmasked, then the rest as one masked step: 16 wide when at most 16 are
     left, else one more full-width tile. On the sm_90 table (forward 128 x 64, dK/dV 32-row q steps, dQ 64-key
     steps) N = 197 leaves 5 rows / keys everywhere (the 16-wide steps), N = 211 leaves 19 (full-width masked
-    steps), N = 64 none (no masked step at all)."""
+    steps), N = 64 none (no masked step at all), N = 208 exactly 16 and N = 209 17 (the boundary)."""
     B, H, D, seed = 1, 2, 64, 7
     monkeypatch.setattr(A, "gpu_arch", lambda device: 90)
     monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
@@ -246,6 +246,38 @@ def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
                    lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
                    [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
+
+
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
+def test_unpeeled_wide_16bit_heads_with_dropout(monkeypatch, arch):
+    """128-wide 16-bit heads with dropout keep one masked loop (Tile.peel False: their peeled builds spill), as
+    fp32 does; 16-bit D <= 64 and the D = 72 split peel."""
+    B, N, H, D, p, seed = 1, 37, 2, 80, 0.25, 5
+    monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    cfg = A.attention_config(N, D, torch.float16, arch, dropout=True)
+    assert not (cfg.fwd.peel or cfg.dq.peel or cfg.dkdv.peel)
+    assert A.attention_config(N, 64, torch.float16, arch, dropout=True).fwd.peel
+    assert A.attention_config(N, 72, torch.float16, arch, dropout=True).dq.peel
+    assert not A.attention_config(N, 64, torch.float32, arch).fwd.peel
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
+    check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
+                   lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
+                   [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_scale_must_be_positive_and_finite(scale):
+    """Padded keys are masked with -inf before the scale (it rides in the exponent's FFMA): a scale <= 0 would
+    turn them into NaN or +inf, so it is refused by every functional."""
+    qkv = make_qkv(1, 9, 2, 16, torch.float32)
+    x, w, b = make_linear(1, 9, 2, 16, torch.float32)
+    q = qkv[..., :32].unflatten(-1, (2, 16)).transpose(1, 2)
+    calls = [lambda: A.attention(qkv, 2, scale=scale), lambda: A.attention_with_lse(qkv, 2, scale=scale),
+             lambda: A.attention_linear(x, w, b, 2, scale=scale), lambda: A.attention_qkv(q, q, q, scale=scale)]
+    for call in calls:
+        with pytest.raises(ValueError, match="expected scale a finite number > 0"):
+            call()
 
 
 def test_dropout_quantised_rate_same_mask_and_deterministic(monkeypatch):
@@ -478,15 +510,18 @@ def test_attention_linear_forward_and_gradients(dtype, B, N, H, D):
     assert errors(out, A.attention_linear_ref(x, w, None, H))[0] > 10 * bound(dtype, "dot"), "the bias is a no-op"
 
 
-@pytest.mark.parametrize("dtype, N, rows, p", [
-    (torch.float32, 37, 1, 0.0), (torch.bfloat16, 37, 1, 0.25), (torch.bfloat16, 197, 5, 0.0),
-    (torch.float16, 71, 40, 0.25), (torch.float32, 37, 37, 0.0),
+@pytest.mark.parametrize("dtype, N, rows, p, D, arch", [
+    (torch.float32, 37, 1, 0.0, 64, 80), (torch.bfloat16, 37, 1, 0.25, 64, 80), (torch.bfloat16, 197, 5, 0.0, 64, 80),
+    (torch.float16, 71, 40, 0.25, 64, 80), (torch.float32, 37, 37, 0.0, 64, 80), (torch.float16, 1, 1, 0.0, 64, 80),
+    (torch.bfloat16, 9, 3, 0.25, 64, 80), (torch.float16, 197, 1, 0.25, 64, 90), (torch.float16, 131, 57, 0.0, 72, 90),
 ], ids=dtype_id)
-def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p):
+def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p, D, arch):
     """query_rows = M (the last block under class-token pooling): out is (B, M, C) and bitwise the first M rows
     of the full output, every gradient bitwise that of the full output with zero gradient past row M (the dQ
-    rows past M written as zeros, dK/dV summed over M queries), and within 2x eager of float64."""
-    B, H, D, seed = 2, 2, 64, 11
+    rows past M written as zeros, dK/dV summed over M queries), and within 2x eager of float64; on the sm_80 and
+    sm_90 tables (128-row dQ tiles; 57 rows leave 25 past the 32-row dK/dV steps), head_dim 72 split too."""
+    B, H, seed = 2, 2, 11
+    monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
     monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
     inputs = make_linear(B, N, H, D, dtype)
@@ -505,7 +540,7 @@ def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p):
 
 def test_attention_linear_query_rows_checked():
     x, w, b = make_linear(1, 9, 2, 16, torch.float32)
-    for bad in (0, 10, 2.0):
+    for bad in (0, 10, 2.0, True):
         with pytest.raises(ValueError, match="expected query_rows an int in 1..9"):
             A.attention_linear(x, w, b, 2, query_rows=bad)
 

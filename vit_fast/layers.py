@@ -216,8 +216,8 @@ class Attention(nn.Module):
         """Fused path: ``attention_linear`` (the qkv GEMM with its bias, attention; the bias's gradient
         from the attention backward, no separate reduction over d(qkv)), then the proj GEMM *without*
         its bias (the residual join adds it). ``keep_rows``: only the first tokens' output is wanted;
-        attention still reads every token's k and v; the kernels compute only those queries (no gradient
-        of zeros for the others is written or read), the proj GEMM runs on those rows."""
+        attention still reads every token's k and v; the kernels compute only those queries (no output and
+        no zero-filled output gradient for the others), the proj GEMM runs on those rows."""
         if self.fused(x):
             out = attention_kernels.attention_linear(x, self.qkv.weight, self.qkv.bias, self.num_heads, self.scale,
                                                      self.attn_drop.p, self.training, query_rows=keep_rows)

@@ -75,6 +75,7 @@ token). The forward's bias costs nothing here: it rides in the qkv GEMM's epilog
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -104,7 +105,9 @@ from ._utils import (
 from ._utils import input_precision as dot_input_precision
 
 MAX_HEAD_DIM = 128
-LAST_STEP = 16  # the loops' last, partial step runs 16 wide (one MMA k-step) when at most 16 keys / rows are left
+# The loops' last, partial step runs 16 wide when at most 16 keys / rows are left: a multiple of 16, as the MMA
+# k-step and dropout_keep_tile (one Philox call per 16 columns) need.
+LAST_STEP = 16
 MAX_GRID = 2**31 - 1
 
 
@@ -530,7 +533,7 @@ def _attention_bwd_kernel(
     DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
     PQ, PK, PV,  # BIAS_GRAD outputs: (B * tiles * H, D) fp32 column partials of dq, dk, dv, else None
     Q, K, V, O, DO,  # inputs through strides; dO may be non-contiguous
-    Lse,  # (B * H, N) fp32
+    Lse,  # (B * H, q_len) fp32
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -636,7 +639,7 @@ class Tile:
     num_stages: int
     split: bool = False  # head_dim 65..79, not a multiple of 16: 64 columns + a 16-wide tail (``_block_dims``)
     # Loops run their full tiles without masks, then the last, partial one (16 wide when it fits); False: every
-    # tile through the masked step, as fp32 needs (its peeled builds spill: 120-496 B at ViT-B, FMA dots)
+    # tile through the masked step, where the peeled build spills (fp32; 128-wide 16-bit heads with dropout)
     peel: bool = True
 
 
@@ -721,6 +724,8 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
         if dropout and arch < 90:  # the tiles above spill 8-104 B with the keep tile
             dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
                 (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages))
+        elif dropout and not wide:  # sm_90, D <= 64: 16 x 32 spills 8-16 B on triton 3.6
+            dkdv, dq = Tile(16, 16, 8, 2), Tile(16, 16, 8, 2)
     elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
         fwd = Tile(64, 32, warps, stages)
         # wide 16x32 / 32x16: 48 B spills on sm_90 with bias + dropout
@@ -748,8 +753,8 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             Tile(128, 32, 8, 3, True)
         if arch >= 90:  # the D <= 64 tiles, with dropout too
             dkdv, dq = Tile(32, 128, 8, 2, True), Tile(128, 64, 8, 2, True)
-        elif dropout:  # 16 rows owned on 4 warps (on 8 warps: 8 B spills with the bias partials)
-            dkdv, dq = Tile(16, 16, 4, 2, True), Tile(16, 16, 4, 2, True)
+        elif dropout:  # 16 rows owned on 4 warps, 1 stage (8 warps, or 2 stages on triton 3.6: 8 B spills)
+            dkdv, dq = Tile(16, 16, 4, 1, True), Tile(16, 16, 4, 1, True)
         else:
             dkdv, dq = Tile(16, 32, 8, 2, True), Tile(32, 16, 8, 2, True)
     # One masked loop where the peeled build spills: fp32 (FMA dots hold whole tiles; 120-496 B at ViT-B) and the
@@ -805,13 +810,21 @@ def _check_head_dim(op: str, head_dim: int) -> None:
         raise ValueError(f"{op}: expected head_dim in 1..{MAX_HEAD_DIM}, got {head_dim}")
 
 
+def _check_scale(op: str, scale: float | None) -> None:
+    """The kernels mask padded keys with -inf before scaling (the scale rides in the exponent's FFMA), which holds
+    for a positive finite scale only."""
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{op}: expected scale a finite number > 0 or None (head_dim ** -0.5), got {scale!r}")
+
+
 def _check_dropout(op: str, dropout_p: float) -> None:
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{op}: expected dropout_p in [0, 1], got {dropout_p}")
 
 
 def _check_query_rows(op: str, query_rows: int | None, seq_len: int) -> None:
-    if query_rows is not None and not (isinstance(query_rows, int) and 1 <= query_rows <= seq_len):
+    if query_rows is not None and not (isinstance(query_rows, int) and not isinstance(query_rows, bool)
+                                       and 1 <= query_rows <= seq_len):
         raise ValueError(f"{op}: expected query_rows an int in 1..{seq_len} (the tokens) or None, got {query_rows!r}")
 
 
@@ -914,7 +927,8 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
-    launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout),
+    # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
+    launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N),
                           _tuning.tile_candidates(static), launch, q.device))
 
 
@@ -947,7 +961,8 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
     return launch(_tuning.choose("attention_bwd", (bucket(N), D, str(q.dtype), arch, precision, dropout,
-                                                   bias_dtype is not None), _bwd_candidates(static), launch, q.device))
+                                                   bias_dtype is not None, q_len == N), _bwd_candidates(static),
+                                 launch, q.device))
 
 
 def _bwd_candidates(static: AttentionConfig) -> list[AttentionConfig]:
@@ -1046,10 +1061,11 @@ def _(grad_out, q, k, v, out, lse, scale, dropout_p, seed):
     return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
 
 
-def _check_attention(op: str, qkv: torch.Tensor, num_heads: int, dropout_p: float) -> int:
+def _check_attention(op: str, qkv: torch.Tensor, num_heads: int, dropout_p: float, scale: float | None) -> int:
     """Every check of the packed functionals, once per call; returns head_dim."""
     head_dim = _check_packed(op, qkv, num_heads)
     _check_dropout(op, dropout_p)
+    _check_scale(op, scale)
     check_kernel_device(op, qkv)
     return head_dim
 
@@ -1112,7 +1128,7 @@ def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale:
 def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dropout_p: float = 0.0,
                        training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
-    head_dim = _check_attention("attention", qkv, num_heads, dropout_p)
+    head_dim = _check_attention("attention", qkv, num_heads, dropout_p, scale)
     return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training)
 
 
@@ -1124,24 +1140,27 @@ def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dro
     drop t / 256 of the probabilities, t = round(256 p) (p = 0.1 -> 26/256), and scale the rest by
     1 / (1 - t / 256); ``dropout_rate(p)`` returns the rate applied. The same holds for every functional
     here (``attention_linear``, ``attention_qkv``, ``attention_with_lse``)."""
-    head_dim = _check_attention("attention", qkv, num_heads, dropout_p)
+    head_dim = _check_attention("attention", qkv, num_heads, dropout_p, scale)
     return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training)[0]
 
 
 def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
                      scale: float | None = None, dropout_p: float = 0.0, training: bool = False,
                      return_lse: bool = False, query_rows: int | None = None):
-    """The qkv Linear then ``attention``: attention(F.linear(x, weight, bias), num_heads) -> (B, N, H * D).
+    """The qkv Linear then ``attention``: attention(F.linear(x, weight, bias), num_heads) -> (B, N, H * D), or
+    (B, M, H * D) with ``query_rows`` = M.
 
     The bias rides in the GEMM's epilogue (cuBLAS; under autocast cast like eager's, so qkv is bitwise
     eager timm's) and its gradient comes from the attention backward's column partials, not from a
     separate sum over d(qkv): the Linear sees the bias detached, the attention Function returns d(bias).
-    ``return_lse``: also return the fp32 log-sum-exp (B, H, N) for ``attention_probs`` (which then takes
+    ``return_lse``: also return the fp32 log-sum-exp (B, H, N), (B, H, M) with query_rows, for
+    ``attention_probs`` (which needs all N rows, so no query_rows, and takes
     the biased qkv, F.linear(x, weight, bias)). ``query_rows`` = M: only the first M tokens' output,
     (B, M, H * D), bitwise ``attention_linear(...)[:, :M]``; every token is still a key and value, the
     kernels skip the other queries (the last block under class-token pooling needs token 0 only)."""
     head_dim = _check_linear("attention_linear", x, weight, bias, num_heads)
     _check_dropout("attention_linear", dropout_p)
+    _check_scale("attention_linear", scale)
     _check_query_rows("attention_linear", query_rows, x.shape[1])
     qkv = F.linear(x, weight, None if bias is None else bias.detach())  # contiguous (B, N, 3 * H * D)
     grad_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
@@ -1154,6 +1173,7 @@ def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """softmax(q k^T * scale) v for (B, H, N, D) tensors of any strides -> (B, H, N, D)."""
     _check_separate("attention_qkv", q, k, v)
     _check_dropout("attention_qkv", dropout_p)
+    _check_scale("attention_qkv", scale)
     check_kernel_device("attention_qkv", q, k, v)
     p, seed = _dropout_and_seed(dropout_p, training)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

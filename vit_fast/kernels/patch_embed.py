@@ -380,10 +380,11 @@ _CONFIGS = {
 # pixel runs aligned, so each pixel of the A / dX tile keeps its own address registers and the 16-bit tiles above
 # spill (sm_80 fwd and dimages, sm_90 fwd and dimages). These entries replace those kernels' tiles there: fewer pixels
 # per thread (a shorter K tile in the forward; twice the warps for dimages, on sm_90 over the same 256 rows);
-# fp32 and dweight stay as above.
+# fp32 stays as above. dweight: each thread gathers its pixels one by one, each patch row with its own offset carries,
+# so fewer rows per step (BLOCK_M) and a wider n side (BLOCK_N) spread that cost over more MMA work.
 _CONFIGS_UNALIGNED_IMAGES = {
-    (80, 2): dict(fwd=(128, 128, 16, 8, 3), dimages=(128, 64, 64, 8, 3)),
-    (90, 2): dict(fwd=(128, 128, 32, 8, 3), dimages=(256, 64, 64, 16, 3)),
+    (80, 2): dict(fwd=(128, 128, 16, 8, 3), dweight=(16, 256, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
+    (90, 2): dict(fwd=(128, 128, 32, 8, 3), dweight=(32, 512, 64, 8, 3), dimages=(256, 64, 64, 16, 3)),
 }
 _REDUCE = dict(BLOCK=1024, BATCH_TILE=8, num_warps=8, num_stages=1)  # batch sums: 8 x 128 tiles
 _DW_PROGRAMS_PER_SM = 2  # the dW split fills the GPU with ~2 programs per SM (_utils.programs_to_fill)

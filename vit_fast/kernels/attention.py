@@ -289,6 +289,17 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
+def _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs, ok, stride_qn, stride_qd, stride_on, stride_od,
+                 stride_gn, stride_gd, TRANS_Q: tl.constexpr):
+    """q (transposed with ``TRANS_Q``) and dO of some q rows and columns, and those columns' share of
+    delta_i = rowsum(dO_i * out_i): what both backward phases load per q tile, main part and head_dim tail."""
+    q = _load(q_head, rows, row_ok, offs, ok, stride_qn, stride_qd, TRANS_Q)
+    do = _load(do_head, rows, row_ok, offs, ok, stride_gn, stride_gd, False)
+    o = _load(o_head, rows, row_ok, offs, ok, stride_on, stride_od, False)
+    return q, do, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+
+
+@triton.jit
 def _dkdv_step(
     dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh, tile, start_m,
     stride_qn, stride_qd, stride_on, stride_od, stride_gn, stride_gd,
@@ -303,10 +314,8 @@ def _dkdv_step(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     row_ok = rows < q_len if MASK_ROWS else None
-    qT = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, True)
-    do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
-    o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    qT, do, delta = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd,
+                                 stride_on, stride_od, stride_gn, stride_gd, True)
     if MASK_ROWS:  # padded q rows get lse = +inf, hence probability exactly 0
         lse2 = tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E
     else:
@@ -316,10 +325,9 @@ def _dkdv_step(
     if BLOCK_D_TAIL:
         offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
         t_ok = offs_t < head_dim
-        qT_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, True)
-        do_t = _load(do_head, rows, row_ok, offs_t, t_ok, stride_gn, stride_gd, False)
-        o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
-        delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
+        qT_t, do_t, delta_t = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_t, t_ok, stride_qn,
+                                           stride_qd, stride_on, stride_od, stride_gn, stride_gd, True)
+        delta += delta_t
         sT = tl.dot(k_t, qT_t, sT, input_precision=INPUT_PRECISION)
         dpT = tl.dot(v_t, tl.trans(do_t), dpT, input_precision=INPUT_PRECISION)
     pT = tl.exp2(sT * qk_scale - lse2[None, :])
@@ -475,18 +483,15 @@ def _bwd_dq(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < q_len  # rows q_len.. N: q, dO, out load as 0 and lse as +inf, so their dq is exactly 0
     d_ok = offs_d < head_dim
-    q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
-    o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    q, do, delta = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd,
+                                stride_on, stride_od, stride_gn, stride_gd, False)
     q_t, do_t, dq_t = q, do, 0.0  # the head_dim tail's tiles (BLOCK_D_TAIL), placeholders without it
     if BLOCK_D_TAIL:
         offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
         t_ok = offs_t < head_dim
-        q_t = _load(q_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd, False)
-        do_t = _load(do_head, rows, row_ok, offs_t, t_ok, stride_gn, stride_gd, False)
-        o_t = _load(o_head, rows, row_ok, offs_t, t_ok, stride_on, stride_od, False)
-        delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
+        q_t, do_t, delta_t = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd,
+                                          stride_on, stride_od, stride_gn, stride_gd, False)
+        delta += delta_t
         dq_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
     lse2 = tl.load(Lse + bh.to(tl.int64) * q_len + rows, mask=row_ok, other=float("inf")) * LOG2E
 

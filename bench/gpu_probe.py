@@ -1,0 +1,361 @@
+"""One GPU measurement per call, each appended as a JSON row to $PROBE_ROWS as soon as it is measured.
+
+Run by bench/gpu_probe.sh, one subprocess per item under its own timeout, with
+``faulthandler.dump_traceback_later`` so a hang leaves its stack. Items:
+
+  env                       GPU, versions, measured bf16 GEMM and copy peaks
+  hang  --preset --batch    torch.compile of the fused model: seconds to the first forward and backward
+  step  --preset --path     one training-step path at batch 256 (timm_eager, vit_fast, *_graph: the whole step
+                            captured in a CUDA graph, *_compile: torch.compile)
+  attn                      SDPA per backend (cuDNN, flash, efficient) on strided views of packed qkv, and
+                            vit_fast's kernel, at ViT lengths; fwd and fwd+bwd, CUDA-graph timed; bitwise repeat
+  micro                     every fused op vs its eager ops at ViT-B/16 b256: plain do_bench (host included)
+                            and CUDA-graph replay (kernel time), plus a profiler table per fused op
+  gemm                      cuBLAS fc1 (+ bias_gelu kernel, + cuBLASLt GELU epilogue) against linear_act
+
+``--tiny`` shrinks every shape so the script can be smoke-tested on CPU (figures meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROWS = os.environ.get("PROBE_ROWS", "probe_rows.jsonl")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def emit(item: str, **row) -> None:
+    row = dict(item=item, **row)
+    line = json.dumps(row, default=str)
+    print("ROW", line, flush=True)
+    with open(ROWS, "a") as f:
+        f.write(line + "\n")
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_ms(fn, graph: bool, grad_to_none=None) -> float:
+    """Median ms: plain do_bench (launch/host time included) or CUDA-graph replay (kernel time)."""
+    if DEVICE != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    fn()
+    fn()
+    sync()
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=40, grad_to_none=grad_to_none, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def safe(item: str, fn, **tags):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a failing case is a row, not a lost run
+        emit(item, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", **tags)
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ env
+def item_env(args) -> None:
+    import subprocess
+
+    import timm
+    import triton
+
+    row = dict(torch=torch.__version__, triton=triton.__version__, timm=timm.__version__, cuda=torch.version.cuda,
+               git=os.environ.get("PROBE_GIT", "unknown"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if DEVICE == "cuda":
+        row["gpu"] = torch.cuda.get_device_name()
+        row["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+        try:
+            row["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm",
+                                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            row["driver"] = "unknown"
+        n = 8192
+        a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        row["gemm_bf16_tflops"] = 2 * n**3 / bench_ms(lambda: a @ b, False) / 1e9
+        x = torch.randn(2**28, device="cuda")
+        y = torch.empty_like(x)
+        row["copy_gbps"] = 2 * x.nbytes / bench_ms(lambda: y.copy_(x), False) / 1e6
+    emit("env", **row)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def build(path: str, preset: str, tiny: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    overrides = dict(img_size=32, depth=2) if tiny else {}
+    if path.startswith("timm"):
+        import timm
+
+        model = timm.create_model(preset, pretrained=False, **overrides)
+    else:
+        import vit_fast
+
+        model = vit_fast.create_model(preset, backend="triton", **overrides)
+    return model.to(DEVICE).train()
+
+
+def item_hang(args) -> None:
+    """Where the first compiled forward and backward of the fused model spend their time."""
+    model = build("vit_fast", args.preset, args.tiny)
+    compiled = torch.compile(model, backend=args.backend)
+    img = 32 if args.tiny else 224
+    x = torch.randn(args.batch, 3, img, img, device=DEVICE)
+    y = torch.randint(0, 1000, (args.batch,), device=DEVICE)
+    tags = dict(preset=args.preset, batch=args.batch, autotune=os.environ.get("VIT_FAST_AUTOTUNE", "1"),
+                backend=args.backend)
+    start = time.perf_counter()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = compiled(x)
+    loss = F.cross_entropy(out.float(), y)
+    sync()
+    fwd_s = time.perf_counter() - start
+    emit("hang", phase="first forward", seconds=fwd_s, **tags)
+    loss.backward()
+    sync()
+    emit("hang", phase="first backward", seconds=time.perf_counter() - start - fwd_s, **tags)
+    start = time.perf_counter()
+    for _ in range(3):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = compiled(x)
+        F.cross_entropy(out.float(), y).backward()
+    sync()
+    emit("hang", phase="next 3 steps", seconds=time.perf_counter() - start, **tags)
+
+
+def item_step(args) -> None:
+    """One path's training step: forward under bf16 autocast + cross-entropy + backward + fused AdamW."""
+    path, batch = args.path, args.batch
+    tags = dict(preset=args.preset, path=path, batch=batch, autotune=os.environ.get("VIT_FAST_AUTOTUNE", "1"))
+    model = build(path, args.preset, args.tiny)
+    if path.endswith("compile"):
+        model = torch.compile(model)
+    img = 32 if args.tiny else 224
+    cuda = DEVICE == "cuda"
+    rotate = 1 if path.endswith("graph") else 4
+    xs = [torch.randn(batch, 3, img, img, device=DEVICE) for _ in range(rotate)]
+    ys = [torch.randint(0, 1000, (batch,), device=DEVICE) for _ in range(rotate)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=path.endswith("graph") and cuda)
+
+    def step(i):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = model(xs[i % rotate])
+        F.cross_entropy(out.float(), ys[i % rotate]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    start = time.perf_counter()
+    if path.endswith("graph"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(3):
+                step(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                out = model(xs[0])
+            F.cross_entropy(out.float(), ys[0]).backward()
+            opt.step()
+        run = lambda i: graph.replay()  # noqa: E731
+    else:
+        for i in range(3):
+            step(i)
+        run = step
+    sync()
+    warm_s = time.perf_counter() - start
+    steps = 3 if args.tiny else 25
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        torch.cuda.reset_peak_memory_stats()
+        host = []
+        for i, (a, b) in enumerate(events):
+            a.record()
+            h = time.perf_counter()
+            run(i)
+            host.append((time.perf_counter() - h) * 1e3)
+            b.record()
+        sync()
+        ms = sorted(a.elapsed_time(b) for a, b in events)
+        mem = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        ms, host = [], []
+        for i in range(steps):
+            h = time.perf_counter()
+            run(i)
+            ms.append((time.perf_counter() - h) * 1e3)
+        ms.sort()
+        host, mem = ms, float("nan")
+    host.sort()
+    emit("step", step_ms=ms[len(ms) // 2], p10_ms=ms[len(ms) // 10], p90_ms=ms[(9 * len(ms)) // 10],
+         host_ms=host[len(host) // 2], images_per_s=batch / ms[len(ms) // 2] * 1e3, warmup_s=warm_s,
+         peak_mem_gib=mem, **tags)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+ATTN_SHAPES = [  # (batch, tokens, heads, head_dim): ViT-B/16 224, B/14 224, B/16 384, H/14 224, So400m/14 224
+    (256, 197, 12, 64), (256, 257, 12, 64), (64, 577, 12, 64), (128, 257, 16, 80), (128, 256, 16, 72)]
+
+
+def item_attn(args) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from vit_fast.kernels.attention import attention
+
+    shapes = [(2, 17, 2, 64)] if args.tiny else ATTN_SHAPES
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "default": None}
+    if args.tiny:
+        backends = {"math": SDPBackend.MATH}
+    for B, N, H, D in shapes:
+        qkv = torch.randn(B, N, 3 * H * D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(B, N, H * D, device=DEVICE, dtype=torch.bfloat16)
+        tags = dict(batch=B, tokens=N, heads=H, head_dim=D)
+
+        def sdpa(backend):
+            q, k, v = qkv.view(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)  # strided views, no copies
+            if backend is None:
+                o = F.scaled_dot_product_attention(q, k, v)
+            else:
+                with sdpa_kernel([backend]):
+                    o = F.scaled_dot_product_attention(q, k, v)
+            return o.transpose(1, 2).reshape(B, N, H * D)
+
+        providers = {f"sdpa_{name}": (lambda b=b: sdpa(b)) for name, b in backends.items()}
+        providers["vit_fast"] = lambda: attention(qkv, H)
+        for name, fwd in providers.items():
+            def measure(name=name, fwd=fwd):
+                def fwd_bwd():
+                    return torch.autograd.grad(fwd(), qkv, grad)[0]
+
+                g1 = fwd_bwd()
+                g2 = fwd_bwd()
+                row = dict(provider=name, fwd_graph_ms=bench_ms(fwd, True), fwd_bwd_graph_ms=bench_ms(fwd_bwd, True),
+                           fwd_bwd_plain_ms=bench_ms(fwd_bwd, False),
+                           bitwise_repeatable=bool(torch.equal(g1, g2)), **tags)
+                emit("attn", **row)
+
+            safe("attn", measure, provider=name, **tags)
+        del qkv, grad
+
+
+# ------------------------------------------------------------------------------------------------ micro
+def item_micro(args) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from vit_fast.tools.campaign import micro_cases
+
+    cases = micro_cases("B/16", "vit_base_patch16_224", 256, DEVICE, args.tiny)
+    report = []
+    for case in cases:
+        for provider, fn in {"vit_fast": case.fused, **case.baselines}.items():
+            def measure(case=case, provider=provider, fn=fn):
+                inputs = case.make()
+                leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+                def call():
+                    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=case.autocast):
+                        out = fn(**inputs)
+                    return [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
+
+                grads = [torch.randn_like(o) for o in call()]
+
+                def fwd_bwd():
+                    return torch.autograd.grad(call(), leaves, grads, allow_unused=True)
+
+                row = dict(op=case.op, shape=case.shape, provider=provider)
+                for label, f in (("fwd", call), ("fwd_bwd", fwd_bwd)):
+                    row[f"{label}_plain_ms"] = bench_ms(f, False)
+                    row[f"{label}_graph_ms"] = bench_ms(f, True)
+                if provider == "vit_fast" and DEVICE == "cuda":
+                    from torch.profiler import ProfilerActivity, profile
+
+                    fwd_bwd()
+                    sync()
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for _ in range(5):
+                            fwd_bwd()
+                        sync()
+                    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14)
+                    report.append(f"==== {case.op} {case.shape} fwd+bwd x5\n{table}\n")
+                    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                    row["profiled_kernel_ms_per_iter"] = sum(e.device_time for e in kernels) / 5e3
+                    row["profiled_launches_per_iter"] = len(kernels) / 5
+                emit("micro", **row)
+
+            safe("micro", measure, op=case.op, provider=provider)
+    if report:
+        with open(os.path.join(os.environ.get("PROBE_DIR", "."), "profile.txt"), "w") as f:
+            f.write("\n".join(report))
+
+
+# ------------------------------------------------------------------------------------------------ gemm
+def item_gemm(args) -> None:
+    from vit_fast.kernels.bias_gelu import bias_gelu
+    from vit_fast.kernels.linear_act import linear_act
+
+    rows, C, K = (64, 32, 128) if args.tiny else (256 * 197, 768, 3072)
+    bf16 = torch.bfloat16
+    x = torch.randn(rows, C, device=DEVICE, dtype=bf16)
+    w1 = torch.randn(K, C, device=DEVICE, dtype=bf16) * 0.02
+    b1 = torch.randn(K, device=DEVICE, dtype=bf16) * 0.02
+    w2 = torch.randn(C, K, device=DEVICE, dtype=bf16) * 0.02
+    dh = torch.randn(rows, K, device=DEVICE, dtype=bf16)
+    h = F.linear(x, w1)
+    cases = {
+        "cublas_fc1": lambda: F.linear(x, w1),
+        "cublas_fc1_bias": lambda: F.linear(x, w1, b1),
+        "cublas_fc1_bias+gelu_erf_eager": lambda: F.gelu(F.linear(x, w1, b1)),
+        "cublas_fc1+bias_gelu_kernel": lambda: bias_gelu(F.linear(x, w1), b1),
+        "bias_gelu_kernel_alone": lambda: bias_gelu(h, b1),
+        "cublaslt_fc1_gelu_tanh_epilogue": lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True),
+        "cublas_fc1_dgrad": lambda: dh @ w1,
+        "cublas_fc1_wgrad": lambda: dh.t() @ x,
+        "cublas_mlp_fwd": lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2),
+        "linear_act_mlp_fwd": lambda: linear_act(x, w1, b1, w2),
+    }
+    flops = 2.0 * rows * C * K
+    for name, fn in cases.items():
+        def measure(name=name, fn=fn):
+            ms = bench_ms(fn, True)
+            gemms = 0 if name == "bias_gelu_kernel_alone" else (2 if "mlp" in name else 1)
+            emit("gemm", case=name, graph_ms=ms, tflops=gemms * flops / ms / 1e9 if gemms else None,
+                 rows=rows, width=C, hidden=K)
+
+        safe("gemm", measure, case=name)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("item", choices=["env", "hang", "step", "attn", "micro", "gemm"])
+    parser.add_argument("--preset", default="vit_base_patch16_224")
+    parser.add_argument("--path", default="vit_fast")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--dump-after", type=float, default=0, help="seconds before each stack dump (0: none)")
+    args = parser.parse_args(argv)
+    if args.dump_after:
+        faulthandler.dump_traceback_later(args.dump_after, repeat=True)
+    globals()[f"item_{args.item}"](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

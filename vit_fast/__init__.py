@@ -16,6 +16,9 @@ from .interop.optimize import optimize
 from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
 from .model import VisionTransformer, count_params, create_model, forward_flops
 from .presets import PRESETS, ViTConfig, get_config, list_models
+from ._compat import install_inductor_fallbacks
+
+install_inductor_fallbacks()  # torch.compile of a fused model must not stall in inductor (see the function)
 
 __version__ = "0.1.0"
 

@@ -142,3 +142,87 @@ def install_interpreter_numpy_fix() -> bool:
         interp._patch_lang_tensor = patch_lang_tensor_squeezed
     _numpy_fix_installed = True
     return True
+
+
+# ------------------------------------------------------------------------------------------------ inductor
+INDUCTOR_LOWERING = "torch._inductor.lowering"
+OP_NAMESPACE = "vit_fast"
+_inductor_hook_installed = False
+
+
+def custom_ops() -> list:
+    """Every ``vit_fast::`` custom op (its default overload), after importing the modules that define them."""
+    import importlib
+
+    import torch
+
+    for name in ("attention", "bias_gelu", "layer_norm", "linear_act", "patch_embed", "swiglu"):
+        importlib.import_module(f"vit_fast.kernels.{name}")
+    names = sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith(f"{OP_NAMESPACE}::")})
+    return [getattr(getattr(torch.ops, OP_NAMESPACE), n).default for n in names]
+
+
+def register_inductor_fallbacks() -> int:
+    """Give every vit_fast custom op the fallback lowering inductor would create for it on first sight, ahead of
+    time. torch 2.11's ``GraphLowering.call_function`` formats the op's IR arguments eagerly for a log line
+    before creating an implicit fallback (2.14 wraps it in ``LazyString``); an argument's text includes its
+    whole producer graph, so for an op first met deep in a ViT's backward (the patch embedding's, after 12
+    blocks whose residual joins read each value twice) the text grows exponentially with depth: the first
+    compiled backward of ViT-B/16 never finished. Registered, the op never reaches that line. The layout
+    constraint is the one the implicit path chooses (the op's tag, else the default for custom ops).
+    Returns how many ops were registered now."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    added = 0
+    for op in custom_ops():
+        if op in lowering.lowerings:
+            continue
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+        added += 1
+    return added
+
+
+class _AfterImport:
+    """A ``sys.meta_path`` finder that runs ``callback`` right after module ``name`` is first executed."""
+
+    def __init__(self, name: str, callback: Callable[[], Any]):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        import sys
+
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once: find the real spec with the other finders
+        for finder in sys.meta_path:
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                break
+        else:
+            return None
+        exec_module, callback = spec.loader.exec_module, self.callback
+
+        def exec_then_register(module):
+            exec_module(module)
+            callback()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def install_inductor_fallbacks() -> None:
+    """Register vit_fast's ops with inductor as soon as inductor's lowering module exists: now if it is already
+    imported, else right after it is (so a process that never compiles never pays inductor's import)."""
+    global _inductor_hook_installed
+    import sys
+
+    if _inductor_hook_installed:
+        return
+    _inductor_hook_installed = True
+    if INDUCTOR_LOWERING in sys.modules:
+        register_inductor_fallbacks()
+    else:
+        sys.meta_path.insert(0, _AfterImport(INDUCTOR_LOWERING, register_inductor_fallbacks))

@@ -83,6 +83,10 @@ def next_seed() -> torch.Tensor:
     ``capture_scalar_outputs`` needed). It is saved for backward, which regenerates the mask from it
     instead of storing the mask.
     """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("vit_fast: fused dropout draws its Philox seed on the host, so a CUDA graph would replay "
+                           "one dropout mask on every step; capture a step with the dropout rates at 0 "
+                           "(stochastic depth and torch's own nn.Dropout are graph-safe)")
     return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device="cpu")
 
 

@@ -1,7 +1,8 @@
 """`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (CONTRIBUTING.md 6).
 
-For every preset x batch x dtype, five paths run in one process: timm eager, timm + torch.compile,
-vit_fast (backend='triton'), vit_fast + torch.compile, vit_fast with residual_in_fp32=False. A step is
+For every preset x batch x dtype, six paths run in one process: timm eager, timm + torch.compile,
+vit_fast (backend='triton'), vit_fast + torch.compile, vit_fast with its whole step captured in a CUDA graph
+(``vit_fast_graph``; ``timm_graph`` on request), vit_fast with residual_in_fp32=False. A step is
 forward under torch.autocast (fp32 master weights; no autocast for fp32) + cross-entropy + backward +
 optimizer step. After warm-up
 (which includes compilation) each step is timed with CUDA events; the report gives the median step
@@ -24,7 +25,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_bf16_residual")
+PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_graph", "vit_fast_bf16_residual")
+# Paths whose whole training step is captured in a CUDA graph (vit_fast.training.graphs.CudaGraphStep).
+GRAPH_PATHS = ("timm_graph", "vit_fast_graph")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense tensor-core peaks (datasheet, SXM) for MFU; fp32 runs as TF32 at half the rate.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -82,21 +85,31 @@ def build(path: str, preset: str, device: str = "cuda", compile_backend: str = "
 
 
 def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_classes: int, steps: int, warmup: int,
-                  rotate: int = 4, device: str = "cuda") -> dict:
+                  rotate: int = 4, device: str = "cuda", graph: bool = False) -> dict:
     """Median/percentile step time and peak memory of forward + loss + backward + AdamW. On CUDA the steps
-    are timed with CUDA events; elsewhere (the campaign's dry run) with the host clock."""
+    are timed with CUDA events; elsewhere (the campaign's dry run) with the host clock. ``graph``: the step
+    captured once in a CUDA graph and replayed (CUDA only); the peak memory then includes the graph's pool."""
     cuda = device.startswith("cuda")
     inputs = [torch.randn(batch, 3, img_size, img_size, device=device) for _ in range(rotate)]
     labels = [torch.randint(0, max(num_classes, 1), (batch,), device=device) for _ in range(rotate)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=graph)
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cuda and dtype == torch.float16)
+    loss_fn = (lambda out, y: F.cross_entropy(out, y)) if num_classes else (lambda out, y: out.square().mean())
+    if graph:
+        from vit_fast.training.graphs import CudaGraphStep
+
+        captured = CudaGraphStep(model, opt, loss_fn, inputs[0], labels[0],
+                                 amp_dtype=None if dtype == torch.float32 else dtype, warmup_steps=max(warmup, 1))
+        warmup = 0
 
     def step(i):
+        if graph:
+            captured(inputs[i % rotate], labels[i % rotate])
+            return
         x, y = inputs[i % rotate], labels[i % rotate]
         with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32):
             out = model(x)
-        loss = F.cross_entropy(out.float(), y) if num_classes else out.float().square().mean()
-        scaler.scale(loss).backward()
+        scaler.scale(loss_fn(out.float(), y)).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -113,7 +126,8 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
         return dict(step_ms=statistics.median(ms), p10_ms=ms[int(0.1 * (len(ms) - 1))],
                     p90_ms=ms[int(0.9 * (len(ms) - 1))], peak_mem_gb=float("nan"))
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if not graph:  # a graph's tensors were allocated at capture: keep them in the peak
+        torch.cuda.reset_peak_memory_stats()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     for i, (start, end) in enumerate(events):
         start.record()
@@ -136,9 +150,11 @@ def measure(meta: dict, preset: str, dtype_name: str, batch: int, path: str, ste
     row = dict(meta, model=preset, dtype=dtype_name, batch=batch, path=path)
     model = None
     try:
+        if path in GRAPH_PATHS and not device.startswith("cuda"):
+            raise ValueError(f"{path}: a CUDA-graph step needs a CUDA device, got {device}")
         model = build(path, preset, device, compile_backend, **overrides)
         row.update(time_training(model, batch, DTYPES[dtype_name], cfg.img_size[0], cfg.num_classes, steps, warmup,
-                                 device=device))
+                                 device=device, graph=path in GRAPH_PATHS))
         row["images_per_s"] = batch / row["step_ms"] * 1e3
         achieved = train_flops * row["images_per_s"] / 1e12
         row["tflops"] = achieved
@@ -236,7 +252,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--models", nargs="+", default=["vit_base_patch16_224"], help="presets")
     parser.add_argument("--batches", nargs="+", type=int, default=[128])
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS) + ["timm_graph"])
     parser.add_argument("--steps", type=int, default=30, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense peak for MFU if the GPU is not known")

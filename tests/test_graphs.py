@@ -1,0 +1,79 @@
+"""The captured training step's rules (vit_fast/training/graphs.py). Capture itself needs a CUDA device: on a GPU
+the last test captures a tiny fused model's step and checks that replays train exactly as the eager step does."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vit_fast
+from vit_fast.kernels import _utils
+from vit_fast.training.graphs import CudaGraphStep, check_capturable
+
+from .numerics import DEVICE
+
+
+def tiny(device="cpu", **kw):
+    torch.manual_seed(0)
+    return vit_fast.create_model("vit_tiny_patch16_224", img_size=32, depth=1, num_classes=10, **kw).to(device)
+
+
+def test_cpu_model_is_refused_with_the_device_named():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)
+    with pytest.raises(ValueError, match="CUDA device, got cpu"):
+        check_capturable(model, opt, torch.zeros(2, 3, 32, 32))
+
+
+def test_optimizer_without_capturable_is_refused(monkeypatch):
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    # the device rule passes when the parameters claim CUDA; the optimizer rule is what fails
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match="capturable=True"):
+        check_capturable(model, opt)
+
+
+def test_fp16_and_zero_warmup_are_refused_before_anything_runs():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)
+    x, y = torch.zeros(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="GradScaler"):
+        CudaGraphStep(model, opt, F.cross_entropy, x, y, amp_dtype=torch.float16)
+    with pytest.raises(ValueError, match="warmup_steps >= 1"):
+        CudaGraphStep(model, opt, F.cross_entropy, x, y, warmup_steps=0)
+
+
+def test_fused_dropout_refuses_to_draw_a_host_seed_during_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="replay one dropout mask"):
+        _utils.next_seed()
+
+
+def test_seed_draw_outside_capture_follows_manual_seed():
+    torch.manual_seed(3)
+    a = _utils.next_seed()
+    torch.manual_seed(3)
+    assert torch.equal(a, _utils.next_seed())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA-graph capture needs a CUDA device")
+def test_captured_step_trains_like_the_eager_step():
+    x = torch.randn(4, 3, 32, 32, device=DEVICE)
+    y = torch.randint(0, 10, (4,), device=DEVICE)
+    eager, captured = tiny(DEVICE, backend="triton"), tiny(DEVICE, backend="triton")
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, capturable=True)
+    opt_c = torch.optim.AdamW(captured.parameters(), lr=1e-3, capturable=True)
+    step = CudaGraphStep(captured, opt_c, F.cross_entropy, x, y, amp_dtype=None, warmup_steps=1)
+    for _ in range(1):  # the warm-up step the graph step ran before capture
+        F.cross_entropy(eager(x).float(), y).backward()
+        opt_e.step()
+        opt_e.zero_grad(set_to_none=True)
+    for _ in range(3):
+        loss_c = step(x, y).clone()
+        loss_e = F.cross_entropy(eager(x).float(), y)
+        loss_e.backward()
+        opt_e.step()
+        opt_e.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss_c, loss_e.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="drop or pad the last batch"):
+        step(x[:2], y[:2])

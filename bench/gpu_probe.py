@@ -253,7 +253,6 @@ def item_attn(args) -> None:
                 emit("attn", **row)
 
             safe("attn", measure, provider=name, **tags)
-        del qkv, grad
 
 
 # ------------------------------------------------------------------------------------------------ micro

@@ -3,6 +3,7 @@
 A timm-compatible ViT (same parameter names, same numbers) whose building blocks switch between a
 pure-PyTorch reference path (backend='torch') and fused Triton kernels (backend='triton' / 'auto').
 """
+from ._compat import install_inductor_fallbacks
 from .interop.convert import (
                       CheckpointError,
                       from_hf,
@@ -16,7 +17,6 @@ from .interop.optimize import optimize
 from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
 from .model import VisionTransformer, count_params, create_model, forward_flops
 from .presets import PRESETS, ViTConfig, get_config, list_models
-from ._compat import install_inductor_fallbacks
 
 install_inductor_fallbacks()  # torch.compile of a fused model must not stall in inductor (see the function)
 

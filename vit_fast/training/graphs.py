@@ -46,7 +46,8 @@ def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer, *tensor
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device != device:
             where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"CudaGraphStep: expected every batch tensor on {device} (the model's device), got {where}")
+            raise ValueError(f"CudaGraphStep: expected every batch tensor on {device} (the model's device), "
+                             f"got {where}")
     for group in optimizer.param_groups:
         if group.get("capturable") is not True:
             raise ValueError(f"CudaGraphStep: expected an optimizer built with capturable=True (e.g. "

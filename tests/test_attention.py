@@ -218,10 +218,12 @@ def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
 
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_head_dim_72_tables(monkeypatch, arch, p):
-    """SigLIP So400m's head_dim 72 (not a multiple of 16: its own tiles in attention_config) on the sm_80 and
-    sm_90 tables, with and without dropout: N = 37 spans several of the smallest (16-row) tiles."""
-    B, N, H, D, seed = 1, 37, 2, 72, 99
+@pytest.mark.parametrize("D", [72, 80])
+def test_split_head_dim_tables(monkeypatch, arch, p, D):
+    """SigLIP So400m's head_dim 72 and ViT-H's 80, run as 64 + 16 columns (their own tiles in attention_config)
+    on the sm_80 and sm_90 tables, with and without dropout: N = 37 spans several of the smallest tiles."""
+    B, N, H, seed = 1, 37, 2, 99
+    assert A._block_dims(D, True) == (64, 16) and A.attention_config(N, D, torch.float16, arch).fwd.split
     monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
     monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
@@ -251,14 +253,15 @@ def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
 def test_unpeeled_wide_16bit_heads_with_dropout(monkeypatch, arch):
     """128-wide 16-bit heads with dropout keep one masked loop (Tile.peel False: their peeled builds spill), as
-    fp32 does; 16-bit D <= 64 and the D = 72 split peel."""
-    B, N, H, D, p, seed = 1, 37, 2, 80, 0.25, 5
+    fp32 does; 16-bit D <= 64 and the D = 72 / 80 split peel."""
+    B, N, H, D, p, seed = 1, 37, 2, 96, 0.25, 5
     monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
     monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
     cfg = A.attention_config(N, D, torch.float16, arch, dropout=True)
     assert not (cfg.fwd.peel or cfg.dq.peel or cfg.dkdv.peel)
     assert A.attention_config(N, 64, torch.float16, arch, dropout=True).fwd.peel
     assert A.attention_config(N, 72, torch.float16, arch, dropout=True).dq.peel
+    assert A.attention_config(N, 80, torch.float16, arch, dropout=True).dq.peel
     assert not A.attention_config(N, 64, torch.float32, arch).fwd.peel
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),

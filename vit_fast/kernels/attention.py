@@ -698,7 +698,7 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     1 stage (16 rows with dropout) and the IEEE backward with dropout at 2 stages. The sm_90 16-bit backward
     pays for it in its ceiling (``vit-fast report``; README, Performance).
 
-    16-bit head dims in 65..79 that are no multiple of 16 (D = 72) instead split the head (``Tile.split``,
+    16-bit head dims in 65..80 (D = 72; D = 80, which padded to 128 measured 8.6x slower on an H200) instead split the head (``Tile.split``,
     ``_block_dims``): 64 columns plus a 16-wide tail, two dots summed for q k^T and dO v^T and two accumulators for
     out, dq, dk, dv, so the tiles carry 80 columns, not 128. With head_dim a constant and the head offsets known
     to be 16-byte aligned (HEAD_ALIGN 8: 72 = 8 x 9) every load is vectorised, and the split takes the D <= 64
@@ -753,7 +753,7 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
             fwd = Tile(128, 32, 8, stages)  # 3 stages (16 B with bias at 2), 24-48 B with dropout at 1 or 2
             dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if dropout else \
                 (Tile(16, 32, 8, 1), Tile(32, 16, 8, 1))  # 217 / 172-204 regs
-    if _block_dims(head_dim, True)[1] and dtype != torch.float32:  # D = 72 as 64 + 16 columns, 16-bit only
+    if _block_dims(head_dim, True)[1] and dtype != torch.float32:  # D = 72, 80 as 64 + 16 columns, 16-bit only
         fwd = Tile(128, 64, 8, 3, True) if arch >= 90 else Tile(64, 32, 8, 3, True) if dropout else \
             Tile(128, 32, 8, 3, True)
         if arch >= 90:  # the D <= 64 tiles, with dropout too
@@ -786,9 +786,11 @@ def _block_d(head_dim: int) -> int:
 
 def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_D_TAIL) of a forward or backward launch: with ``split`` (the config's Tile), a head_dim in
-    65..79 that is no multiple of 16 (SigLIP So400m's 72) runs as 64 columns plus a 16-wide tail (80 wide, not
-    128); every other launch as one power-of-two part (tail 0, the kernels' single-part path)."""
-    if split and head_dim % 16 and 64 < head_dim < 80:
+    65..80 (SigLIP So400m's 72, ViT-H's 80) runs as 64 columns plus a 16-wide tail (80 wide, not 128); every
+    other launch as one power-of-two part (tail 0, the kernels' single-part path). Measured on an H200
+    (2026-11-26, docs/measured/): D = 80 padded to 128 took 8.77 ms forward + backward at 128 x 257 x 16 heads,
+    where the split D = 72 took 1.02 ms at 128 x 256 x 16."""
+    if split and 64 < head_dim <= 80:
         return 64, 16
     return _block_d(head_dim), 0
 

@@ -263,6 +263,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                           help="the whole GPU campaign in <= 9 minutes: compiled-kernel tests, `vit-fast check` at "
                                "ViT-B/16 bf16, per-kernel micro-benchmarks, training throughput of S/B/L-16, all "
                                "written under --out (CSV, JSON, PNG, summary.md); the other options are ignored")
+    campaign.add_argument("--quick", action="store_true",
+                          help="with --campaign: the headline only, in <= 5 minutes: env, then ViT-B/16 and ViT-S/16 "
+                               "at batch 256 on every path (timm eager and compiled, vit_fast eager, compiled and "
+                               "with a CUDA-graph step), then the fused ops' kernel and host times")
     campaign.add_argument("--dry-run", action="store_true",
                           help="with --campaign: every stage on CPU with tiny shapes in seconds (figures meaningless; "
                                "proves the command works before a GPU sees it)")

@@ -55,7 +55,14 @@ DRY_TESTS = ["tests/test_backend.py::test_resolve_rules"]
 MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256), ("L/16", "vit_large_patch16_224", 256)]
 THROUGHPUT_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224"]
 THROUGHPUT_BATCHES = [128, 256]
-THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile")
+THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_graph")
+QUICK_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224"]
+QUICK_BATCHES = [256]
+# Each throughput row runs in its own process under this timeout (seconds, before --budget scaling): a path that
+# hangs (torch.compile of the fused model did on the first GPU run) loses its own row only, and leaves its stack
+# (faulthandler, dumped at two thirds of the timeout) in DIR/hangs.log.
+ROW_TIMEOUT_S = {"eager": 60.0, "graph": 60.0, "compile": 150.0}
+SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
 
 
@@ -71,6 +78,7 @@ class Campaign:
     out: str
     dry_run: bool
     scale: float = 1.0
+    quick: bool = False
     device: str = "cuda"
     meta: dict = field(default_factory=dict)
     peaks: dict = field(default_factory=dict)
@@ -116,12 +124,17 @@ def stage_env(c: Campaign) -> dict:
     return dict(status="ok", **{k: round(v, 1) for k, v in c.peaks.items()})
 
 
-def time_ms(fn: Callable[[], object], device: str, grad_to_none=None, reps: int = 3) -> float:
-    """Median milliseconds: triton.testing.do_bench (flushes L2 between runs) on CUDA, the host clock elsewhere
-    (one warm-up call, then ``reps`` timed ones)."""
+def time_ms(fn: Callable[[], object], device: str, grad_to_none=None, reps: int = 3, graph: bool = False) -> float:
+    """Median milliseconds: triton.testing.do_bench (flushes L2 between runs; back-to-back calls, so an op whose
+    host work outlasts its kernels reads its host time) on CUDA, or with ``graph`` the replays of a CUDA graph
+    of the calls (do_bench_cudagraph: kernel time alone); the host clock elsewhere (one warm-up call, then
+    ``reps`` timed ones)."""
     if device == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if graph:
+            fn()  # compile and tune outside the capture
+            return do_bench_cudagraph(fn, grad_to_none=grad_to_none, return_mode="median")
         return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
     fn()
     times = []
@@ -146,9 +159,9 @@ def _run(c: Campaign, cmd: list[str], budget: float) -> tuple[str, int | None]:
         p = subprocess.run(cmd, cwd=REPO, env=_subprocess_env(c), capture_output=True, text=True,
                            timeout=max(budget, 1.0))
         return p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout or b""
-        return (out.decode(errors="replace") if isinstance(out, bytes) else out), None
+    except subprocess.TimeoutExpired as e:  # stdout and stderr so far (a faulthandler stack is on stderr)
+        text = [(o.decode(errors="replace") if isinstance(o, bytes) else o) for o in (e.stdout, e.stderr) if o]
+        return "".join(text), None
 
 
 def stage_tests(c: Campaign) -> dict:
@@ -285,7 +298,7 @@ def _outputs(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def time_case(case: MicroCase, fn: Callable, backward: bool, device: str, reps: int = 3) -> float:
+def time_case(case: MicroCase, fn: Callable, backward: bool, device: str, reps: int = 3, graph: bool = False) -> float:
     inputs = case.make()
     leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if case.autocast else None
@@ -302,7 +315,7 @@ def time_case(case: MicroCase, fn: Callable, backward: bool, device: str, reps: 
         outs = [o for o in call() if o.is_floating_point()]
         return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
 
-    return time_ms(fwd_bwd if backward else call, device, reps=reps)
+    return time_ms(fwd_bwd if backward else call, device, reps=reps, graph=graph)
 
 
 def stage_micro(c: Campaign) -> dict:
@@ -328,6 +341,8 @@ def stage_micro(c: Campaign) -> dict:
                     try:
                         ms = time_case(case, fn, backward, c.device, reps=1 if c.dry_run else 3)
                         row[f"{name}_ms"] = ms
+                        if name in ("vit_fast", "eager"):  # kernel time apart from host time
+                            row[f"{name}_kernel_ms"] = time_case(case, fn, backward, c.device, reps=1, graph=True)
                     except Exception as e:  # a baseline that cannot run this shape is a finding, not a crash
                         row[f"{name}_ms"] = float("nan")
                         row[f"{name}_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
@@ -345,35 +360,81 @@ def stage_micro(c: Campaign) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ throughput
+def _row_timeout(c: Campaign, path: str) -> float:
+    kind = "compile" if path.endswith("compile") else "graph" if path.endswith("graph") else "eager"
+    return ROW_TIMEOUT_S[kind] * max(c.scale, 0.25)
+
+
+def measure_isolated(c: Campaign, spec: dict, timeout: float) -> dict:
+    """One throughput row measured by ``python -m vit_fast.tools.campaign row JSON`` in its own process: a crash
+    or a hang costs this row only. A row that runs out of time comes back as an error row, its stack appended
+    to DIR/hangs.log."""
+    cmd = [sys.executable, "-m", "vit_fast.tools.campaign", "row", json.dumps(spec)]
+    out, rc = _run(c, cmd, timeout)
+    for line in reversed(out.splitlines()):
+        if line.startswith("ROW "):
+            return json.loads(line[4:])
+    head = dict(c.meta, model=spec["preset"], dtype="bf16", batch=spec["batch"], path=spec["path"])
+    if rc is None:
+        with open(os.path.join(c.out, "hangs.log"), "a") as f:
+            f.write(f"==== {spec['preset']} b{spec['batch']} {spec['path']}: no result after {timeout:.0f} s\n{out}\n")
+        return dict(head, error=f"timed out after {timeout:.0f} s (stack in hangs.log)")
+    tail = " ".join(out.strip().splitlines()[-3:])[-300:]
+    return dict(head, error=f"exit code {rc}: {tail}")
+
+
+def row_main(argv: list[str]) -> int:
+    """The child of measure_isolated: measure one row, print it as 'ROW {json}'."""
+    import faulthandler
+
+    from vit_fast.tools.bench import measure
+
+    spec = json.loads(argv[0])
+    faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
+    if os.environ.get(SIMULATE_HANG) == spec["path"]:
+        time.sleep(3600)
+    if spec["device"] == "cpu":
+        from vit_fast.tools.interpreter import install_bf16_shims
+
+        install_bf16_shims()
+    row = measure(spec["meta"], spec["preset"], "bf16", spec["batch"], spec["path"], spec["steps"], spec["warmup"],
+                  spec["peak"], device=spec["device"], compile_backend=spec["compile_backend"], **spec["overrides"])
+    print("ROW " + json.dumps(row, default=str), flush=True)
+    return 0
+
+
 def stage_throughput(c: Campaign) -> dict:
-    from vit_fast.tools.bench import format_row, measure, peak_tflops
+    from vit_fast.tools.bench import format_row, peak_tflops
 
     peak = peak_tflops(c.meta["gpu"], torch.bfloat16, None) or c.peaks.get("gemm_bf16_tflops")
     steps, warmup = (1, 1) if c.dry_run else (10, 3)
     overrides = DRY_OVERRIDES if c.dry_run else {}
     backend = "eager" if c.dry_run else "inductor"
-    models, batches = (THROUGHPUT_MODELS[:1], [2]) if c.dry_run else (THROUGHPUT_MODELS, THROUGHPUT_BATCHES)
-    # eager paths of every case first (seconds each), then the compiled ones while the budget lasts
-    order = [(m, b, p) for p in ("timm_eager", "vit_fast") for m in models for b in batches]
-    order += [(m, b, p) for m in models for b in reversed(batches) for p in ("timm_compile",
-                                                                                        "vit_fast_compile")]
-    rows, skipped, compile_cost = [], [], 45.0 * c.scale
+    if c.dry_run:
+        models, batches = THROUGHPUT_MODELS[:1], [2]
+    else:
+        models, batches = (QUICK_MODELS, QUICK_BATCHES) if c.quick else (THROUGHPUT_MODELS, THROUGHPUT_BATCHES)
+    # a CUDA graph needs a GPU: the dry run measures the other paths
+    paths = [p for p in THROUGHPUT_PATHS if not (c.dry_run and p.endswith("graph"))]
+    # the uncompiled paths of every case first (seconds each), then the compiled ones while the budget lasts
+    order = [(m, b, p) for p in paths if not p.endswith("compile") for m in models for b in batches]
+    order += [(m, b, p) for m in models for b in reversed(batches) for p in paths if p.endswith("compile")]
+    rows, skipped = c.results.setdefault("throughput", []), []
     for model, batch, path in order:
-        needed = compile_cost if path.endswith("compile") else 0.0
-        if c.left() <= needed:
+        timeout = min(_row_timeout(c, path), c.left())
+        if timeout < (20.0 if path.endswith("compile") else 5.0) * min(c.scale, 1.0):
             skipped.append(f"{model} b{batch} {path}")
             continue
+        spec = dict(meta=c.meta, preset=model, batch=batch, path=path, steps=steps, warmup=warmup, peak=peak,
+                    device=c.device, compile_backend=backend, overrides=overrides, dump_after_s=timeout * 2 / 3)
         start = time.perf_counter()
-        row = measure(c.meta, model, "bf16", batch, path, steps, warmup, peak, device=c.device,
-                      compile_backend=backend, **overrides)
+        row = measure_isolated(c, spec, timeout)
         row["seconds"] = time.perf_counter() - start
         row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops", float("nan"))
-        if path.endswith("compile"):
-            compile_cost = max(compile_cost, row["seconds"])
-            torch._dynamo.reset()  # drop the compiled graphs (and the memory they hold) before the next case
         rows.append(row)
+        c.stages["throughput_skipped"] = skipped
+        write_outputs(c)  # every row on disk as soon as it is measured: a killed campaign keeps it
         c.progress("  " + format_row(row))
-    c.results["throughput"] = rows
     c.stages["throughput_skipped"] = skipped
     failed = sum("error" in r for r in rows)
     return dict(status="ok" if not skipped and not failed else ("budget spent" if skipped else "errors"),
@@ -395,6 +456,11 @@ STAGES: list[Stage] = [
     Stage("micro", stage_micro, 120),
     Stage("throughput", stage_throughput, 190),
 ]
+
+
+# --quick: the headline first and nothing else (ViT-B/16 and S/16, batch 256, every throughput path), <= 5 min
+QUICK_STAGES = ["env", "throughput", "micro"]
+QUICK_BUDGET_S = {"env": 20, "throughput": 230, "micro": 50}
 
 
 def register_stage(stage: Stage, after: str | None = None) -> None:
@@ -470,19 +536,25 @@ def summary(c: Campaign) -> str:
     micro = c.results.get("micro", [])
     if micro:
         lines += ["", "## Fused kernels vs the eager ops they replace (median ms; speedup = baseline / vit_fast)", "",
-                  "| model | op | pass | vit_fast ms | eager ms | compiled ms | x eager | x compiled | vit_fast rate "
-                  "| of measured peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "Kernel ms: the calls replayed from a CUDA graph (no host work); the other columns are plain "
+                  "back-to-back calls, host work included.", "",
+                  "| model | op | pass | vit_fast ms | vit_fast kernel ms | eager ms | eager kernel ms | compiled ms "
+                  "| x eager | x compiled | vit_fast rate | of measured peak |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in micro:
             lines.append(f"| {r['model']} | {r['op']} | {r['pass_']} | {_f(r['vit_fast_ms'], '{:.3f}')} | "
-                         f"{_f(r['eager_ms'], '{:.3f}')} | {_f(r['eager_compiled_ms'], '{:.3f}')} | "
+                         f"{_f(r.get('vit_fast_kernel_ms'), '{:.3f}')} | "
+                         f"{_f(r['eager_ms'], '{:.3f}')} | {_f(r.get('eager_kernel_ms'), '{:.3f}')} | "
+                         f"{_f(r['eager_compiled_ms'], '{:.3f}')} | "
                          f"{_f(r['speedup_vs_eager'])} | {_f(r['speedup_vs_compiled'])} | "
                          f"{_f(r['vit_fast_rate'], '{:.1f}')} {r['unit']} | {_f(r['vit_fast_of_peak'], '{:.0%}')} |")
     tp = c.results.get("throughput", [])
     if tp:
         lines += ["", "## Training throughput, bf16 autocast, AdamW (images/s; median step ms [p10-p90]; MFU; "
                   "peak GiB)", "", "| model | batch | " + " | ".join(THROUGHPUT_PATHS) +
-                  " | vit_fast / timm eager | vit_fast compiled / timm compiled |",
-                  "|---|---|" + "---|" * (len(THROUGHPUT_PATHS) + 2)]
+                  " | vit_fast / timm eager | vit_fast compiled / timm compiled | vit_fast graph / timm eager "
+                  "| vit_fast graph / timm compiled |",
+                  "|---|---|" + "---|" * (len(THROUGHPUT_PATHS) + 4)]
         by = {(r["model"], r["batch"], r["path"]): r for r in tp}
         for model in dict.fromkeys(r["model"] for r in tp):
             for batch in sorted({r["batch"] for r in tp if r["model"] == model}):
@@ -504,12 +576,13 @@ def summary(c: Campaign) -> str:
                     return f"{ra['images_per_s'] / rb['images_per_s']:.2f}x"
 
                 lines.append(f"| {model} | {batch} | " + " | ".join(cells) +
-                             f" | {ratio('vit_fast', 'timm_eager')} | {ratio('vit_fast_compile', 'timm_compile')} |")
+                             f" | {ratio('vit_fast', 'timm_eager')} | {ratio('vit_fast_compile', 'timm_compile')} "
+                             f"| {ratio('vit_fast_graph', 'timm_eager')} | {ratio('vit_fast_graph', 'timm_compile')} |")
     skipped = c.stages.get("throughput_skipped") or []
     if skipped:
         lines += ["", f"Skipped by the throughput budget: {', '.join(skipped)}."]
     lines += ["", "Files: campaign.json (everything), env/tests/check/micro/throughput.csv, throughput.png, micro.png, "
-              "tests.log, check.txt.", ""]
+              "tests.log, check.txt, hangs.log (the stack of every row that ran out of time).", ""]
     return "\n".join(lines)
 
 
@@ -532,11 +605,15 @@ def main(args) -> int:
 
         install_bf16_shims()
     os.makedirs(args.out, exist_ok=True)
-    scale = (args.budget or TOTAL_BUDGET_S) / TOTAL_BUDGET_S
-    c = Campaign(out=args.out, dry_run=args.dry_run, scale=scale, device="cuda" if cuda else "cpu")
-    c.progress(f"vit-fast bench --campaign{' --dry-run' if args.dry_run else ''}: {len(STAGES)} stages, "
-               f"{sum(s.budget_s for s in STAGES) * scale:.0f} s budget, writing to {args.out}")
-    for stage in STAGES:
+    quick = bool(getattr(args, "quick", False))
+    stages = [Stage(s.name, s.run, QUICK_BUDGET_S[s.name]) for s in STAGES if s.name in QUICK_STAGES] if quick \
+        else STAGES
+    total = sum(s.budget_s for s in stages)
+    scale = (args.budget or total) / total
+    c = Campaign(out=args.out, dry_run=args.dry_run, scale=scale, device="cuda" if cuda else "cpu", quick=quick)
+    c.progress(f"vit-fast bench --campaign{' --quick' if quick else ''}{' --dry-run' if args.dry_run else ''}: "
+               f"{len(stages)} stages, {total * scale:.0f} s budget, writing to {args.out}")
+    for stage in stages:
         budget = stage.budget_s * scale
         c.stage_deadline = time.perf_counter() + budget
         c.progress(f"{stage.name}: start (budget {budget:.0f} s)")
@@ -554,3 +631,9 @@ def main(args) -> int:
     c.progress(f"done in {c.elapsed():.0f} s: {', '.join(written)} in {args.out}" +
                (f"; FAILED stages: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["row"]:
+        sys.exit(row_main(sys.argv[2:]))
+    sys.exit("usage: python -m vit_fast.tools.campaign row SPEC_JSON (run by `vit-fast bench --campaign`)")

@@ -31,6 +31,21 @@ if interpreter_active():
     install_bf16_shims()
 
 
+@pytest.fixture(autouse=True)
+def default_device():
+    """Tensors a test builds without naming a device land on the device the tests run on (tests/numerics.DEVICE):
+    on a GPU the kernels refuse CPU tensors, so a test that forgot ``device=`` would test nothing there. On CPU a
+    no-op."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.set_default_device("cuda")
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
 @pytest.fixture
 def poisoned_allocations(monkeypatch):
     """Every torch.empty (the launchers' only allocator) comes back filled with NaN (integer tensors: -1),

@@ -63,11 +63,9 @@ def test_captured_step_trains_like_the_eager_step():
     eager, captured = tiny(DEVICE, backend="triton"), tiny(DEVICE, backend="triton")
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, capturable=True)
     opt_c = torch.optim.AdamW(captured.parameters(), lr=1e-3, capturable=True)
-    step = CudaGraphStep(captured, opt_c, F.cross_entropy, x, y, amp_dtype=None, warmup_steps=1)
-    for _ in range(1):  # the warm-up step the graph step ran before capture
-        F.cross_entropy(eager(x).float(), y).backward()
-        opt_e.step()
-        opt_e.zero_grad(set_to_none=True)
+    step = CudaGraphStep(captured, opt_c, F.cross_entropy, x, y, amp_dtype=None, warmup_steps=2)
+    for p_c, p_e in zip(captured.parameters(), eager.parameters()):  # the warm-up steps were undone
+        assert torch.equal(p_c, p_e)
     for _ in range(3):
         loss_c = step(x, y).clone()
         loss_e = F.cross_entropy(eager(x).float(), y)
@@ -75,5 +73,35 @@ def test_captured_step_trains_like_the_eager_step():
         opt_e.step()
         opt_e.zero_grad(set_to_none=True)
         torch.testing.assert_close(loss_c, loss_e.detach(), rtol=1e-5, atol=1e-6)
+        assert step.outputs.shape == (4, 10)
     with pytest.raises(ValueError, match="drop or pad the last batch"):
         step(x[:2], y[:2])
+
+
+@pytest.mark.parametrize("extra, named", [(["--accum-steps", "2"], "--accum-steps 2"), (["--amp", "fp16"], "fp16"),
+                                          (["--compile"], "--compile")])
+def test_train_cuda_graph_refuses_what_a_graph_cannot_replay(extra, named, capsys):
+    from vit_fast.training.train import resolve_args
+
+    with pytest.raises(SystemExit):
+        resolve_args(["--cuda-graph", *extra])
+    assert "--cuda-graph: not with" in capsys.readouterr().err and named
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU refusal")
+def test_train_cuda_graph_on_cpu_names_the_need(tmp_path):
+    from vit_fast.training.train import resolve_args, train
+
+    args = resolve_args(["--cuda-graph", "--epochs", "1", "--output-dir", str(tmp_path), "--backend", "torch",
+                         "--no-progress"])
+    with pytest.raises(ValueError, match="--cuda-graph needs one process on a CUDA device"):
+        train(args)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA-graph capture needs a CUDA device")
+def test_train_cuda_graph_runs_and_learns(tmp_path):
+    from vit_fast.training.train import resolve_args, train
+
+    summary = train(resolve_args(["--cuda-graph", "--epochs", "1", "--amp", "bf16", "--output-dir", str(tmp_path),
+                                  "--no-progress"]))
+    assert summary["steps"] > 0 and summary["train_loss"] < 2.3

@@ -148,9 +148,9 @@ def test_layer_norm_non_contiguous_inputs_and_sum_backward():
 
 
 def test_layer_norm_nan_inf_propagate_like_torch():
-    x = torch.randn(4, 64)
+    x = torch.randn(4, 64, device=DEVICE)
     x[1, 3], x[2, 5], x[3, 0] = float("nan"), float("inf"), -float("inf")
-    w, b = torch.randn(64), torch.randn(64)
+    w, b = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
     assert_close(layer_norm(x, w, b), F.layer_norm(x.double(), (64,), w.double(), b.double(), 1e-6), 1e-6, "LN")
 
 

@@ -21,9 +21,11 @@ The rules a captured step must follow, checked before capture with a clear error
     path with dropout > 0 fails at construction with a clear error (stochastic depth and torch's own dropout
     draw on the device and are graph-safe).
 
-Replays share the captured tensors: the returned loss, and every gradient, are overwritten by the next call.
-``torch.manual_seed`` before construction makes a run reproducible (the warm-up steps and capture consume the
-same RNG draws every time).
+The warm-up steps (kernel compilation, optimizer state) run on the example batch; the weights and optimizer state
+are put back afterwards, so the first call is the first step and the run trains as the eager loop would. Replays
+share the captured tensors: the returned loss, ``outputs`` (the logits) and every gradient are overwritten by the
+next call. A learning-rate schedule reaches a captured step only through a tensor learning rate
+(``AdamW(params, lr=torch.tensor(lr, device=...), capturable=True)``; schedulers fill it in place).
 """
 from __future__ import annotations
 
@@ -74,6 +76,11 @@ class CudaGraphStep:
         self.amp_dtype, self.max_grad_norm = amp_dtype, max_grad_norm
         self.inputs = example_inputs.clone()
         self.targets = example_targets.clone()
+        # The warm-up steps update the weights; put them and the optimizer state back after capture (which runs
+        # nothing), so the first replay is the first step and a captured run trains exactly as an eager one.
+        weights = [p.detach().clone() for p in model.parameters()]
+        state_before = {id(t): t.detach().clone() for st in optimizer.state.values() for t in st.values()
+                        if isinstance(t, torch.Tensor)}
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -87,11 +94,21 @@ class CudaGraphStep:
         self.optimizer.zero_grad(set_to_none=True)  # gradients are allocated inside the graph's pool
         with torch.cuda.graph(self.graph):
             self.loss = self._step()
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), weights):
+                p.copy_(w)
+            for st in optimizer.state.values():  # state the warm-up created starts from zero (Adam's initial state)
+                for t in st.values():
+                    if isinstance(t, torch.Tensor) and id(t) in state_before:
+                        t.copy_(state_before[id(t)])
+                    elif isinstance(t, torch.Tensor):
+                        t.zero_()
 
     def _step(self) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                             enabled=self.amp_dtype is not None):
             out = self.model(self.inputs)
+        self.outputs = out.detach()  # the replayed step's logits (for accuracy), overwritten by the next call
         loss = self.loss_fn(out.float(), self.targets)
         loss.backward()
         if self.max_grad_norm:

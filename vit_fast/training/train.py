@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from ..interop.convert import load_state_dict
 from . import checkpoint as ckpt
 from .data import DATASETS, DataInfo, build_datasets, build_loaders
+from .graphs import CudaGraphStep
 from .metrics import MetricsLog, plot_curves
 
 log = logging.getLogger("vit_fast.training.train")
@@ -126,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--bf16-residual", dest="residual_in_fp32", action="store_false",
                    help="with --amp: keep the residual stream in the autocast dtype (residual_in_fp32=False)")
     m.add_argument("--compile", action="store_true", help="torch.compile the model")
+    m.add_argument("--cuda-graph", action="store_true",
+                   help="capture the whole training step (forward, loss, backward, clipping, AdamW) in a CUDA graph "
+                        "and replay it: no per-step host work (one CUDA process, --accum-steps 1, --amp bf16 or off; "
+                        "fused dropout must be 0; vit_fast.training.graphs)")
     m.add_argument("--grad-checkpointing", action="store_true", help="recompute block activations in backward")
     m.add_argument("--init-from", metavar="timm:NAME|hf:NAME|file:PATH",
                    help="start from converted weights (hub names must already be in the local cache)")
@@ -180,6 +185,13 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if warmup_given and args.warmup_epochs > args.epochs:   # (a dataset default longer than a short run is kept)
         parser.error(f"argument --warmup-epochs: expected a value <= --epochs ({args.epochs}), "
                      f"got {args.warmup_epochs}")
+    if args.cuda_graph:
+        wrong = [f"--accum-steps {args.accum_steps} (expected 1)"] * (args.accum_steps != 1) + \
+            ["--amp fp16 (its GradScaler synchronises the host; use bf16)"] * (args.amp == "fp16") + \
+            ["--compile (torch.compile(mode='reduce-overhead') is the compiled way to graphs)"] * args.compile + \
+            ["--fsdp"] * args.fsdp
+        if wrong:
+            parser.error(f"argument --cuda-graph: not with {', '.join(wrong)}")
     return args
 
 
@@ -381,7 +393,7 @@ def load_resume(ckpt_dir: Path, args: argparse.Namespace, model: nn.Module) -> d
                          f"checkpoint's {saved['batch_size']} "
                          "(the global batch defines the data position and schedule)")
     run_control = {"resume", "output_dir", "stop_at_step", "no_progress", "no_plot", "device", "workers", "threads",
-                   "log_every", "ckpt_every", "keep_checkpoints", "eval_every", "compile"}
+                   "log_every", "ckpt_every", "keep_checkpoints", "eval_every", "compile", "cuda_graph"}
     changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in vars(args).items()
                if k not in run_control and saved.get(k) != v]
     if changed:
@@ -454,7 +466,13 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     model = build_model(args, data)
     state = load_resume(resume_dir, args, model) if resume_dir else None
     wrapped = wrap_model(model, args, world)
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
+    if args.cuda_graph and (world.device.type != "cuda" or world.enabled):
+        raise ValueError(f"--cuda-graph needs one process on a CUDA device; this run has {world.world} process(es) "
+                         f"on {world.device.type}")
+    # a captured step reads the learning rate from a tensor the scheduler fills in place
+    lr = torch.tensor(args.lr, device=world.device) if args.cuda_graph else args.lr
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=lr, betas=(0.9, 0.999),
+                                  capturable=args.cuda_graph)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(round(args.warmup_epochs * steps_per_epoch), total_steps, args.min_lr / args.lr))
     scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
@@ -523,6 +541,7 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
               f"{steps_per_epoch} steps/epoch, run dir {run_dir}"
               + (f", resumed from {resume_dir} at step {step}" if state is not None else ""), flush=True)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    graph_step = None  # --cuda-graph: captured on the first batch
     stop = StopSignal()
     stopped, train_images, t_train = False, 0, time.perf_counter()
     wrapped.train()
@@ -541,7 +560,17 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                 resumed_window = None
             t_window = time.perf_counter()
             for _ in range(start, steps_per_epoch):
-                for micro in range(accum):
+                if args.cuda_graph:
+                    images, labels = next(batches)
+                    images = images.to(world.device, non_blocking=True)
+                    labels = labels.to(world.device, non_blocking=True)
+                    if graph_step is None:
+                        graph_step = CudaGraphStep(model, optimizer, criterion, images, labels, amp_dtype,
+                                                   max_grad_norm=args.clip_grad or None)
+                    loss, logits = graph_step(images, labels), graph_step.outputs
+                    window += torch.stack([loss * len(labels), (logits.argmax(-1) == labels).sum(),
+                                           torch.tensor(len(labels), device=world.device)])
+                for micro in range(0 if args.cuda_graph else accum):
                     images, labels = next(batches)
                     images = images.to(world.device, non_blocking=True)
                     labels = labels.to(world.device, non_blocking=True)
@@ -552,19 +581,21 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                         scaler.scale(loss / accum).backward()
                     window += torch.stack([loss.detach() * len(labels), (logits.argmax(-1) == labels).sum(),
                                            torch.tensor(len(labels), device=world.device)])
-                if args.clip_grad > 0:
+                if args.clip_grad > 0 and not args.cuda_graph:
                     scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
+                if not args.cuda_graph:
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 step += 1
                 train_images += global_batch
                 bar.update(1)
                 if step % args.log_every == 0 or step % steps_per_epoch == 0:
                     loss_sum, correct, count = world.all_reduce(window).tolist()
-                    last_train = {"loss": loss_sum / count, "acc": correct / count, "lr": scheduler.get_last_lr()[0],
+                    last_train = {"loss": loss_sum / count, "acc": correct / count,
+                                  "lr": float(scheduler.get_last_lr()[0]),
                                   "img_per_s": count / (time.perf_counter() - t_window)}
                     metrics.write({"kind": "train", "step": step, "epoch": epoch + 1, **last_train})
                     bar.set_postfix(loss=f"{last_train['loss']:.3f}", acc=f"{last_train['acc']:.3f}",

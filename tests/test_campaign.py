@@ -114,3 +114,21 @@ def test_a_hanging_path_loses_only_its_own_row_and_leaves_its_stack(tmp_path, mo
     assert "vit_fast_compile" in hangs and "row_main" in hangs and "most recent call first" in hangs
     summary = (out / "summary.md").read_text()
     assert "DRY RUN" in summary and "timed out" in summary
+
+
+def test_record_is_written_under_docs_measured(tmp_path, monkeypatch):
+    """A real (not dry) campaign leaves docs/measured/<gpu>-<date>.md and its CSVs, ready to commit."""
+    (tmp_path / "docs" / "measured").mkdir(parents=True)
+    monkeypatch.setattr(campaign, "REPO", str(tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    c = campaign.Campaign(out=str(out), dry_run=False, device="cpu")
+    c.meta = dict(gpu="NVIDIA H200", date="2026-11-26 07:00 UTC", driver="x", torch="t", triton="t", cuda="c", git="g")
+    c.results["throughput"] = [dict(c.meta, model="vit_base_patch16_224", dtype="bf16", batch=256, path="timm_eager",
+                                    images_per_s=2719.0, step_ms=94.1, p10_ms=93.5, p90_ms=97.6, mfu=0.3,
+                                    peak_mem_gb=18.1)]
+    written = campaign.write_outputs(c)
+    assert "docs/measured/nvidia-h200-2026-11-26.md" in written
+    record = (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26.md").read_text()
+    assert "NVIDIA H200" in record and "2719" in record and "DRY RUN" not in record
+    assert (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26" / "throughput.csv").exists()

@@ -361,6 +361,8 @@ def stage_micro(c: Campaign) -> dict:
                 row["speedup_vs_eager"] = row["eager_ms"] / row["vit_fast_ms"]
                 row["speedup_vs_compiled"] = row["eager_compiled_ms"] / row["vit_fast_ms"]
                 rows.append(c.tagged(row))
+                c.results["micro"] = rows
+                write_outputs(c)  # on disk as measured
             c.progress(f"  micro {shape_name} {case.op}: fwd+bwd {row['vit_fast_ms']:.3f} ms, "
                        f"{row['speedup_vs_eager']:.2f}x eager, {row['speedup_vs_compiled']:.2f}x compiled")
             torch._dynamo.reset()
@@ -509,7 +511,33 @@ def write_outputs(c: Campaign) -> list[str]:
     with open(os.path.join(c.out, "summary.md"), "w") as f:
         f.write(summary(c))
     written.append("summary.md")
+    if not c.dry_run and c.meta and os.path.isdir(os.path.join(REPO, "docs", "measured")):  # a checkout
+        try:
+            written.append(write_record(c))
+        except OSError as e:  # a read-only checkout keeps DIR's files
+            c.progress(f"docs/measured record not written: {e}")
     return written
+
+
+def record_name(meta: dict) -> str:
+    """docs/measured/<gpu>-<date>: e.g. 'nvidia-h200-2026-11-26'."""
+    gpu = re.sub(r"[^a-z0-9]+", "-", str(meta.get("gpu", "gpu")).lower()).strip("-")
+    return f"{gpu}-{str(meta.get('date', ''))[:10]}"
+
+
+def write_record(c: Campaign) -> str:
+    """The campaign as a record ready to commit: docs/measured/<gpu>-<date>.md (the summary) and its CSVs in
+    docs/measured/<gpu>-<date>/ (a later campaign of the same GPU and day overwrites both)."""
+    import shutil
+
+    folder = os.path.join(REPO, "docs", "measured", record_name(c.meta))
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(c.out):
+        if name.endswith((".csv", ".log")) or name == "campaign.json":
+            shutil.copyfile(os.path.join(c.out, name), os.path.join(folder, name))
+    with open(folder + ".md", "w") as f:
+        f.write(summary(c).replace("Files: ", f"Files (in {os.path.basename(folder)}/): ", 1))
+    return os.path.relpath(folder + ".md", REPO)
 
 
 def plot_micro(rows: list[dict], path: str) -> None:

@@ -9,9 +9,15 @@ its budget is spent and says what it skipped), a progress line each:
   micro       every fused op against the eager ops it replaces and torch.compile of those, forward and
               forward+backward, ViT-B/16 and ViT-L/16 shapes (batch 256), GB/s or TFLOP/s next to the measured peaks
   throughput  training steps of ViT-S/16, B/16, L/16 at batch 128 and 256 in bf16: timm eager, timm torch.compile,
-              vit_fast, vit_fast torch.compile (images/s, median step time and 10-90% spread, MFU, peak memory);
-              eager paths first, then compiled ones while the budget lasts (each compile costs 30-60 s)
-  report      DIR/campaign.json (everything), DIR/<stage>.csv, DIR/throughput.png, DIR/micro.png, DIR/summary.md
+              vit_fast, vit_fast torch.compile, vit_fast with a CUDA-graph step (images/s, median step time and
+              10-90% spread, MFU, peak memory); uncompiled paths first, then compiled ones while the budget lasts.
+              Each row runs in its own process under its own timeout (ROW_TIMEOUT_S): a hang costs that row only
+              and leaves its stack (faulthandler) in DIR/hangs.log
+  report      DIR/campaign.json (everything), DIR/<stage>.csv, DIR/throughput.png, DIR/micro.png, DIR/summary.md,
+              rewritten after every throughput and micro row (a killed campaign keeps what it measured); a real
+              campaign from a checkout also writes docs/measured/<gpu>-<date>.md and its CSVs, ready to commit
+
+``--quick`` runs env, throughput (ViT-B/16 and S/16 at batch 256 only) and micro: the headline in <= 5 minutes.
 
 Every CSV row and the JSON carry the tags (gpu, driver, torch, triton, cuda, git). The micro-benchmarks reuse the
 cases of bench/bench_norm_gelu.py, bench_attention.py, bench_patch_embed.py and bench_linear_act.py; the

@@ -5,8 +5,8 @@ Run by bench/gpu_probe.sh, one subprocess per item under its own timeout, with
 
   env                       GPU, versions, measured bf16 GEMM and copy peaks
   hang  --preset --batch    torch.compile of the fused model: seconds to the first forward and backward
-  step  --preset --path     one training-step path at batch 256 (timm_eager, vit_fast, *_graph: the whole step
-                            captured in a CUDA graph, *_compile: torch.compile)
+  step  --preset --path     one training-step path at batch 256 (vit_fast.tools.bench.measure: timm_eager,
+                            vit_fast, *_graph: the whole step captured in a CUDA graph, *_compile: torch.compile)
   attn                      SDPA per backend (cuDNN, flash, efficient) on strided views of packed qkv, and
                             vit_fast's kernel, at ViT lengths; fwd and fwd+bwd, CUDA-graph timed; bitwise repeat
   micro                     every fused op vs its eager ops at ViT-B/16 b256: plain do_bench (host included)
@@ -44,21 +44,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def bench_ms(fn, graph: bool, grad_to_none=None) -> float:
-    """Median ms: plain do_bench (launch/host time included) or CUDA-graph replay (kernel time)."""
-    if DEVICE != "cuda":
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    import triton.testing
+def bench_ms(fn, graph: bool) -> float:
+    """Median ms: plain do_bench (host time included) or CUDA-graph replay (kernel time): the campaign's timer."""
+    from vit_fast.tools.campaign import time_ms
 
-    fn()
-    fn()
-    sync()
-    if graph:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=40, grad_to_none=grad_to_none, return_mode="median"))
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"))
+    return time_ms(fn, DEVICE, graph=graph)
 
 
 def safe(item: str, fn, **tags):
@@ -139,74 +129,14 @@ def item_hang(args) -> None:
 
 
 def item_step(args) -> None:
-    """One path's training step: forward under bf16 autocast + cross-entropy + backward + fused AdamW."""
-    path, batch = args.path, args.batch
-    tags = dict(preset=args.preset, path=path, batch=batch, autotune=os.environ.get("VIT_FAST_AUTOTUNE", "1"))
-    model = build(path, args.preset, args.tiny)
-    if path.endswith("compile"):
-        model = torch.compile(model)
-    img = 32 if args.tiny else 224
-    cuda = DEVICE == "cuda"
-    rotate = 1 if path.endswith("graph") else 4
-    xs = [torch.randn(batch, 3, img, img, device=DEVICE) for _ in range(rotate)]
-    ys = [torch.randint(0, 1000, (batch,), device=DEVICE) for _ in range(rotate)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=path.endswith("graph") and cuda)
+    """One path's training step: vit_fast.tools.bench.measure (forward under bf16 autocast + cross-entropy + backward
+    + fused AdamW; *_graph paths through vit_fast.training.graphs.CudaGraphStep)."""
+    from vit_fast.tools.bench import measure
 
-    def step(i):
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            out = model(xs[i % rotate])
-        F.cross_entropy(out.float(), ys[i % rotate]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    start = time.perf_counter()
-    if path.endswith("graph"):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for i in range(3):
-                step(i)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        opt.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                out = model(xs[0])
-            F.cross_entropy(out.float(), ys[0]).backward()
-            opt.step()
-        run = lambda i: graph.replay()  # noqa: E731
-    else:
-        for i in range(3):
-            step(i)
-        run = step
-    sync()
-    warm_s = time.perf_counter() - start
-    steps = 3 if args.tiny else 25
-    if cuda:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        torch.cuda.reset_peak_memory_stats()
-        host = []
-        for i, (a, b) in enumerate(events):
-            a.record()
-            h = time.perf_counter()
-            run(i)
-            host.append((time.perf_counter() - h) * 1e3)
-            b.record()
-        sync()
-        ms = sorted(a.elapsed_time(b) for a, b in events)
-        mem = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        ms, host = [], []
-        for i in range(steps):
-            h = time.perf_counter()
-            run(i)
-            ms.append((time.perf_counter() - h) * 1e3)
-        ms.sort()
-        host, mem = ms, float("nan")
-    host.sort()
-    emit("step", step_ms=ms[len(ms) // 2], p10_ms=ms[len(ms) // 10], p90_ms=ms[(9 * len(ms)) // 10],
-         host_ms=host[len(host) // 2], images_per_s=batch / ms[len(ms) // 2] * 1e3, warmup_s=warm_s,
-         peak_mem_gib=mem, **tags)
+    overrides = dict(img_size=32, depth=2) if args.tiny else {}
+    row = measure({}, args.preset, "bf16", args.batch, args.path, 3 if args.tiny else 25, 3, None, device=DEVICE,
+                  **overrides)
+    emit("step", autotune=os.environ.get("VIT_FAST_AUTOTUNE", "1"), **row)
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -257,51 +187,52 @@ def item_attn(args) -> None:
 
 # ------------------------------------------------------------------------------------------------ micro
 def item_micro(args) -> None:
+    """The campaign's micro cases, each timed plain and as CUDA-graph replays, plus a profiler table per fused op."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from vit_fast.tools.campaign import micro_cases
+    from vit_fast.tools.campaign import micro_cases, time_case
 
-    cases = micro_cases("B/16", "vit_base_patch16_224", 256, DEVICE, args.tiny)
     report = []
-    for case in cases:
+    for case in micro_cases("B/16", "vit_base_patch16_224", 256, DEVICE, args.tiny):
         for provider, fn in {"vit_fast": case.fused, **case.baselines}.items():
             def measure(case=case, provider=provider, fn=fn):
-                inputs = case.make()
-                leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
-
-                def call():
-                    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=case.autocast):
-                        out = fn(**inputs)
-                    return [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
-
-                grads = [torch.randn_like(o) for o in call()]
-
-                def fwd_bwd():
-                    return torch.autograd.grad(call(), leaves, grads, allow_unused=True)
-
                 row = dict(op=case.op, shape=case.shape, provider=provider)
-                for label, f in (("fwd", call), ("fwd_bwd", fwd_bwd)):
-                    row[f"{label}_plain_ms"] = bench_ms(f, False)
-                    row[f"{label}_graph_ms"] = bench_ms(f, True)
+                for label, backward in (("fwd", False), ("fwd_bwd", True)):
+                    row[f"{label}_plain_ms"] = time_case(case, fn, backward, DEVICE)
+                    row[f"{label}_graph_ms"] = time_case(case, fn, backward, DEVICE, graph=True)
                 if provider == "vit_fast" and DEVICE == "cuda":
-                    from torch.profiler import ProfilerActivity, profile
-
-                    fwd_bwd()
-                    sync()
-                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                        for _ in range(5):
-                            fwd_bwd()
-                        sync()
-                    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14)
-                    report.append(f"==== {case.op} {case.shape} fwd+bwd x5\n{table}\n")
-                    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                    row["profiled_kernel_ms_per_iter"] = sum(e.device_time for e in kernels) / 5e3
-                    row["profiled_launches_per_iter"] = len(kernels) / 5
+                    row.update(profile_fwd_bwd(case, fn, report))
                 emit("micro", **row)
 
             safe("micro", measure, op=case.op, provider=provider)
     if report:
         with open(os.path.join(os.environ.get("PROBE_DIR", "."), "profile.txt"), "w") as f:
             f.write("\n".join(report))
+
+
+def profile_fwd_bwd(case, fn, report: list) -> dict:
+    """torch.profiler over five forward + backward calls: kernel ms and launches per call; the table to ``report``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = case.make()
+    leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+    def call():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=case.autocast):
+            out = fn(**inputs)
+        return [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
+
+    grads = [torch.randn_like(o) for o in call()]
+    torch.autograd.grad(call(), leaves, grads, allow_unused=True)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            torch.autograd.grad(call(), leaves, grads, allow_unused=True)
+        sync()
+    report.append(f"==== {case.op} {case.shape} fwd+bwd x5\n"
+                  f"{prof.key_averages().table(sort_by='self_cuda_time_total', row_limit=14)}\n")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return dict(profiled_kernel_ms_per_iter=sum(e.device_time for e in kernels) / 5e3,
+                profiled_launches_per_iter=len(kernels) / 5)
 
 
 # ------------------------------------------------------------------------------------------------ gemm

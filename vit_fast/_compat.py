@@ -151,13 +151,18 @@ _inductor_hook_installed = False
 
 
 def custom_ops() -> list:
-    """Every ``vit_fast::`` custom op (its default overload), after importing the modules that define them."""
+    """Every ``vit_fast::`` custom op (its default overload), after importing the op modules of vit_fast.kernels
+    (its files not named ``_*``) that define them."""
     import importlib
+    import pkgutil
 
     import torch
 
-    for name in ("attention", "bias_gelu", "layer_norm", "linear_act", "patch_embed", "swiglu"):
-        importlib.import_module(f"vit_fast.kernels.{name}")
+    import vit_fast.kernels as kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"vit_fast.kernels.{info.name}")
     names = sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
                     if n.startswith(f"{OP_NAMESPACE}::")})
     return [getattr(getattr(torch.ops, OP_NAMESPACE), n).default for n in names]

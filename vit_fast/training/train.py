@@ -560,31 +560,27 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                 resumed_window = None
             t_window = time.perf_counter()
             for _ in range(start, steps_per_epoch):
-                if args.cuda_graph:
+                for micro in range(accum):
                     images, labels = next(batches)
                     images = images.to(world.device, non_blocking=True)
                     labels = labels.to(world.device, non_blocking=True)
-                    if graph_step is None:
-                        graph_step = CudaGraphStep(model, optimizer, criterion, images, labels, amp_dtype,
-                                                   max_grad_norm=args.clip_grad or None)
-                    loss, logits = graph_step(images, labels), graph_step.outputs
-                    window += torch.stack([loss * len(labels), (logits.argmax(-1) == labels).sum(),
-                                           torch.tensor(len(labels), device=world.device)])
-                for micro in range(0 if args.cuda_graph else accum):
-                    images, labels = next(batches)
-                    images = images.to(world.device, non_blocking=True)
-                    labels = labels.to(world.device, non_blocking=True)
-                    with _sync_context(wrapped, model, sync=micro == accum - 1):
-                        with autocast():
-                            logits = wrapped(images)
-                        loss = criterion(logits.float(), labels)
-                        scaler.scale(loss / accum).backward()
+                    if args.cuda_graph:  # forward, backward, clipping and the optimizer step, replayed
+                        if graph_step is None:
+                            graph_step = CudaGraphStep(model, optimizer, criterion, images, labels, amp_dtype,
+                                                       max_grad_norm=args.clip_grad or None)
+                        loss, logits = graph_step(images, labels), graph_step.outputs
+                    else:
+                        with _sync_context(wrapped, model, sync=micro == accum - 1):
+                            with autocast():
+                                logits = wrapped(images)
+                            loss = criterion(logits.float(), labels)
+                            scaler.scale(loss / accum).backward()
                     window += torch.stack([loss.detach() * len(labels), (logits.argmax(-1) == labels).sum(),
                                            torch.tensor(len(labels), device=world.device)])
-                if args.clip_grad > 0 and not args.cuda_graph:
-                    scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
                 if not args.cuda_graph:
+                    if args.clip_grad > 0:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)

@@ -88,7 +88,8 @@ def test_train_cuda_graph_refuses_what_a_graph_cannot_replay(extra, named, capsy
     assert "--cuda-graph: not with" in capsys.readouterr().err and named
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU refusal")
+@pytest.mark.skipif(DEVICE == "cuda",
+                    reason="checks the refusal on a machine without CUDA; on a GPU the run itself is tested below")
 def test_train_cuda_graph_on_cpu_names_the_need(tmp_path):
     from vit_fast.training.train import resolve_args, train
 

@@ -702,7 +702,8 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     triton 3.6, 2026-11-26) instead split the head (``Tile.split``, ``_block_dims``): 64 columns plus a 16-wide
     tail, two dots summed for q k^T and dO v^T and two accumulators for out, dq, dk, dv, so the tiles carry 80
     columns, not 128. With head_dim a constant and the head offsets known to be 16-byte aligned (HEAD_ALIGN 8:
-    72 = 8 x 9) every load is vectorised, and the split takes the D <= 64 tiles (checked at N = 256 and 257, bf16 and fp16, with and without the bias partials, 0 spills; SASS
+    72 = 8 x 9) every load is vectorised, and the split takes the D <= 64 tiles (checked at N = 256 and 257,
+    bf16 and fp16, with and without the bias partials, 0 spills; SASS
     ceilings, dropout in brackets): forward sm_80 128x32 100% (64x32 on 8 warps: 66%), sm_90 128x64 90% (43%);
     backward sm_80 16 q rows per step, 32 rows owned, 100% (16 rows owned on 4 warps: 74%; 8 warps spill 8 B),
     sm_90 as D <= 64 (128 rows owned, 32-row / 64-key steps) 100% (55%), 202-254 regs. (Before the alignment hint

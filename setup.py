@@ -31,6 +31,7 @@ setup(
             "accelerate",
             "torchvision>=0.26",
             "open_clip_torch",  # tests/test_families.py: open_clip image towers
+            "peft",  # tests/test_adapters.py: LoRA on the fused path
             "ftfy",
             "safetensors",
             "tqdm",

@@ -340,6 +340,22 @@ def test_forcing_each_fusion_choice_keeps_logits_and_gradients_within_bounds(eag
         assert_close(p.grad, q.grad, rtol, name)
 
 
+@pytest.mark.parametrize("mlp_layer", ["swiglu_packed", "swiglu"])
+def test_eager_mlp_choice_also_routes_swiglu_mlps(mlp_layer, monkeypatch):
+    """'mlp': 'eager' on a SwiGLU model runs SiLU(gate) * value in torch ops: the swiglu kernels are never
+    called, and the logits match the float64 reference."""
+    import vit_fast.family_layers as family_layers
+
+    model = tiny_model(mlp_layer=mlp_layer)
+    ref = copy.deepcopy(model).set_backend("torch").double()
+    tuning.set_fusion_choices(model, {"mlp": "eager"})
+    assert tuning.fusion_choices(model)["mlp"] == "eager"
+    for name in ("swiglu", "swiglu_packed"):
+        monkeypatch.setattr(family_layers, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} called"))
+    x = torch.randn(2, 3, 32, 32)
+    assert_close(model(x), ref(x.double()), bound(torch.float32, "dot"), "logits")
+
+
 def _ddp_worker(rank: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 

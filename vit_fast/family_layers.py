@@ -20,7 +20,15 @@ import torch.nn.functional as F
 
 from .backend import check_backend, resolve_backend
 from .kernels.swiglu import swiglu, swiglu_packed
-from .layers import LayerNorm, Mlp, MlpJoin, QuickGELU, has_hooks, quick_gelu  # noqa: F401  (re-exported)
+from .layers import (  # noqa: F401  (re-exported)
+    LayerNorm,
+    Mlp,
+    MlpJoin,
+    QuickGELU,
+    has_hooks,
+    linear_without_bias,
+    quick_gelu,
+)
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -29,6 +37,12 @@ def quick_gelu_grad(x: torch.Tensor) -> torch.Tensor:
     """d quick_gelu / dx = s + 1.702 x s (1 - s), s = sigmoid(1.702 x): the backward math a fused kernel uses."""
     s = torch.sigmoid(QUICK_GELU_ALPHA * x)
     return s + QUICK_GELU_ALPHA * x * s * (1 - s)
+
+
+def fuses_swiglu(mlp: MlpJoin, x: torch.Tensor) -> bool:
+    """The ``swiglu`` kernel replaces SiLU(gate) * value: Triton backend, the MLP's fused choice on
+    (``use_fused``, vit_fast.tuning) and no hook on the activation module."""
+    return mlp.use_fused and resolve_backend(mlp.backend, x) == "triton" and not has_hooks(mlp.act)
 
 
 class SwiGLUPackedMlp(MlpJoin):
@@ -49,12 +63,9 @@ class SwiGLUPackedMlp(MlpJoin):
         self.fc2 = nn.Linear(hidden_features // 2, in_features, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        return resolve_backend(self.backend, x) == "triton" and not has_hooks(self.act)
-
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        if self._fused(x):
+        if fuses_swiglu(self, x):
             y = swiglu_packed(h)
         else:
             x1, x2 = h.chunk(2, dim=-1)
@@ -63,7 +74,7 @@ class SwiGLUPackedMlp(MlpJoin):
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """fc2's output without its bias (the fused residual join adds it, then drop2)."""
-        return F.linear(self.hidden(x), self.fc2.weight)
+        return linear_without_bias(self.fc2, self.hidden(x))
 
 
 
@@ -85,11 +96,10 @@ class SwiGLUMlp(MlpJoin):
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         g, v = self.fc1_g(x), self.fc1_x(x)
-        fused = resolve_backend(self.backend, x) == "triton" and not has_hooks(self.act)
-        return self.norm(self.drop1(swiglu(g, v) if fused else self.act(g) * v))
+        return self.norm(self.drop1(swiglu(g, v) if fuses_swiglu(self, x) else self.act(g) * v))
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.hidden(x), self.fc2.weight)
+        return linear_without_bias(self.fc2, self.hidden(x))
 
 
 

@@ -43,6 +43,7 @@ from vit_fast.kernels.layer_norm import layer_norm as layer_norm_kernel
 from vit_fast.kernels.linear_act import linear_act
 from vit_fast.kernels.patch_embed import patch_embed as patch_embed_kernel
 
+from .adapters import effective_bias, effective_weight, fusable_linear
 from .backend import BACKENDS, check_backend, check_image_batch, resolve_backend  # noqa: F401  (re-exported)
 
 
@@ -87,6 +88,17 @@ def has_hooks(module: nn.Module, inside: bool = False) -> bool:
         return True
     return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
                for m in module.modules() if not (inside and m is module))
+
+
+def linear_without_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The output GEMM of a part's branch: ``module``'s weight without its bias (the residual join adds
+    it); a module the fused path cannot read (vit_fast/adapters.py) is called whole, bias included."""
+    return F.linear(x, effective_weight(module)) if fusable_linear(module) else module(x)
+
+
+def bias_left_to_join(module: nn.Module) -> Optional[torch.Tensor]:
+    """The bias ``linear_without_bias`` left out, for the residual join (None when it called the module)."""
+    return effective_bias(module) if fusable_linear(module) else None
 
 
 def residual_join(branch: torch.Tensor, residual: torch.Tensor, bias: Optional[torch.Tensor],
@@ -153,12 +165,18 @@ class PatchEmbed(nn.Module):
                              f"create the model with img_size=({H}, {W}) or dynamic_img_size=True")
         return H // ph, W // pw
 
+    def fused(self, x: torch.Tensor) -> bool:
+        """The ``patch_embed`` kernel runs: Triton backend, and ``proj`` is a convolution it can read
+        (vit_fast/adapters.py) with no hook on it."""
+        return (self.use_fused and resolve_backend(self.backend, x) == "triton" and fusable_linear(self.proj)
+                and not has_hooks(self, inside=True))
+
     def forward(self, x: torch.Tensor, any_size: bool = False) -> torch.Tensor:
         grid = self.check_input(x, any_size)
-        if self.use_fused and resolve_backend(self.backend, x) == "triton":
+        if self.fused(x):
             # Used alone the kernel adds no tokens and a zero position embedding (the model passes its own).
             zero_pos = x.new_zeros((1, grid[0] * grid[1], self.embed_dim), dtype=self.proj.weight.dtype)
-            x = patch_embed_kernel(x, self.proj.weight, self.proj.bias, zero_pos)
+            x = patch_embed_kernel(x, effective_weight(self.proj), effective_bias(self.proj), zero_pos)
         else:
             x = self.proj(x).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
         return self.norm(x)
@@ -218,21 +236,23 @@ class Attention(nn.Module):
         its bias (the residual join adds it). ``keep_rows``: only the first tokens' output is wanted;
         attention still reads every token's k and v; the kernels compute only those queries (no output and
         no zero-filled output gradient for the others), the proj GEMM runs on those rows."""
-        if self.fused(x):
-            out = attention_kernels.attention_linear(x, self.qkv.weight, self.qkv.bias, self.num_heads, self.scale,
-                                                     self.attn_drop.p, self.training, query_rows=keep_rows)
+        if self.fused(x) and fusable_linear(self.qkv):
+            out = attention_kernels.attention_linear(x, effective_weight(self.qkv), effective_bias(self.qkv),
+                                                     self.num_heads, self.scale, self.attn_drop.p, self.training,
+                                                     query_rows=keep_rows)
         else:
             out = self.attend(self.qkv(x))
             out = out if keep_rows is None else out[:, :keep_rows]
-        return F.linear(out, self.proj.weight)
+        return linear_without_bias(self.proj, out)
 
     def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
         """What the residual join applies to ``branch``'s output: the proj bias, then proj dropout's rate."""
-        return self.proj.bias, self.proj_drop.p
+        return bias_left_to_join(self.proj), self.proj_drop.p
 
     def draws_row_dropout_masks(self) -> bool:
-        """A forward in this mode draws per-token dropout masks after attention (proj dropout)."""
-        return self.training and self.proj_drop.p > 0
+        """A forward in this mode may draw per-token dropout masks after attention: proj dropout, or a
+        proj module called whole (vit_fast/adapters.py: e.g. LoRA with dropout)."""
+        return self.training and (self.proj_drop.p > 0 or not fusable_linear(self.proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -254,13 +274,18 @@ class MlpJoin(nn.Module):
     """What every MLP kind (Mlp, the SwiGLU MLPs) gives the block's fused residual join, around its own
     ``hidden`` (fc1 -> activation -> drop1 -> norm) and ``branch`` (fc2 without its bias)."""
 
+    use_fused = True  # vit_fast.tuning: False runs the MLP's reference ops on the GPU as well
+
     def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
         """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
-        return self.fc2.bias, self.drop2.p
+        return bias_left_to_join(self.fc2), self.drop2.p
 
     def draws_row_dropout_masks(self) -> bool:
-        """A forward in this mode draws per-token dropout masks (drop1 or drop2)."""
-        return self.training and (self.drop1.p > 0 or self.drop2.p > 0)
+        """A forward in this mode may draw per-token dropout masks: drop1, drop2, or a projection called
+        whole (vit_fast/adapters.py: e.g. LoRA with dropout)."""
+        projections = [m for m in (getattr(self, n, None) for n in ("fc1", "fc1_g", "fc1_x", "fc2")) if m is not None]
+        return self.training and (self.drop1.p > 0 or self.drop2.p > 0
+                                  or not all(fusable_linear(m) for m in projections))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.hidden(x)))
@@ -270,8 +295,6 @@ class Mlp(MlpJoin):
     """fc1 -> GELU (exact / tanh) or QuickGELU -> dropout -> (norm) -> fc2 -> dropout, as timm's Mlp.
     On the fused path all three activations run in ``linear_act``'s epilogues; only with drop1 active or an
     MLP norm is the hidden activation materialised (QuickGELU then in torch ops)."""
-
-    use_fused = True  # vit_fast.tuning: False runs fc1 with its bias + GELU (no kernel) on the GPU as well
 
     def __init__(self, in_features: int, hidden_features: int, act: str = "gelu", drop: float = 0.0,
                  backend: str = "auto"):
@@ -291,9 +314,9 @@ class Mlp(MlpJoin):
         """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
         ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
         if (not self.use_fused or resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1)
-                or has_hooks(self.act) or isinstance(self.act, QuickGELU)):
+                or has_hooks(self.act) or isinstance(self.act, QuickGELU) or not fusable_linear(self.fc1)):
             return self.norm(self.drop1(self.act(self.fc1(x))))
-        x = bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias, self.act.approximate)
+        x = bias_gelu(F.linear(x, effective_weight(self.fc1)), effective_bias(self.fc1), self.act.approximate)
         if self.drop1.p > 0 and self.training:
             x = self.drop1(x)
         return self.norm(x)
@@ -304,10 +327,11 @@ class Mlp(MlpJoin):
         dgrad GEMM). With drop1 active or an MLP norm the hidden activation goes through ``hidden`` then
         the fc2 GEMM."""
         if (self.use_fused and resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
-                and not (self.drop1.p > 0 and self.training)):
-            return linear_act(x.to(compute_dtype_for(x)), self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                              self.act_name)
-        return F.linear(self.hidden(x), self.fc2.weight)
+                and not (self.drop1.p > 0 and self.training) and fusable_linear(self.fc1)
+                and fusable_linear(self.fc2)):
+            return linear_act(x.to(compute_dtype_for(x)), effective_weight(self.fc1), effective_bias(self.fc1),
+                              effective_weight(self.fc2), self.act_name)
+        return linear_without_bias(self.fc2, self.hidden(x))
 
 
 
@@ -383,9 +407,14 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """The block runs on its kernels (``forward_pair``): the backend resolves to Triton and no hook sits
-        on a part of it (hooks fire only when the parts run through their own ``__call__``)."""
-        return resolve_backend(self.backend, x) == "triton" and not has_hooks(self, inside=True)
+        """The block runs on its kernels (``forward_pair``): the backend resolves to Triton, no hook sits
+        on a part of it (hooks fire only when the parts run through their own ``__call__``) and its norms
+        are vit_fast LayerNorms the join kernel can read (a wrapped or replaced norm is called instead)."""
+        return (resolve_backend(self.backend, x) == "triton" and self.reads_norms()
+                and not has_hooks(self, inside=True))
+
+    def reads_norms(self) -> bool:
+        return type(self.norm1) is LayerNorm and type(self.norm2) is LayerNorm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuses(x):

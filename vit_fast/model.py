@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from .adapters import effective_bias, effective_weight
 from .backend import check_backend, check_model_input, resolve_backend
 from .layers import (
     Block,
@@ -265,7 +266,7 @@ class VisionTransformer(nn.Module):
         if pos_embed is not None:
             self._check_pos_embed(pos_embed, grid)
         residual_dtype = self._autocast_residual_dtype(x)
-        if not self.patch_embed.use_fused or resolve_backend(self.patch_embed.backend, x) == "torch":
+        if not self.patch_embed.fused(x) or has_hooks(self.patch_embed):
             tokens = self._pos_embed(self.patch_embed(x, any_size=pos_embed is not None), grid, pos_embed)
             tokens = self.norm_pre(tokens)
             return tokens if residual_dtype is None else tokens.to(residual_dtype)
@@ -279,7 +280,8 @@ class VisionTransformer(nn.Module):
         # of the FLOPs. With residual_in_fp32=False the kernel runs under autocast: tokens in its dtype.
         with torch.autocast(x.device.type, enabled=residual_dtype is not None):
             # the distillation token follows the class token, as a register token would (config: no both)
-            tokens = patch_embed_kernel(x, self.patch_embed.proj.weight, self.patch_embed.proj.bias, pos_embed,
+            proj = self.patch_embed.proj
+            tokens = patch_embed_kernel(x, effective_weight(proj), effective_bias(proj), pos_embed,
                                         self.cls_token, self.reg_token if self.dist_token is None else self.dist_token,
                                         covers_prefix)
         # pre_norm (CLIP): the layer_norm kernel on the stream, before block 0's norm1 (a second launch)
@@ -302,7 +304,7 @@ class VisionTransformer(nn.Module):
         run one by one through ``__call__`` instead: FSDP2's fully_shard gathers parameters in its
         pre-forward hooks, and a user's feature hook expects to fire."""
         return (len(self.blocks) > 0 and resolve_backend(self.backend, x) == "triton"
-                and not has_hooks(self.blocks))
+                and not has_hooks(self.blocks) and all(blk.reads_norms() for blk in self.blocks))
 
     def _prunes_to_class_token(self, x: torch.Tensor) -> bool:
         """Whether forward() may run the last block on token 0 alone (class-token pooling reads nothing
@@ -326,7 +328,7 @@ class VisionTransformer(nn.Module):
         recomputed masks are the same."""
         blocks = list(self.blocks)[:depth]
         chained = self._fuses_across_blocks(x)
-        final_norm = self.norm if chained and isinstance(self.norm, nn.LayerNorm) else None
+        final_norm = self.norm if chained and type(self.norm) is LayerNorm else None
         hidden, residual = blocks[0].norm1.with_input(x) if chained else (None, x)
         for i, blk in enumerate(blocks):
             last = i + 1 == len(blocks)

@@ -1,0 +1,165 @@
+"""PEFT adapters on the fused path (vit_fast/adapters.py): LoRA on qkv / proj / fc1 / fc2 of an optimized timm
+model gives the same logits and the same LoRA gradients as PEFT on the timm model itself, on both backends
+('triton' runs the kernels in the interpreter on CPU); what the kernels cannot read (LoRA dropout in training,
+DoRA, a replaced module) runs through the module itself, never silently skipped."""
+import copy
+
+import peft
+import pytest
+import torch
+import torch.nn as nn
+
+import vit_fast
+import vit_fast.layers
+from vit_fast.adapters import fusable_linear
+
+from .numerics import assert_close, bound
+from .test_optimize import hf_vit, images, timm_vit
+
+RTOL = bound(torch.float32, "dot")
+BACKENDS = ["torch", "triton"]
+ALL_LINEARS = ["qkv", "proj", "fc1", "fc2"]
+
+
+def lora_pair(backend: str, targets=ALL_LINEARS, source=None, **lora_kw):
+    """(PEFT on the source model, PEFT on vit_fast.optimize(source)), the same random LoRA weights in both."""
+    source = timm_vit() if source is None else source
+    fast = vit_fast.optimize(copy.deepcopy(source), backend=backend)
+    config = dict(target_modules=targets, r=4, lora_alpha=8, init_lora_weights=False, **lora_kw)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(source, peft.LoraConfig(**config))
+    fast = peft.get_peft_model(fast, peft.LoraConfig(**config))
+    fast.load_state_dict(ref.state_dict())
+    return ref, fast
+
+
+def run_and_grads(model: nn.Module, x: torch.Tensor, seed: int = 7):
+    torch.manual_seed(seed)
+    logits = model(x)
+    (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return logits.detach(), grads
+
+
+def assert_same_training_step(ref: nn.Module, fast: nn.Module, x: torch.Tensor) -> None:
+    ref_logits, ref_grads = run_and_grads(ref, x)
+    logits, grads = run_and_grads(fast, x)
+    assert_close(logits, ref_logits, RTOL, name="logits")
+    assert grads.keys() == ref_grads.keys() and grads, "the same parameters train"
+    for name, g in grads.items():
+        assert g is not None, f"{name}: no gradient"
+        assert_close(g, ref_grads[name], RTOL, name=name)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts of the fused entry points the layers call (attention_linear, linear_act)."""
+    calls = {"attention_linear": 0, "linear_act": 0}
+    real_attention, real_linear_act = vit_fast.layers.attention_kernels.attention_linear, vit_fast.layers.linear_act
+
+    def attention_linear(*args, **kwargs):
+        calls["attention_linear"] += 1
+        return real_attention(*args, **kwargs)
+
+    def linear_act(*args, **kwargs):
+        calls["linear_act"] += 1
+        return real_linear_act(*args, **kwargs)
+
+    monkeypatch.setattr(vit_fast.layers.attention_kernels, "attention_linear", attention_linear)
+    monkeypatch.setattr(vit_fast.layers, "linear_act", linear_act)
+    return calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_on_every_linear_matches_peft_on_timm(backend, kernel_calls):
+    ref, fast = lora_pair(backend)
+    ref.train(), fast.train()
+    assert all(not p.requires_grad for n, p in fast.named_parameters() if "lora_" not in n), "PEFT froze the base"
+    assert_same_training_step(ref, fast, images())
+    if backend == "triton":  # the LoRA layers were read by the kernels, not routed around them
+        assert kernel_calls == {"attention_linear": 2, "linear_act": 2}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_bias_and_partial_targets(backend):
+    ref, fast = lora_pair(backend, targets=["qkv", "fc2"], lora_bias=True)
+    ref.train(), fast.train()
+    assert_same_training_step(ref, fast, images())
+
+
+def test_lora_dropout_runs_the_module_in_training_and_fuses_in_eval(kernel_calls):
+    ref, fast = lora_pair("triton", lora_dropout=0.25)
+    ref.train(), fast.train()
+    qkv = fast.base_model.model.blocks[0].attn.qkv
+    assert not fusable_linear(qkv)
+    assert_same_training_step(ref, fast, images())  # same seed: PEFT draws the same masks in the same order
+    assert kernel_calls == {"attention_linear": 0, "linear_act": 0}
+    ref.eval(), fast.eval()
+    assert fusable_linear(qkv)
+    with torch.no_grad():
+        assert_close(fast(images()), ref(images()), RTOL, name="eval logits")
+    assert kernel_calls == {"attention_linear": 2, "linear_act": 2}
+
+
+def test_dora_runs_the_module():
+    ref, fast = lora_pair("triton", targets=["qkv", "fc1"], use_dora=True)
+    assert not fusable_linear(fast.base_model.model.blocks[0].mlp.fc1)
+    ref.train(), fast.train()
+    assert_same_training_step(ref, fast, images())
+
+
+def test_merged_and_disabled_adapters():
+    ref, fast = lora_pair("triton")
+    x = images()
+    with torch.no_grad():
+        with_lora = ref(x)
+        with fast.disable_adapter():
+            assert_close(fast(x), vit_fast.optimize(copy.deepcopy(timm_vit()), backend="torch")(x), RTOL,
+                         name="adapters disabled")
+        fast.merge_adapter()
+        assert_close(fast(x), with_lora, RTOL, name="merged")
+        fast.unmerge_adapter()
+        assert_close(fast(x), with_lora, RTOL, name="unmerged")
+
+
+class Doubled(nn.Linear):
+    """A replaced projection whose forward is not nn.Linear's: the fused path must call it."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("name", ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"])
+def test_replaced_module_is_called_not_skipped(name):
+    model = vit_fast.optimize(timm_vit(), backend="triton")
+    parent, attr = name.split(".")
+    for blk in model.blocks:
+        old = getattr(getattr(blk, parent), attr)
+        new = Doubled(old.in_features, old.out_features)
+        new.load_state_dict(old.state_dict())
+        setattr(getattr(blk, parent), attr, new)
+    x = images()
+    with torch.no_grad():
+        reference = copy.deepcopy(model).set_backend("torch")(x)
+        assert_close(model(x), reference, RTOL, name=f"logits with {name} replaced")
+
+
+def test_lora_on_the_optimized_hf_model():
+    """PEFT on an optimized Hugging Face classifier (vit_fast names inside): fused equals reference."""
+    source = vit_fast.optimize(hf_vit(), backend="torch")
+    config = peft.LoraConfig(target_modules=["qkv", "fc1"], r=4, lora_alpha=8, init_lora_weights=False)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(source, config)
+    fast = copy.deepcopy(ref)
+    for m in fast.modules():
+        if hasattr(m, "set_backend"):
+            m.set_backend("triton")
+    ref.train(), fast.train()
+    x = images()
+    ref_out, fast_out = ref(pixel_values=x).logits, fast(pixel_values=x).logits
+    assert_close(fast_out, ref_out, RTOL, name="logits")
+    fast_out.sum().backward()
+    ref_out.sum().backward()
+    for (name, p), (_, q) in zip(fast.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            assert_close(p.grad, q.grad, RTOL, name=name)

@@ -1,0 +1,91 @@
+"""What the fused path may read in place of calling a Linear or Conv2d module: its effective weight and bias.
+
+The fused kernels take weights, not modules (the qkv GEMM runs inside ``attention_linear``, fc1 inside
+``linear_act``, the output biases inside the residual join), so a module that has been replaced or wrapped
+(PEFT's LoRA, a subclass with its own forward, a quantised layer) is honoured only if its output is a plain
+affine map that can be written as one (weight, bias) pair:
+
+- ``nn.Linear`` / ``nn.Conv2d`` (or a subclass that keeps their forward): its own parameters;
+- PEFT LoRA (``peft.tuners.lora.Linear`` / ``Conv2d``) without DoRA or another variant and with no dropout
+  active: ``W + sum_a delta_a`` over the active adapters (``get_delta_weight``: ``scaling * B @ A``, PEFT's
+  own formula, so autograd carries the gradients to A and B) and the base bias plus ``scaling * B.bias``
+  where ``lora_bias`` is on; a merged LoRA reads its base layer, as PEFT's forward does.
+
+Anything else (LoRA dropout active in training, DoRA, adapters disabled while merged, an unknown module)
+makes ``fusable_linear`` False: the part then calls the module itself (its reference path), so a wrapper is
+never silently skipped.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+_PLAIN = (nn.Linear, nn.Conv2d)
+
+
+def _is_plain(module: nn.Module) -> bool:
+    """An nn.Linear / nn.Conv2d whose forward is the stock one (subclasses that only add attributes pass)."""
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in _PLAIN)
+
+
+def _is_lora(module: nn.Module) -> bool:
+    """PEFT's LoRA Linear / Conv2d (matched by type, so no import of peft is needed)."""
+    cls = type(module)
+    return cls.__module__.startswith("peft.tuners.lora") and cls.__name__ in ("Linear", "Conv2d")
+
+
+def _active_adapters(module: nn.Module) -> list[str]:
+    return [a for a in module.active_adapters if a in module.lora_A]
+
+
+def _dropout_active(dropout: nn.Module) -> bool:
+    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+
+
+def fusable_linear(module: nn.Module) -> bool:
+    """Whether ``effective_weight`` / ``effective_bias`` reproduce ``module(x)`` exactly (up to rounding)."""
+    if _is_plain(module):
+        return True
+    if not _is_lora(module) or not _is_plain(module.base_layer) or getattr(module, "fan_in_fan_out", False):
+        return False
+    if module.disable_adapters:
+        return not module.merged  # disabled and merged: PEFT's forward unmerges first
+    if module.merged:
+        return True
+    for adapter in _active_adapters(module):
+        if adapter in getattr(module, "lora_variant", {}) or module.use_dora.get(adapter, False):
+            return False
+        dropout = module.lora_dropout[adapter]
+        if not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and not _dropout_active(dropout))):
+            return False
+    return True
+
+
+def _applies_adapters(module: nn.Module) -> bool:
+    return _is_lora(module) and not module.disable_adapters and not module.merged
+
+
+def effective_weight(module: nn.Module) -> torch.Tensor:
+    """The weight of the affine map ``module`` computes (call only where ``fusable_linear`` holds)."""
+    if not _is_lora(module):
+        return module.weight
+    weight = module.base_layer.weight
+    if _applies_adapters(module):
+        for adapter in _active_adapters(module):
+            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
+def effective_bias(module: nn.Module) -> Optional[torch.Tensor]:
+    """The bias of the affine map ``module`` computes, or None (call only where ``fusable_linear`` holds)."""
+    if not _is_lora(module):
+        return module.bias
+    bias = module.base_layer.bias
+    if _applies_adapters(module):
+        for adapter in _active_adapters(module):
+            if module.lora_bias.get(adapter, False):
+                bias = bias + module.lora_B[adapter].bias.to(bias.dtype) * module.scaling[adapter]
+    return bias
+

@@ -17,6 +17,8 @@ from .numerics import assert_close, bound
 from .test_optimize import hf_vit, images, timm_vit
 
 RTOL = bound(torch.float32, "dot")
+# PEFT asks the stock transformers model (the reference) for its deprecated is_gradient_checkpointing
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 BACKENDS = ["torch", "triton"]
 ALL_LINEARS = ["qkv", "proj", "fc1", "fc2"]
 
@@ -144,22 +146,40 @@ def test_replaced_module_is_called_not_skipped(name):
         assert_close(model(x), reference, RTOL, name=f"logits with {name} replaced")
 
 
-def test_lora_on_the_optimized_hf_model():
-    """PEFT on an optimized Hugging Face classifier (vit_fast names inside): fused equals reference."""
-    source = vit_fast.optimize(hf_vit(), backend="torch")
-    config = peft.LoraConfig(target_modules=["qkv", "fc1"], r=4, lora_alpha=8, init_lora_weights=False)
-    torch.manual_seed(3)
-    ref = peft.get_peft_model(source, config)
-    fast = copy.deepcopy(ref)
-    for m in fast.modules():
-        if hasattr(m, "set_backend"):
-            m.set_backend("triton")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_on_hf_names_matches_peft_on_transformers(backend, kernel_calls):
+    """The optimized transformers model keeps transformers' modules: PEFT's usual targets (q_proj, v_proj,
+    o_proj, fc1) wrap them, and the fused forward reads them (q, k, v concatenated per step)."""
+    ref, fast = lora_pair(backend, targets=["q_proj", "v_proj", "o_proj", "fc1"], source=hf_vit())
+    assert type(fast.base_model.model).__name__ == "ViTForImageClassification"
     ref.train(), fast.train()
     x = images()
-    ref_out, fast_out = ref(pixel_values=x).logits, fast(pixel_values=x).logits
-    assert_close(fast_out, ref_out, RTOL, name="logits")
-    fast_out.sum().backward()
-    ref_out.sum().backward()
-    for (name, p), (_, q) in zip(fast.named_parameters(), ref.named_parameters()):
-        if p.requires_grad:
-            assert_close(p.grad, q.grad, RTOL, name=name)
+    ref_logits, fast_logits = ref(pixel_values=x).logits, fast(pixel_values=x).logits
+    assert_close(fast_logits, ref_logits, RTOL, name="logits")
+    if backend == "triton":
+        assert kernel_calls == {"attention_linear": 2, "linear_act": 2}
+    weight = torch.linspace(-1, 1, ref_logits.numel()).view_as(ref_logits)
+    (ref_logits * weight).sum().backward()
+    (fast_logits * weight).sum().backward()
+    ref_params = dict(ref.named_parameters())
+    trained = [(n, p) for n, p in fast.named_parameters() if p.requires_grad]
+    assert len(trained) == 16 and all("lora_" in n for n, _ in trained)
+    for name, p in trained:
+        assert_close(p.grad, ref_params[name].grad, RTOL, name=name)
+
+
+def test_hf_freezing_by_name_and_hooks_on_its_modules():
+    """Freezing transformers' modules by name and hooks on them behave as on the source model."""
+    source = hf_vit()
+    model = vit_fast.optimize(copy.deepcopy(source), backend="triton").train()
+    for p in model.vit.embeddings.parameters():
+        p.requires_grad_(False)
+    model(pixel_values=images()).logits.sum().backward()
+    assert all(p.grad is None for p in model.vit.embeddings.parameters())
+    assert model.vit.layers[0].attention.k_proj.weight.grad is not None
+    seen = []
+    model.vit.layers[1].mlp.fc1.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with torch.no_grad():
+        assert_close(model(pixel_values=images()).logits, source.train()(pixel_values=images()).logits, RTOL,
+                     name="logits with a hook")
+    assert seen == [torch.Size([2, 5, 128])]

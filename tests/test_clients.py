@@ -69,7 +69,7 @@ def test_hf_trainer_train_evaluate_save_and_stock_reload(tmp_path, backend, extr
     stock = transformers.ViTForImageClassification.from_pretrained(str(tmp_path / "saved")).eval()
     x = Images().x[:4]
     fast_model = trainer.model._orig_mod if hasattr(trainer.model, "_orig_mod") else trainer.model
-    assert fast_model.model.grad_checkpointing == bool(extra.get("activation_checkpointing"))
+    assert fast_model.vit_fast_model.grad_checkpointing == bool(extra.get("activation_checkpointing"))
     with torch.no_grad():
         logits = fast_model.eval()(x).logits
         assert_close(stock(x).logits, logits, RTOL, name="stock reload vs trained vit_fast")
@@ -82,11 +82,11 @@ def test_hf_protocol_attributes():
     source = hf_source()
     model = vit_fast.optimize(copy.deepcopy(source), backend="torch")
     assert model.num_parameters() == source.num_parameters() and not model.can_generate()
-    assert model.get_input_embeddings() is model.model.patch_embed
+    assert model.get_input_embeddings() is model.vit.embeddings.patch_embeddings
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert model.is_gradient_checkpointing and model.model.grad_checkpointing
+    assert model.is_gradient_checkpointing and model.vit_fast_model.grad_checkpointing
     model.gradient_checkpointing_disable()
-    assert not model.model.grad_checkpointing
+    assert not model.vit_fast_model.grad_checkpointing
     x, labels = Images().x[:4], Images().y[:4]
     want = source(x, labels=labels, num_items_in_batch=torch.tensor(2)).loss
     assert_close(model(x, labels=labels, num_items_in_batch=torch.tensor(2)).loss, want, RTOL, name="summed loss")

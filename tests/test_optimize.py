@@ -78,7 +78,11 @@ def test_torchvision_same_logits(backend):
 def test_hf_classifier_same_outputs_loss_and_tuple(backend):
     ref = hf_vit()
     model = vit_fast.optimize(ref, backend=backend)
-    assert isinstance(model, HFViT) and model.config is ref.config
+    assert isinstance(model, HFViT) and isinstance(model, transformers.ViTForImageClassification)
+    assert type(model).__name__ == type(ref).__name__ and model.config.to_dict() == ref.config.to_dict()
+    # transformers' own module tree: the same names and modules types, the source left as it was
+    assert [(n, type(m)) for n, m in model.named_modules()][1:] == [(n, type(m)) for n, m in ref.named_modules()][1:]
+    assert all(p is not q for p, q in zip(model.parameters(), ref.parameters()))
     x, labels = images(), torch.tensor([0, 2])
     want, got = ref(x, labels=labels), model(pixel_values=x, labels=labels)
     assert type(got) is type(want)
@@ -92,7 +96,7 @@ def test_hf_classifier_same_outputs_loss_and_tuple(backend):
     assert len(hidden) == len(hidden_ref) == 3
     for i, (h, r) in enumerate(zip(hidden, hidden_ref)):
         assert_close(h, r, RTOL, name=f"hidden_states[{i}]")
-    assert model.classifier is model.model.head
+    assert model.classifier is model.vit_fast_model.head
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -130,7 +134,7 @@ def test_hf_output_attentions_match_the_source(backend):
     assert len(got.hidden_states) == 3 and len(model(x, return_dict=False, output_attentions=True)) == 2
     assert model(x).attentions is None
     got.attentions[-1][:, :, 0, 1:].square().sum().backward()  # a class-token attention loss reaches the weights
-    assert model.model.blocks[-1].attn.qkv.weight.grad.abs().sum() > 0
+    assert model.vit.layers[-1].attention.q_proj.weight.grad.abs().sum() > 0
     dropping = vit_fast.optimize(hf_vit(attention_probs_dropout_prob=0.1), backend=backend).train()
     with pytest.raises(ValueError, match="before dropout"):
         dropping(x, output_attentions=True)
@@ -152,8 +156,8 @@ def test_hf_interpolate_pos_encoding_matches_the_source(backend):
         if size == (48, 40):  # the gradient through the interpolation
             want.logits.square().sum().backward()
             got.logits.square().sum().backward()
-            assert_close(model.model.pos_embed.grad, ref.vit.embeddings.position_embeddings.grad, RTOL,
-                         name="d pos_embed")
+            pos, pos_ref = model.vit.embeddings.position_embeddings, ref.vit.embeddings.position_embeddings
+            assert_close(pos.grad, pos_ref.grad, RTOL, name="d pos_embed")
     for m in (ref, model):
         with pytest.raises(ValueError, match="size"):
             m(torch.randn(2, 3, 48, 40))
@@ -193,8 +197,8 @@ def test_dtype_mode_and_frozen_parameters_preserved():
     hf.vit.layers[1].attention.v_proj.weight.requires_grad_(False)
     out = vit_fast.optimize(hf.half())
     assert not out.training and {p.dtype for p in out.parameters()} == {torch.float16}
-    assert out.model.blocks[0].attn.qkv.weight.requires_grad  # k and v still train: the fused qkv trains
-    assert not out.model.blocks[1].attn.qkv.weight.requires_grad
+    frozen = {n for n, p in out.named_parameters() if not p.requires_grad}  # the same modules, the same flags
+    assert frozen == {n for n, p in hf.named_parameters() if not p.requires_grad} and len(frozen) == 4
     assert out(images()).logits.dtype == torch.float16  # float32 pixels are cast, as transformers does
 
 

@@ -6,6 +6,7 @@ pure-PyTorch reference path (backend='torch') and fused Triton kernels (backend=
 from ._compat import install_inductor_fallbacks
 from .interop.convert import (
                       CheckpointError,
+                      CheckpointNotFoundError,
                       from_hf,
                       from_open_clip,
                       from_timm,
@@ -22,8 +23,18 @@ install_inductor_fallbacks()  # torch.compile of a fused model must not stall in
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # HFViT needs transformers, which the library itself does not: imported on first use only
+    if name == "HFViT":
+        from .interop.hf import HFViT
+
+        return HFViT
+    raise AttributeError(f"module 'vit_fast' has no attribute {name!r}")
+
 __all__ = [
-    "Attention", "Block", "CheckpointError", "from_hf", "from_open_clip", "from_timm", "from_torchvision",
+    "Attention", "Block", "CheckpointError", "CheckpointNotFoundError", "from_hf", "from_open_clip", "from_timm",
+    "from_torchvision",
     "load_checkpoint", "save_checkpoint", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "PRESETS", "ViTConfig",
     "VisionTransformer", "count_params", "create_model", "forward_flops", "get_config", "list_models", "optimize",
     "resample_abs_pos_embed", "__version__",

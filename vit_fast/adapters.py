@@ -11,6 +11,9 @@ affine map that can be written as one (weight, bias) pair:
   own formula, so autograd carries the gradients to A and B) and the base bias plus ``scaling * B.bias``
   where ``lora_bias`` is on; a merged LoRA reads its base layer, as PEFT's forward does.
 
+- ``PackedLinear`` (transformers' separate query / key / value read as timm's packed qkv): the
+  concatenation of its parts' effective weights and biases, when every part qualifies.
+
 Anything else (LoRA dropout active in training, DoRA, adapters disabled while merged, an unknown module)
 makes ``fusable_linear`` False: the part then calls the module itself (its reference path), so a wrapper is
 never silently skipped.
@@ -44,10 +47,43 @@ def _dropout_active(dropout: nn.Module) -> bool:
     return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
 
 
+class PackedLinear:
+    """Linear modules on the same input read as one whose output is theirs concatenated (a view, not a
+    module: the parts stay where their model keeps them, so replacing one there is seen here)."""
+
+    def __init__(self, *parts: nn.Module):
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([part.weight for part in self.parts])
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return _cat_biases([part.bias for part in self.parts], self.parts)
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.weight.shape[0] for part in self.parts)
+
+
+def _cat_biases(biases: list, parts) -> Optional[torch.Tensor]:
+    """The parts' biases end to end (zeros for a part without one), None when no part has one."""
+    if all(b is None for b in biases):
+        return None
+    ref = next(b for b in biases if b is not None)
+    return torch.cat([b if b is not None else ref.new_zeros(p.weight.shape[0]) for b, p in zip(biases, parts)])
+
+
 def fusable_linear(module: nn.Module) -> bool:
     """Whether ``effective_weight`` / ``effective_bias`` reproduce ``module(x)`` exactly (up to rounding)."""
     if _is_plain(module):
         return True
+    if isinstance(module, PackedLinear):
+        return all(fusable_linear(part) for part in module.parts)
     if not _is_lora(module) or not _is_plain(module.base_layer) or getattr(module, "fan_in_fan_out", False):
         return False
     if module.disable_adapters:
@@ -69,6 +105,8 @@ def _applies_adapters(module: nn.Module) -> bool:
 
 def effective_weight(module: nn.Module) -> torch.Tensor:
     """The weight of the affine map ``module`` computes (call only where ``fusable_linear`` holds)."""
+    if isinstance(module, PackedLinear):
+        return torch.cat([effective_weight(part) for part in module.parts])
     if not _is_lora(module):
         return module.weight
     weight = module.base_layer.weight
@@ -80,6 +118,8 @@ def effective_weight(module: nn.Module) -> torch.Tensor:
 
 def effective_bias(module: nn.Module) -> Optional[torch.Tensor]:
     """The bias of the affine map ``module`` computes, or None (call only where ``fusable_linear`` holds)."""
+    if isinstance(module, PackedLinear):
+        return _cat_biases([effective_bias(part) for part in module.parts], module.parts)
     if not _is_lora(module):
         return module.bias
     bias = module.base_layer.bias

@@ -67,10 +67,19 @@ class LayerNorm(nn.LayerNorm):
             return layer_norm_kernel(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
-    def with_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x), x): the (hidden, residual) pair that enters a chain of fused blocks, in one kernel
-        (the hidden half in the autocast dtype, as the GEMM after it wants it)."""
-        return layer_norm_and_input(x, self.weight, self.bias, self.eps, compute_dtype_for(x))
+
+
+def reads_norm(norm: nn.Module) -> bool:
+    """Whether the fused kernels may read ``norm``'s parameters in place of calling it: an affine
+    nn.LayerNorm (vit_fast's or torch's, e.g. a transformers model's) with its stock forward."""
+    return (isinstance(norm, nn.LayerNorm) and type(norm).forward in (nn.LayerNorm.forward, LayerNorm.forward)
+            and norm.weight is not None and norm.bias is not None)
+
+
+def layer_norm_with_input(norm: nn.LayerNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x), x): the (hidden, residual) pair that enters a chain of fused blocks, in one kernel (the
+    hidden half in the autocast dtype, as the GEMM after it wants it)."""
+    return layer_norm_and_input(x, norm.weight, norm.bias, norm.eps, compute_dtype_for(x))
 
 
 def layer_norm(dim: int, eps: float, backend: str = "auto") -> LayerNorm:
@@ -414,11 +423,11 @@ class Block(nn.Module):
                 and not has_hooks(self, inside=True))
 
     def reads_norms(self) -> bool:
-        return type(self.norm1) is LayerNorm and type(self.norm2) is LayerNorm
+        return reads_norm(self.norm1) and reads_norm(self.norm2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuses(x):
-            return self.forward_pair(*self.norm1.with_input(x), next_norm=None)[1]
+            return self.forward_pair(*layer_norm_with_input(self.norm1, x), next_norm=None)[1]
         # reference: module by module (each part on its own kernels where it has them). .to(x.dtype): the
         # stream keeps its dtype (a no-op unless it is half under autocast, residual_in_fp32=False, where
         # the fp32 LayerScale output would promote it)

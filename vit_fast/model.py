@@ -34,8 +34,10 @@ from .layers import (
     PatchEmbed,
     has_hooks,
     init_weights_vit_timm,
+    layer_norm_with_input,
     named_apply,
     patch_embed_kernel,
+    reads_norm,
     resample_abs_pos_embed,
     sincos_2d_pos_embed,
     trunc_normal_,
@@ -328,8 +330,8 @@ class VisionTransformer(nn.Module):
         recomputed masks are the same."""
         blocks = list(self.blocks)[:depth]
         chained = self._fuses_across_blocks(x)
-        final_norm = self.norm if chained and type(self.norm) is LayerNorm else None
-        hidden, residual = blocks[0].norm1.with_input(x) if chained else (None, x)
+        final_norm = self.norm if chained and reads_norm(self.norm) else None
+        hidden, residual = layer_norm_with_input(blocks[0].norm1, x) if chained else (None, x)
         for i, blk in enumerate(blocks):
             last = i + 1 == len(blocks)
             if chained:

@@ -69,12 +69,9 @@ class TuneResult:
 
 # ------------------------------------------------------------------------------------------- flags
 def _vit(model: nn.Module) -> nn.Module:
-    from .model import VisionTransformer
+    from .interop.optimize import vit_fast_model_of
 
-    vit = getattr(model, "model", model)  # HFViT wraps a VisionTransformer
-    if not isinstance(vit, VisionTransformer):
-        raise TypeError(f"expected a vit_fast VisionTransformer (or HFViT), got {type(model).__name__}")
-    return vit
+    return vit_fast_model_of(model)
 
 
 def _flag_targets(vit: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:

@@ -253,6 +253,23 @@ HF_FAMILY_CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "Siglip
                      "SiglipForImageClassification", "Dinov2Model")
 
 
+def hf_vit_config(hf: nn.Module) -> dict:
+    """ViTConfig fields of a transformers ViTModel / ViTForImageClassification (its config and classifier)."""
+    c = hf.config
+    act = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(c.hidden_act)
+    if act is None:
+        raise ValueError(f"from_hf: hidden_act {c.hidden_act!r} is not supported (gelu, gelu_new, gelu_pytorch_tanh)")
+    head_weight = getattr(getattr(hf, "classifier", None), "weight", None)
+    return dict(
+        img_size=c.image_size, patch_size=c.patch_size, in_chans=c.num_channels, embed_dim=c.hidden_size,
+        depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        mlp_ratio=c.intermediate_size / c.hidden_size, qkv_bias=c.qkv_bias, norm_eps=c.layer_norm_eps,
+        num_classes=head_weight.shape[0] if head_weight is not None else 0, act=act,
+        pos_drop_rate=c.hidden_dropout_prob, proj_drop_rate=c.hidden_dropout_prob,
+        attn_drop_rate=c.attention_probs_dropout_prob,
+    )
+
+
 def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights of a transformers ViTModel / ViTForImageClassification, or of a
     CLIPVisionModel(WithProjection) / SiglipVisionModel / SiglipForImageClassification / Dinov2Model object
@@ -267,21 +284,8 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
 
         return _build(hf_config(model_or_state_dict), hf_to_timm(model_or_state_dict), overrides)
     if isinstance(model_or_state_dict, nn.Module):
-        hf = model_or_state_dict
-        c = hf.config
-        sd = hf_to_timm_state_dict(hf.state_dict())
-        act = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(c.hidden_act)
-        if act is None:
-            raise ValueError(f"from_hf: hidden_act {c.hidden_act!r} is not supported "
-                             "(gelu, gelu_new, gelu_pytorch_tanh)")
-        config = dict(
-            img_size=c.image_size, patch_size=c.patch_size, in_chans=c.num_channels, embed_dim=c.hidden_size,
-            depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
-            mlp_ratio=c.intermediate_size / c.hidden_size, qkv_bias=c.qkv_bias, norm_eps=c.layer_norm_eps,
-            num_classes=sd["head.weight"].shape[0] if "head.weight" in sd else 0, act=act,
-            pos_drop_rate=c.hidden_dropout_prob, proj_drop_rate=c.hidden_dropout_prob,
-            attn_drop_rate=c.attention_probs_dropout_prob,
-        )
+        sd = hf_to_timm_state_dict(model_or_state_dict.state_dict())
+        config = hf_vit_config(model_or_state_dict)
     else:
         sd = hf_to_timm_state_dict(model_or_state_dict)
         config = {**_timm_config_from_state_dict(sd, overrides), "norm_eps": 1e-12}

@@ -30,6 +30,10 @@ class HFVisionFamily(nn.Module):
         self.source_class = type(source).__name__
         self._loss_function = source.loss_function if self.source_class == "SiglipForImageClassification" else None
 
+    @property
+    def vit_fast_model(self) -> VisionTransformer:
+        return self.model
+
     def set_backend(self, backend: str) -> "HFVisionFamily":
         self.model.set_backend(backend)
         return self

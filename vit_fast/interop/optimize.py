@@ -7,9 +7,9 @@ Accepted sources and what comes back (same device, dtype, train/eval mode and re
   - timm VisionTransformer        -> vit_fast.VisionTransformer (timm's own module and parameter names;
                                      forward / forward_features / forward_head as timm's);
   - torchvision VisionTransformer -> vit_fast.VisionTransformer (forward(x) -> logits);
-  - transformers ViTModel / ViTForImageClassification -> ``HFViT`` (interop/hf.py), a transformers
-    PreTrainedModel around a vit_fast.VisionTransformer with the source class's forward signature, outputs,
-    config and save_pretrained files (stock from_pretrained loads them);
+  - transformers ViTModel / ViTForImageClassification -> a copy of it that keeps transformers' class (a
+    subclass of the same name), module tree, config and save_pretrained, with vit_fast's forward reading
+    those modules (interop/hf.py; ``isinstance(model, vit_fast.HFViT)``);
   - a vit_fast VisionTransformer  -> the same object, switched to ``backend``.
 A source using a feature vit_fast does not implement raises one ValueError listing every such feature:
 the result is never a silently different model.
@@ -27,7 +27,6 @@ from .convert import (
     from_open_clip,
     from_timm,
     from_torchvision,
-    hf_to_timm_state_dict,
     timm_unsupported,
     torchvision_to_timm_state_dict,
 )
@@ -54,6 +53,8 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
     if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
         raise ValueError("optimize: pass the model before torch.compile and compile the result instead")
     kind = source_kind(model)
+    if kind == "hf_optimized":
+        return _apply_tune(_set_residual_dtype(model.set_backend(backend), residual_in_fp32), tune)
     device, dtype = _device_and_dtype(model)
     if backend == "triton" and not kernels_can_run_on(device):
         raise RuntimeError(f"optimize: backend='triton' needs a model on CUDA (or CPU with TRITON_INTERPRET=1); "
@@ -83,11 +84,11 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
     elif kind == "torchvision":
         fast = from_torchvision(model)
         names = _mapped_names(model, torchvision_to_timm_state_dict)
-    else:  # transformers
-        from .hf import hf_wrap  # imports transformers
+    else:  # transformers ViT: the same modules, vit_fast's forward
+        from .hf import optimize_hf  # imports transformers
 
-        fast = hf_wrap(model, from_hf(model))
-        names = {k: "model." + v for k, v in _mapped_names(model, hf_to_timm_state_dict).items()}
+        fast = optimize_hf(model)
+        return _apply_tune(_set_residual_dtype(fast.set_backend(backend), residual_in_fp32), tune)
     fast = fast.to(device=device, dtype=dtype)
     _copy_requires_grad(model, fast, names)
     fast.train(model.training)
@@ -107,8 +108,18 @@ def _apply_tune(fast: nn.Module, tune: bool | None) -> nn.Module:
     return fast
 
 
+def vit_fast_model_of(model: nn.Module) -> VisionTransformer:
+    """The vit_fast VisionTransformer that runs ``model``: itself, or the one an optimized transformers
+    model links to (``vit_fast_model``)."""
+    vit = model if isinstance(model, VisionTransformer) else getattr(model, "vit_fast_model", None)
+    if not isinstance(vit, VisionTransformer):
+        raise TypeError(f"expected a vit_fast VisionTransformer or a model vit_fast.optimize returned, "
+                        f"got {type(model).__name__}")
+    return vit
+
+
 def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
-    vit = fast if isinstance(fast, VisionTransformer) else fast.model  # HFViT / HFVisionFamily wrap one
+    vit = vit_fast_model_of(fast)
     vit.residual_in_fp32 = vit.config.residual_in_fp32 = bool(residual_in_fp32)
     return fast
 
@@ -117,6 +128,8 @@ def source_kind(model: nn.Module) -> str:
     """'vit_fast' | 'timm' | 'torchvision' | 'hf' for a supported ViT class, else a ValueError."""
     if isinstance(model, VisionTransformer):
         return "vit_fast"
+    if hasattr(model, "vit_fast_model"):  # already optimized (interop/hf.py)
+        return "hf_optimized"
     cls = type(model)
     where = f"{cls.__module__}.{cls.__qualname__}"
     if where in ("timm.models.vision_transformer.VisionTransformer", "timm.models.deit.VisionTransformerDistilled"):

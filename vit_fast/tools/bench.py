@@ -211,8 +211,9 @@ def write_outputs(rows: list[dict], out_dir: str) -> list[str]:
     return written
 
 
-def chart(rows: list[dict], path: str, width: float, draw, ylabel: str) -> str:
-    """One PNG bar chart titled with the run's tags (GPU, torch, triton, git): ``draw(ax)`` adds the bars."""
+def chart(rows: list[dict], path: str, width: float, draw, ylabel: str, note: str = "") -> str:
+    """One PNG bar chart titled with the run's tags (GPU, torch, triton, git): ``draw(ax)`` adds the bars.
+    ``note`` (e.g. a dry run's warning) heads the title and is written across the plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,8 +222,11 @@ def chart(rows: list[dict], path: str, width: float, draw, ylabel: str) -> str:
     fig, ax = plt.subplots(figsize=(width, 4))
     draw(ax)
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, {rows[0]['git']}",
-                 fontsize=9)
+    ax.set_title(f"{note + chr(10) if note else ''}{rows[0]['gpu']}, torch {rows[0]['torch']}, "
+                 f"triton {rows[0]['triton']}, {rows[0]['git']}", fontsize=9)
+    if note:
+        ax.text(0.5, 0.5, note.split(":")[0], transform=ax.transAxes, ha="center", va="center", fontsize=40,
+                color="red", alpha=0.25, rotation=20)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -230,7 +234,7 @@ def chart(rows: list[dict], path: str, width: float, draw, ylabel: str) -> str:
     return path
 
 
-def plot(rows: list[dict], path: str, paths: tuple = PATHS) -> str:
+def plot(rows: list[dict], path: str, paths: tuple = PATHS, note: str = "") -> str:
     cases = sorted({(r["model"], r["dtype"], r["batch"]) for r in rows})
     width = 0.8 / len(paths)
 
@@ -244,7 +248,7 @@ def plot(rows: list[dict], path: str, paths: tuple = PATHS) -> str:
         ax.set_xticklabels([f"{m.replace('vit_', '').replace('_patch', '/')}\n{d} b{b}" for m, d, b in cases],
                            fontsize=8)
 
-    return chart(rows, path, max(6, 2.2 * len(cases)), draw, "training images/s")
+    return chart(rows, path, max(6, 2.2 * len(cases)), draw, "training images/s", note)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -71,6 +71,7 @@ QUICK_BATCHES = [256]
 # (faulthandler, dumped at two thirds of the timeout) in DIR/hangs.log.
 ROW_TIMEOUT_S = {"eager": 60.0, "graph": 60.0, "compile": 150.0}
 SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
+DRY_RUN_NOTE = "DRY RUN: CPU, tiny shapes, figures meaningless"
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
 
 
@@ -505,12 +506,13 @@ def write_outputs(c: Campaign) -> list[str]:
         json.dump(dict(meta=c.meta, peaks=c.peaks, stages=c.stages, results=c.results), f, indent=1, default=str)
     written.append("campaign.json")
     ok_rows = [r for r in c.results.get("throughput", []) if "error" not in r]
+    note = DRY_RUN_NOTE if c.dry_run else ""
     try:
         if ok_rows:
-            plot(ok_rows, os.path.join(c.out, "throughput.png"), THROUGHPUT_PATHS)
+            plot(ok_rows, os.path.join(c.out, "throughput.png"), THROUGHPUT_PATHS, note)
             written.append("throughput.png")
         if c.results.get("micro"):
-            plot_micro(c.results["micro"], os.path.join(c.out, "micro.png"))
+            plot_micro(c.results["micro"], os.path.join(c.out, "micro.png"), note)
             written.append("micro.png")
     except ImportError:
         c.progress("matplotlib is not installed: no PNG charts")
@@ -546,7 +548,7 @@ def write_record(c: Campaign) -> str:
     return os.path.relpath(folder + ".md", REPO)
 
 
-def plot_micro(rows: list[dict], path: str) -> None:
+def plot_micro(rows: list[dict], path: str, note: str = "") -> None:
     from vit_fast.tools.bench import chart
 
     def draw(ax):
@@ -557,7 +559,7 @@ def plot_micro(rows: list[dict], path: str) -> None:
         ax.set_xticks(list(x))
         ax.set_xticklabels([f"{r['model']} {r['op']}\n{r['pass_']}" for r in rows], rotation=90, fontsize=6)
 
-    chart(rows, path, max(6, 0.45 * len(rows)), draw, "vit_fast speedup (time ratio)")
+    chart(rows, path, max(6, 0.45 * len(rows)), draw, "vit_fast speedup (time ratio)", note)
 
 
 def _f(v, fmt="{:.2f}") -> str:
@@ -566,7 +568,7 @@ def _f(v, fmt="{:.2f}") -> str:
 
 def summary(c: Campaign) -> str:
     m = c.meta
-    lines = [f"# vit_fast GPU campaign{' (DRY RUN: CPU, tiny shapes, figures meaningless)' if c.dry_run else ''}",
+    lines = [f"# vit_fast GPU campaign{f' ({DRY_RUN_NOTE})' if c.dry_run else ''}",
              "", f"{m.get('gpu')} | driver {m.get('driver')} | torch {m.get('torch')} | triton {m.get('triton')} | "
              f"CUDA {m.get('cuda')} | git {m.get('git')} | {m.get('date')} | {c.elapsed():.0f} s in all", "",
              f"Measured peaks: bf16 GEMM {_f(c.peaks.get('gemm_bf16_tflops'), '{:.0f}')} TFLOP/s, device copy "

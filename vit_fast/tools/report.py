@@ -523,6 +523,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--archs", nargs="+", type=int, default=list(ARCHS), choices=list(ARCHS))
     parser.add_argument("--workers", type=int, default=2, help="compile processes (default 2)")
     parser.add_argument("--no-cache", action="store_true", help="recompile everything, ignoring the on-disk cache")
+    parser.add_argument("--full", action="store_true",
+                        help="print every compiled kernel's row (default: the summaries and any row with a problem)")
     parser.add_argument("--json", help="write the rows as JSON to this path")
     parser.add_argument("--csv", help="write the rows as CSV to this path")
     return parser
@@ -542,14 +544,17 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
                       progress=progress, pure=not args.quick)
     if progress:
         print(file=sys.stderr)
-    print(format_table(rows))
-    print()
+    shown = rows if args.full else [r for r in rows if r.problems()]
+    if shown:
+        print(format_table(shown))
+        print()
     print(summarize(rows))
     print(summarize_ceilings(rows))
     cached = sum(r.cached for r in rows)
     print(f"presets {', '.join(args.presets)}; dtypes {', '.join(args.dtypes)}"
           f"{' (autocast only, --quick)' if args.quick else ''}; "
-          f"{len(rows) - cached} compiled, {cached} from cache ({cache_dir()}) in {time.perf_counter() - t0:.1f} s")
+          f"{len(rows) - cached} compiled, {cached} from cache ({cache_dir()}) in {time.perf_counter() - t0:.1f} s"
+          f"{'' if args.full else f'; {len(rows)} kernel rows, --full prints them all'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

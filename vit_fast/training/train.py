@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drop-path-rate", type=FRACTION)
     m.add_argument("--global-pool", choices=("token", "avg", "avgmax", "max"))
     m.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto")
-    m.add_argument("--bf16-residual", dest="residual_in_fp32", action="store_false",
-                   help="with --amp: keep the residual stream in the autocast dtype (residual_in_fp32=False)")
+    m.add_argument("--bf16-residual", dest="residual_in_fp32", action="store_false", default=argparse.SUPPRESS,
+                   help="with --amp: keep the residual stream in the autocast dtype (residual_in_fp32=False; "
+                        "default: the stream stays fp32, as in timm)")
     m.add_argument("--compile", action="store_true", help="torch.compile the model")
     m.add_argument("--cuda-graph", action="store_true",
                    help="capture the whole training step (forward, loss, backward, clipping, AdamW) in a CUDA graph "
@@ -172,6 +173,7 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     types and ranges by each option's type, the relations between options below."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.residual_in_fp32 = getattr(args, "residual_in_fp32", True)  # --bf16-residual's default, kept off --help
     warmup_given = args.warmup_epochs is not None
     for key, value in DATASET_DEFAULTS[args.dataset].items():
         if getattr(args, key) is None:

@@ -28,7 +28,7 @@ def test_dry_run_writes_every_file_and_stage(tmp_path, monkeypatch, capsys):
     assert bench.main(["--campaign", "--dry-run", "--out", str(out)]) == 0
     log = capsys.readouterr().out
     stages = [s.name for s in campaign.STAGES]
-    assert stages == ["env", "tune", "extra", "tests", "check", "micro", "throughput"]
+    assert stages == ["env", "headline", "profile", "micro", "tune", "extra", "check", "tests", "throughput"]
     for name in stages:  # a progress line when each stage starts and ends
         assert f"] {name}: start" in log and f"] {name}: ok in" in log, log
 
@@ -60,10 +60,14 @@ def test_dry_run_writes_every_file_and_stage(tmp_path, monkeypatch, capsys):
     assert {r["op"] for r in tune if r["kind"] == "fusion"} >= {"patch_embed", "attention", "mlp", "join"}
     rows("check")
     rows("tests")
+    profile = rows("profile")  # kernel time per op family, one process per path
+    assert {r["path"] for r in profile} == set(campaign.PROFILE_PATHS) and {r["family"] for r in profile}
+    assert all(float(r["kernel_ms_per_step"]) >= 0 and float(r["step_ms"]) > 0 for r in profile)
     for png in ("throughput.png", "micro.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     summary = (out / "summary.md").read_text()
     assert "DRY RUN" in summary and "vit_fast / timm eager" in summary and "x compiled" in summary
+    assert "Kernel time per op family" in summary
     assert "| tune | ok |" in summary
 
 
@@ -97,14 +101,21 @@ def test_budget_scales_every_stage(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_a_hanging_path_loses_only_its_own_row_and_leaves_its_stack(tmp_path, monkeypatch, capsys):
-    """--quick --dry-run with vit_fast_compile sleeping past its timeout: every other row is measured and on disk,
-    the hung row is an error row, hangs.log holds its stack (faulthandler), the summary names it."""
-    monkeypatch.setenv(campaign.SIMULATE_HANG, "vit_fast_compile")
+    """--quick --dry-run with vit_fast_compile and the bias_gelu micro case sleeping past their timeouts: every
+    other row and case is measured and on disk, the hung row is an error row, hangs.log holds both stacks
+    (faulthandler), the summary names them."""
+    monkeypatch.setenv(campaign.SIMULATE_HANG, "vit_fast_compile,micro:bias_gelu")
     monkeypatch.setitem(campaign.ROW_TIMEOUT_S, "compile", 40.0)
+    monkeypatch.setattr(campaign, "MICRO_CASE_TIMEOUT_S", 30.0)
+    monkeypatch.setitem(campaign.QUICK_BUDGET_S, "micro", 200)
     out = tmp_path / "quick"
     assert bench.main(["--campaign", "--quick", "--dry-run", "--out", str(out)]) == 0
     log = capsys.readouterr().out
-    assert "] throughput: start" in log and "] micro: start" in log and "] tests: start" not in log
+    assert "] headline: start" in log and "] profile: start" in log and "] micro: start" in log
+    assert "] tests: start" not in log
+    with open(out / "micro.csv", newline="") as f:
+        ops = {r["op"] for r in csv.DictReader(f)}
+    assert "bias_gelu" not in ops and {"layer_norm", "attention", "patch_embed"} <= ops  # cases after it ran
     with open(out / "throughput.csv", newline="") as f:
         rows = {r["path"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"timm_eager", "vit_fast", "timm_compile", "vit_fast_compile"}
@@ -112,6 +123,7 @@ def test_a_hanging_path_loses_only_its_own_row_and_leaves_its_stack(tmp_path, mo
     assert all(float(rows[p]["images_per_s"]) > 0 for p in ("timm_eager", "vit_fast", "timm_compile"))
     hangs = (out / "hangs.log").read_text()
     assert "vit_fast_compile" in hangs and "row_main" in hangs and "most recent call first" in hangs
+    assert "micro B/16 bias_gelu" in hangs and "micro_child" in hangs
     summary = (out / "summary.md").read_text()
     assert "DRY RUN" in summary and "timed out" in summary
 

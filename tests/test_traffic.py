@@ -129,7 +129,7 @@ def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
     attention (fused_attn=False) as built (0.43 measured; 0.37 with the bf16 residual stream). Against
     SDPA eager the bounds are the measured levels with a small margin (0.55 as built, 0.48 bf16 stream):
     there the GEMMs (cuBLAS on both paths) and FlashAttention alone are ~40% of eager's bytes (see
-    README, Performance)."""
+    docs/gpu-readiness.md, Performance)."""
     if not traffic.fused_model_available()[0]:
         pytest.skip(traffic.fused_model_available()[1])  # only on a CUDA machine without TRITON_INTERPRET
     eager_sdpa = traffic.measure("timm_eager", TINY, 256)

@@ -696,7 +696,7 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     seq_len divisibility gives different builds): the sm_80 IEEE forward 32x32 at 8 warps, the sm_80 16-bit
     forward with dropout 64x16, and on sm_90 the 16-bit forward 128x32, the 16-bit backward 32 rows owned at
     1 stage (16 rows with dropout) and the IEEE backward with dropout at 2 stages. The sm_90 16-bit backward
-    pays for it in its ceiling (``vit-fast report``; README, Performance).
+    pays for it in its ceiling (``vit-fast report``; docs/gpu-readiness.md, Performance).
 
     16-bit head dims in 65..80 (D = 72; D = 80, which padded to 128 measured 8.6x slower on an H200, torch 2.11,
     triton 3.6, 2026-11-26) instead split the head (``Tile.split``, ``_block_dims``): 64 columns plus a 16-wide

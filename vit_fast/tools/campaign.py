@@ -1,23 +1,31 @@
 """`vit-fast bench --campaign --out DIR`: one command that turns a CUDA GPU into the project's figures in <= 9 min.
 
-Stages, in order, each with a time budget (seconds, scaled by ``--budget``; a stage stops starting new work when
-its budget is spent and says what it skipped), a progress line each:
+Stages, in order of value, each with a time budget (seconds, scaled by ``--budget``; a stage stops starting new
+work when its budget is spent and says what it skipped), a progress line each:
 
   env         GPU, driver, torch, triton, CUDA, git revision; measured peaks: a bf16 GEMM (8192^3) and a device copy
-  tests       the test suite on the compiled kernels (TRITON_INTERPRET unset), the kernel/model subset that fits
-  check       ``vit-fast check --dtype bf16`` at full ViT-B/16 size (every kernel and the model vs float64)
+  headline    training steps of ViT-B/16 and ViT-S/16 at batch 256 in bf16: timm eager, timm torch.compile, vit_fast,
+              vit_fast torch.compile, vit_fast with a CUDA-graph step (images/s, median step time and 10-90% spread,
+              MFU, peak memory); uncompiled paths first, then compiled ones while the budget lasts
+  profile     where the step's kernel time goes: torch.profiler per op family (GEMM, attention, norm, elementwise,
+              embed, other) for ViT-B/16 b256, timm eager, timm compile and vit_fast
   micro       every fused op against the eager ops it replaces and torch.compile of those, forward and
-              forward+backward, ViT-B/16 and ViT-L/16 shapes (batch 256), GB/s or TFLOP/s next to the measured peaks
-  throughput  training steps of ViT-S/16, B/16, L/16 at batch 128 and 256 in bf16: timm eager, timm torch.compile,
-              vit_fast, vit_fast torch.compile, vit_fast with a CUDA-graph step (images/s, median step time and
-              10-90% spread, MFU, peak memory); uncompiled paths first, then compiled ones while the budget lasts.
-              Each row runs in its own process under its own timeout (ROW_TIMEOUT_S): a hang costs that row only
-              and leaves its stack (faulthandler) in DIR/hangs.log
+              forward+backward, ViT-B/16 and ViT-L/16 shapes (batch 256), plain calls (host included) and CUDA-graph
+              replays (kernel time), GB/s or TFLOP/s next to the measured peaks
+  tune        `vit-fast tune`'s table: each fusion fused vs eager, each kernel's config choice
+  check       ``vit-fast check --dtype bf16`` at full ViT-B/16 size (every kernel and the model vs float64)
+  tests       the test suite on the compiled kernels (TRITON_INTERPRET unset), the kernel/model subset that fits
+  throughput  the remaining throughput cases (ViT-L/16; batch 128)
   report      DIR/campaign.json (everything), DIR/<stage>.csv, DIR/throughput.png, DIR/micro.png, DIR/summary.md,
-              rewritten after every throughput and micro row (a killed campaign keeps what it measured); a real
-              campaign from a checkout also writes docs/measured/<gpu>-<date>.md and its CSVs, ready to commit
+              rewritten after every row (a killed campaign keeps what it measured); a real campaign from a
+              checkout also writes docs/measured/<gpu>-<date>.md and its CSVs, ready to commit
 
-``--quick`` runs env, throughput (ViT-B/16 and S/16 at batch 256 only) and micro: the headline in <= 5 minutes.
+Nothing measured is lost to a hang: every throughput row and every profile path runs in its own process under
+its own timeout (ROW_TIMEOUT_S), the micro cases in a process per model shape with a timeout per case
+(MICRO_CASE_TIMEOUT_S, the shape going on from the next case in a new process); each child arms
+faulthandler, so a hang leaves its Python stack in DIR/hangs.log, and the rows stream back as measured.
+
+``--quick`` runs env, headline, profile and micro: the headline in <= 5 minutes.
 
 Every CSV row and the JSON carry the tags (gpu, driver, torch, triton, cuda, git). The micro-benchmarks reuse the
 cases of bench/bench_norm_gelu.py, bench_attention.py, bench_patch_embed.py and bench_linear_act.py; the
@@ -70,6 +78,8 @@ QUICK_BATCHES = [256]
 # hangs (torch.compile of the fused model did on the first GPU run) loses its own row only, and leaves its stack
 # (faulthandler, dumped at two thirds of the timeout) in DIR/hangs.log.
 ROW_TIMEOUT_S = {"eager": 60.0, "graph": 60.0, "compile": 150.0}
+MICRO_CASE_TIMEOUT_S = 60.0  # each micro case (fused op, eager, torch.compile of eager), before --budget scaling
+PROFILE_PATHS = ("timm_eager", "timm_compile", "vit_fast")
 SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
 DRY_RUN_NOTE = "DRY RUN: CPU, tiny shapes, figures meaningless"
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
@@ -335,47 +345,150 @@ def time_case(case: MicroCase, fn: Callable, backward: bool, device: str, reps: 
     return time_ms(fwd_bwd if backward else call, device, reps=reps, graph=graph)
 
 
-def stage_micro(c: Campaign) -> dict:
-    if not os.path.isdir(os.path.join(REPO, "bench")):
-        return dict(status="skipped", reason="bench/ not found: run from a checkout (pip install -e .)")
+def measure_micro_case(case: MicroCase, peaks: dict, device: str, dry_run: bool, backend: str) -> list[dict]:
+    """The forward and forward + backward rows of one micro case: vit_fast, the eager ops and their torch.compile,
+    plain calls (host included) and CUDA-graph replays (kernel time) for vit_fast and eager."""
+    providers = {"vit_fast": case.fused, **case.baselines,
+                 "eager_compiled": torch.compile(case.baselines["eager"], backend=backend, dynamic=False)}
+    rows = []
+    for backward in (False, True):
+        amount, unit = case.work(backward)
+        peak = peaks.get("gemm_bf16_tflops") if unit == "TFLOP" else peaks.get("copy_gbps", 0) / 1e3
+        row = dict(op=case.op, shape=case.shape, pass_="fwd+bwd" if backward else "fwd", unit=f"{unit}/s",
+                   measured_peak=peak)
+        for name, fn in providers.items():
+            try:
+                row[f"{name}_ms"] = time_case(case, fn, backward, device, reps=1 if dry_run else 3)
+                if name in ("vit_fast", "eager"):  # kernel time apart from host time
+                    row[f"{name}_kernel_ms"] = time_case(case, fn, backward, device, reps=1, graph=True)
+            except Exception as e:  # a baseline that cannot run this shape is a finding, not a crash
+                row[f"{name}_ms"] = float("nan")
+                row[f"{name}_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        row["vit_fast_rate"] = amount / row["vit_fast_ms"] * 1e3
+        row["vit_fast_of_peak"] = row["vit_fast_rate"] / peak if peak else float("nan")
+        row["speedup_vs_eager"] = row["eager_ms"] / row["vit_fast_ms"]
+        row["speedup_vs_compiled"] = row["eager_compiled_ms"] / row["vit_fast_ms"]
+        rows.append(row)
+    torch._dynamo.reset()
+    return rows
+
+
+def micro_child(spec: dict) -> None:
+    """The child of stage_micro: one model shape's cases from ``spec['start']``, 'CASE i op' before each and
+    'ROW {json}' after it; the faulthandler dump is re-armed per case, so a hang shows where that case stuck."""
+    import faulthandler
+
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    backend = "eager" if c.dry_run else "inductor"
-    rows, skipped = [], 0
+    if spec["device"] == "cpu":
+        from vit_fast.tools.interpreter import install_bf16_shims
+
+        install_bf16_shims()
+    cases = micro_cases(spec["shape"], spec["preset"], spec["batch"], spec["device"], spec["dry_run"])
+    print(f"CASES {len(cases)}", flush=True)
+    for i, case in enumerate(cases[spec["start"]:], start=spec["start"]):
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
+        print(f"CASE {i} {case.op}", flush=True)
+        _simulated_hang(f"micro:{case.op}")
+        for row in measure_micro_case(case, spec["peaks"], spec["device"], spec["dry_run"], spec["backend"]):
+            print("ROW " + json.dumps(dict(row, model=spec["shape"]), default=str), flush=True)
+
+
+def stream_child(c: Campaign, kind: str, spec: dict, idle_timeout: float, on_line: Callable[[str], None]):
+    """Run ``python -m vit_fast.tools.campaign KIND SPEC_JSON``, handing each stdout line to ``on_line`` as it
+    comes (rows reach the disk as measured). Killed when ``idle_timeout`` seconds pass without a line or the
+    stage's budget runs out: returns (exit code, or None when killed; its stderr, faulthandler stacks included)."""
+    import queue
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-m", "vit_fast.tools.campaign", kind, json.dumps(spec, default=str)],
+                            cwd=REPO, env=_subprocess_env(c), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
+    lines: queue.Queue = queue.Queue()
+    errors: list[str] = []
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True).start()
+    deadline = time.perf_counter() + idle_timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.05, min(deadline, c.stage_deadline) - time.perf_counter()))
+        except queue.Empty:
+            line = ""
+        if line is None:  # stdout closed: the child is done
+            rc = proc.wait()
+            break
+        if line:
+            on_line(line.rstrip("\n"))
+            deadline = time.perf_counter() + idle_timeout
+        elif time.perf_counter() >= min(deadline, c.stage_deadline):
+            proc.kill()
+            proc.wait()
+            rc = None
+            break
+    time.sleep(0.1)  # the stderr reader's last lines
+    return rc, "".join(errors)
+
+
+def _log_hang(c: Campaign, what: str, seconds: float, stderr: str) -> None:
+    with open(os.path.join(c.out, "hangs.log"), "a") as f:
+        f.write(f"==== {what}: no result after {seconds:.0f} s\n{stderr}\n")
+
+
+def _simulated_hang(name: str) -> None:
+    """Tests: a name listed in $VIT_FAST_CAMPAIGN_SIMULATE_HANG sleeps past any timeout."""
+    if name in os.environ.get(SIMULATE_HANG, "").split(","):
+        time.sleep(3600)
+
+
+def stage_micro(c: Campaign) -> dict:
+    """Every shape's cases in a child process (stream_child): each case has its own timeout; a case that
+    hangs is logged with its stack in DIR/hangs.log and the shape goes on from the next case in a new child."""
+    if not os.path.isdir(os.path.join(REPO, "bench")):
+        return dict(status="skipped", reason="bench/ not found: run from a checkout (pip install -e .)")
+    rows = c.results.setdefault("micro", [])
+    timeout = MICRO_CASE_TIMEOUT_S * max(c.scale, 0.25)
+    hung, failed, not_reached = [], [], 0
     for shape_name, preset, batch in MICRO_SHAPES[:1] if c.dry_run else MICRO_SHAPES:
-        for case in micro_cases(shape_name, preset, batch, c.device, c.dry_run):
-            if c.left() <= 0:
-                skipped += 1
-                continue
-            providers = {"vit_fast": case.fused, **case.baselines,
-                         "eager_compiled": torch.compile(case.baselines["eager"], backend=backend, dynamic=False)}
-            for backward in (False, True):
-                amount, unit = case.work(backward)
-                peak = c.peaks.get("gemm_bf16_tflops") if unit == "TFLOP" else c.peaks.get("copy_gbps", 0) / 1e3
-                row = dict(model=shape_name, op=case.op, shape=case.shape, pass_="fwd+bwd" if backward else "fwd",
-                           unit=f"{unit}/s", measured_peak=peak)
-                for name, fn in providers.items():
-                    try:
-                        ms = time_case(case, fn, backward, c.device, reps=1 if c.dry_run else 3)
-                        row[f"{name}_ms"] = ms
-                        if name in ("vit_fast", "eager"):  # kernel time apart from host time
-                            row[f"{name}_kernel_ms"] = time_case(case, fn, backward, c.device, reps=1, graph=True)
-                    except Exception as e:  # a baseline that cannot run this shape is a finding, not a crash
-                        row[f"{name}_ms"] = float("nan")
-                        row[f"{name}_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
-                row["vit_fast_rate"] = amount / row["vit_fast_ms"] * 1e3
-                row["vit_fast_of_peak"] = row["vit_fast_rate"] / peak if peak else float("nan")
-                row["speedup_vs_eager"] = row["eager_ms"] / row["vit_fast_ms"]
-                row["speedup_vs_compiled"] = row["eager_compiled_ms"] / row["vit_fast_ms"]
-                rows.append(c.tagged(row))
-                c.results["micro"] = rows
+        state = dict(start=0, cases=None, current=None)
+
+        def on_line(line: str, state=state) -> None:
+            if line.startswith("CASES "):
+                state["cases"] = int(line.split()[1])
+            elif line.startswith("CASE "):
+                state["current"] = (int(line.split()[1]), line.split()[2])
+            elif line.startswith("ROW "):
+                row = c.tagged(json.loads(line[4:]))
+                rows.append(row)
                 write_outputs(c)  # on disk as measured
-            c.progress(f"  micro {shape_name} {case.op}: fwd+bwd {row['vit_fast_ms']:.3f} ms, "
-                       f"{row['speedup_vs_eager']:.2f}x eager, {row['speedup_vs_compiled']:.2f}x compiled")
-            torch._dynamo.reset()
-    c.results["micro"] = rows
-    status = "ok" if not skipped else "budget spent"
-    return dict(status=status, rows=len(rows), cases_skipped=skipped)
+                if row["pass_"] == "fwd+bwd":
+                    c.progress(f"  micro {row['model']} {row['op']}: fwd+bwd {row['vit_fast_ms']:.3f} ms, "
+                               f"{row['speedup_vs_eager']:.2f}x eager, {row['speedup_vs_compiled']:.2f}x compiled")
+
+        while c.left() > 1.0:
+            spec = dict(shape=shape_name, preset=preset, batch=batch, device=c.device, dry_run=c.dry_run,
+                        peaks=c.peaks, start=state["start"], backend="eager" if c.dry_run else "inductor",
+                        dump_after_s=timeout * 2 / 3)
+            state["current"] = None
+            rc, stderr = stream_child(c, "micro", spec, timeout, on_line)
+            if rc == 0:
+                break
+            where = state["current"]
+            what = f"micro {shape_name} {where[1] if where else 'setup'}"
+            if rc is None and c.left() > 1.0:
+                _log_hang(c, what, timeout, stderr)
+                hung.append(what)
+            elif rc is not None:
+                failed.append(f"{what}: exit {rc}: {' '.join(stderr.strip().splitlines()[-2:])[-200:]}")
+            if where is None or c.left() <= 1.0:
+                break
+            state["start"] = where[0] + 1
+        done = state["current"][0] + 1 if state["current"] else state["start"]
+        not_reached += max((state["cases"] or 0) - done, 0) if c.left() <= 1.0 else 0
+    c.stages["micro_hung"] = hung
+    status = "ok" if not (hung or failed or not_reached) else ("budget spent" if not_reached else "errors")
+    return dict(status=status, rows=len(rows), hung=len(hung), failed=failed, cases_not_reached=not_reached)
 
 
 # ------------------------------------------------------------------------------------------------ throughput
@@ -410,8 +523,7 @@ def row_main(argv: list[str]) -> int:
 
     spec = json.loads(argv[0])
     faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
-    if os.environ.get(SIMULATE_HANG) == spec["path"]:
-        time.sleep(3600)
+    _simulated_hang(spec["path"])
     if spec["device"] == "cpu":
         from vit_fast.tools.interpreter import install_bf16_shims
 
@@ -422,7 +534,17 @@ def row_main(argv: list[str]) -> int:
     return 0
 
 
+def stage_headline(c: Campaign) -> dict:
+    """ViT-B/16 and ViT-S/16 at batch 256 on every path: the figures worth the most, measured first."""
+    return _throughput(c, headline=True)
+
+
 def stage_throughput(c: Campaign) -> dict:
+    """The other throughput cases (ViT-L/16, batch 128), after every other stage."""
+    return _throughput(c, headline=False)
+
+
+def _throughput(c: Campaign, headline: bool) -> dict:
     from vit_fast.tools.bench import format_row, peak_tflops
 
     peak = peak_tflops(c.meta["gpu"], torch.bfloat16, None) or c.peaks.get("gemm_bf16_tflops")
@@ -430,14 +552,18 @@ def stage_throughput(c: Campaign) -> dict:
     overrides = DRY_OVERRIDES if c.dry_run else {}
     backend = "eager" if c.dry_run else "inductor"
     if c.dry_run:
-        models, batches = THROUGHPUT_MODELS[:1], [2]
+        models, batches = (THROUGHPUT_MODELS[:1], [2]) if headline else ([], [])
+    elif headline:
+        models, batches = QUICK_MODELS, QUICK_BATCHES
     else:
-        models, batches = (QUICK_MODELS, QUICK_BATCHES) if c.quick else (THROUGHPUT_MODELS, THROUGHPUT_BATCHES)
+        models, batches = THROUGHPUT_MODELS, THROUGHPUT_BATCHES
     # a CUDA graph needs a GPU: the dry run measures the other paths
     paths = [p for p in THROUGHPUT_PATHS if not (c.dry_run and p.endswith("graph"))]
+    measured = {(r.get("model"), r.get("batch"), r.get("path")) for r in c.results.get("throughput", [])}
     # the uncompiled paths of every case first (seconds each), then the compiled ones while the budget lasts
     order = [(m, b, p) for p in paths if not p.endswith("compile") for m in models for b in batches]
     order += [(m, b, p) for m in models for b in reversed(batches) for p in paths if p.endswith("compile")]
+    order = [key for key in order if key not in measured]
     rows, skipped = c.results.setdefault("throughput", []), []
     for model, batch, path in order:
         timeout = min(_row_timeout(c, path), c.left())
@@ -451,13 +577,66 @@ def stage_throughput(c: Campaign) -> dict:
         row["seconds"] = time.perf_counter() - start
         row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops", float("nan"))
         rows.append(row)
-        c.stages["throughput_skipped"] = skipped
         write_outputs(c)  # every row on disk as soon as it is measured: a killed campaign keeps it
         c.progress("  " + format_row(row))
-    c.stages["throughput_skipped"] = skipped
+    c.stages["throughput_skipped"] = c.stages.get("throughput_skipped", []) + skipped
     failed = sum("error" in r for r in rows)
     return dict(status="ok" if not skipped and not failed else ("budget spent" if skipped else "errors"),
                 rows=len(rows), errors=failed, skipped=len(skipped))
+
+
+def profile_child(spec: dict) -> None:
+    """The child of stage_profile: one path's kernel time per op family ('ROW {json}' per family)."""
+    import faulthandler
+
+    from vit_fast.tools.predict import profile_families
+
+    faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
+    _simulated_hang(f"profile:{spec['path']}")
+    if spec["device"] == "cpu":
+        from vit_fast.tools.interpreter import install_bf16_shims
+
+        install_bf16_shims()
+    result = profile_families(spec["path"], spec["preset"], spec["batch"], torch.bfloat16, steps=spec["steps"],
+                              warmup=spec["warmup"], device=spec["device"], compile_backend=spec["compile_backend"],
+                              **spec["overrides"])
+    for family, f in result["families"].items():
+        print("ROW " + json.dumps(dict(model=spec["preset"], batch=spec["batch"], path=spec["path"], family=family,
+                                       kernel_ms_per_step=f["seconds"] * 1e3, launches_per_step=f["launches"],
+                                       step_ms=result["step_s"] * 1e3)), flush=True)
+
+
+def stage_profile(c: Campaign) -> dict:
+    """Kernel time per op family per training step (torch.profiler: GEMM, attention, norm, elementwise, embed,
+    other) of ViT-B/16 at batch 256 for timm eager, timm compile and vit_fast, each path in its own process."""
+    preset, batch = (THROUGHPUT_MODELS[0], 2) if c.dry_run else (QUICK_MODELS[0], QUICK_BATCHES[0])
+    rows = c.results.setdefault("profile", [])
+    hung, failed, skipped = [], [], []
+    for path in PROFILE_PATHS:
+        timeout = min(_row_timeout(c, path), c.left())
+        if timeout < 5.0 * min(c.scale, 1.0):
+            skipped.append(path)
+            continue
+        spec = dict(path=path, preset=preset, batch=batch, device=c.device, steps=1 if c.dry_run else 5,
+                    warmup=1 if c.dry_run else 3, compile_backend="eager" if c.dry_run else "inductor",
+                    overrides=DRY_OVERRIDES if c.dry_run else {}, dump_after_s=timeout * 2 / 3)
+
+        def on_line(line: str) -> None:
+            if line.startswith("ROW "):
+                rows.append(c.tagged(json.loads(line[4:])))
+                write_outputs(c)
+
+        rc, stderr = stream_child(c, "profile", spec, timeout, on_line)
+        if rc is None:
+            _log_hang(c, f"profile {preset} b{batch} {path}", timeout, stderr)
+            hung.append(path)
+        elif rc != 0:
+            failed.append(f"{path}: exit {rc}: {' '.join(stderr.strip().splitlines()[-2:])[-200:]}")
+        else:
+            step = next((r["step_ms"] for r in rows if r["path"] == path), float("nan"))
+            c.progress(f"  profile {path}: step {step:.2f} ms")
+    status = "ok" if not (hung or failed or skipped) else ("budget spent" if skipped else "errors")
+    return dict(status=status, rows=len(rows), hung=hung, failed=failed, skipped=skipped)
 
 
 def stage_tune(c: Campaign) -> dict:
@@ -467,19 +646,23 @@ def stage_tune(c: Campaign) -> dict:
     return campaign_stage(c)
 
 
+# In order of value: the headline step times, where their kernel time goes, the fused ops alone; then the
+# tuning table, the correctness checks on the compiled kernels, and the remaining throughput cases.
 STAGES: list[Stage] = [
     Stage("env", stage_env, 20),
-    Stage("tune", stage_tune, 60),  # first, so the later stages run the tuned choices (later runs: the cache)
-    Stage("tests", stage_tests, 90),
-    Stage("check", stage_check, 60),
-    Stage("micro", stage_micro, 120),
-    Stage("throughput", stage_throughput, 190),
+    Stage("headline", stage_headline, 200),
+    Stage("profile", stage_profile, 50),
+    Stage("micro", stage_micro, 90),
+    Stage("tune", stage_tune, 40),
+    Stage("check", stage_check, 40),
+    Stage("tests", stage_tests, 70),
+    Stage("throughput", stage_throughput, 30),
 ]
 
 
-# --quick: the headline first and nothing else (ViT-B/16 and S/16, batch 256, every throughput path), <= 5 min
-QUICK_STAGES = ["env", "throughput", "micro"]
-QUICK_BUDGET_S = {"env": 20, "throughput": 230, "micro": 50}
+# --quick: the headline (ViT-B/16 and S/16, batch 256, every throughput path), its profile and the fused ops, <= 5 min
+QUICK_STAGES = ["env", "headline", "profile", "micro"]
+QUICK_BUDGET_S = {"env": 15, "headline": 190, "profile": 45, "micro": 50}
 
 
 def register_stage(stage: Stage, after: str | None = None) -> None:
@@ -579,21 +762,6 @@ def summary(c: Campaign) -> str:
             details = ", ".join(f"{k} {v}" for k, v in st.items() if k not in ("status", "seconds", "budget_s"))
             lines.append(f"| {name} | {st.get('status')} | {st.get('seconds', 0):.0f} ({st.get('budget_s', 0):.0f}) "
                          f"| {details} |")
-    micro = c.results.get("micro", [])
-    if micro:
-        lines += ["", "## Fused kernels vs the eager ops they replace (median ms; speedup = baseline / vit_fast)", "",
-                  "Kernel ms: the calls replayed from a CUDA graph (no host work); the other columns are plain "
-                  "back-to-back calls, host work included.", "",
-                  "| model | op | pass | vit_fast ms | vit_fast kernel ms | eager ms | eager kernel ms | compiled ms "
-                  "| x eager | x compiled | vit_fast rate | of measured peak |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in micro:
-            lines.append(f"| {r['model']} | {r['op']} | {r['pass_']} | {_f(r['vit_fast_ms'], '{:.3f}')} | "
-                         f"{_f(r.get('vit_fast_kernel_ms'), '{:.3f}')} | "
-                         f"{_f(r['eager_ms'], '{:.3f}')} | {_f(r.get('eager_kernel_ms'), '{:.3f}')} | "
-                         f"{_f(r['eager_compiled_ms'], '{:.3f}')} | "
-                         f"{_f(r['speedup_vs_eager'])} | {_f(r['speedup_vs_compiled'])} | "
-                         f"{_f(r['vit_fast_rate'], '{:.1f}')} {r['unit']} | {_f(r['vit_fast_of_peak'], '{:.0%}')} |")
     tp = c.results.get("throughput", [])
     if tp:
         lines += ["", "## Training throughput, bf16 autocast, AdamW (images/s; median step ms [p10-p90]; MFU; "
@@ -627,8 +795,38 @@ def summary(c: Campaign) -> str:
     skipped = c.stages.get("throughput_skipped") or []
     if skipped:
         lines += ["", f"Skipped by the throughput budget: {', '.join(skipped)}."]
-    lines += ["", "Files: campaign.json (everything), env/tests/check/micro/throughput.csv, throughput.png, micro.png, "
-              "tests.log, check.txt, hangs.log (the stack of every row that ran out of time).", ""]
+    profile = c.results.get("profile", [])
+    if profile:
+        paths = list(dict.fromkeys(r["path"] for r in profile))
+        by = {(r["family"], r["path"]): r for r in profile}
+        lines += ["", f"## Kernel time per op family, {profile[0]['model']} b{profile[0]['batch']} (torch.profiler, "
+                  "ms per training step without the optimizer; launches)", "",
+                  "| family | " + " | ".join(paths) + " |", "|---|" + "---|" * len(paths)]
+        for family in dict.fromkeys(r["family"] for r in profile):
+            lines.append(f"| {family} | " + " | ".join(
+                f"{by[family, p]['kernel_ms_per_step']:.2f} ({by[family, p]['launches_per_step']:.0f})"
+                if (family, p) in by else "-" for p in paths) + " |")
+        totals = [sum(r["kernel_ms_per_step"] for r in profile if r["path"] == p) for p in paths]
+        steps = [next(r["step_ms"] for r in profile if r["path"] == p) for p in paths]
+        lines += ["| kernels, total | " + " | ".join(f"{t:.2f}" for t in totals) + " |",
+                  "| step (CUDA events) | " + " | ".join(f"{t:.2f}" for t in steps) + " |"]
+    micro = c.results.get("micro", [])
+    if micro:
+        lines += ["", "## Fused kernels vs the eager ops they replace (median ms; speedup = baseline / vit_fast)", "",
+                  "Kernel ms: the calls replayed from a CUDA graph (no host work); the other columns are plain "
+                  "back-to-back calls, host work included.", "",
+                  "| model | op | pass | vit_fast ms | vit_fast kernel ms | eager ms | eager kernel ms | compiled ms "
+                  "| x eager | x compiled | vit_fast rate | of measured peak |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in micro:
+            lines.append(f"| {r['model']} | {r['op']} | {r['pass_']} | {_f(r['vit_fast_ms'], '{:.3f}')} | "
+                         f"{_f(r.get('vit_fast_kernel_ms'), '{:.3f}')} | "
+                         f"{_f(r['eager_ms'], '{:.3f}')} | {_f(r.get('eager_kernel_ms'), '{:.3f}')} | "
+                         f"{_f(r['eager_compiled_ms'], '{:.3f}')} | "
+                         f"{_f(r['speedup_vs_eager'])} | {_f(r['speedup_vs_compiled'])} | "
+                         f"{_f(r['vit_fast_rate'], '{:.1f}')} {r['unit']} | {_f(r['vit_fast_of_peak'], '{:.0%}')} |")
+    lines += ["", "Files: campaign.json (everything), env/tests/check/micro/profile/throughput.csv, throughput.png, "
+              "micro.png, tests.log, check.txt, hangs.log (the stack of every row or case that ran out of time).", ""]
     return "\n".join(lines)
 
 
@@ -682,4 +880,7 @@ def main(args) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["row"]:
         sys.exit(row_main(sys.argv[2:]))
-    sys.exit("usage: python -m vit_fast.tools.campaign row SPEC_JSON (run by `vit-fast bench --campaign`)")
+    if sys.argv[1:2] in (["micro"], ["profile"]):
+        (micro_child if sys.argv[1] == "micro" else profile_child)(json.loads(sys.argv[2]))
+        sys.exit(0)
+    sys.exit("usage: python -m vit_fast.tools.campaign row|micro|profile SPEC_JSON (run by vit-fast bench --campaign)")

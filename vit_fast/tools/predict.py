@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -335,46 +336,56 @@ def gpu_kind(device_name: str) -> str:
 
 
 def profile_families(path: str, preset: str, batch: int, dtype: torch.dtype, steps: int = 5,
-                     warmup: int = 3) -> dict:
-    """Time `path`'s training step (forward + cross-entropy + backward, no optimizer, as counted) on CUDA:
-    kernel time per family from torch.profiler over `steps` steps, and the median step from CUDA events."""
-    if not torch.cuda.is_available():
+                     warmup: int = 3, device: str = "cuda", compile_backend: str = "inductor", **overrides) -> dict:
+    """Time `path`'s training step (forward + cross-entropy + backward, no optimizer, as counted): kernel time
+    per family from torch.profiler over `steps` steps, and the median step (CUDA events). ``device='cpu'``
+    (the campaign's dry run): the aten ops' own CPU time stands in for kernels, the host clock for the step."""
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
         raise RuntimeError("timing needs a CUDA GPU")
     from vit_fast.presets import get_config
     from vit_fast.tools import bench
 
-    cfg = get_config(preset)
-    model = bench.build(path, preset)
-    x = torch.randn(batch, cfg.in_chans, cfg.img_size[0], cfg.img_size[1], device="cuda")
-    y = torch.randint(0, cfg.num_classes, (batch,), device="cuda")
+    cfg = get_config(preset, **overrides)
+    model = bench.build(path, preset, device=device, compile_backend=compile_backend, **overrides)
+    x = torch.randn(batch, cfg.in_chans, cfg.img_size[0], cfg.img_size[1], device=device)
+    y = torch.randint(0, max(cfg.num_classes, 1), (batch,), device=device)
 
     def step():
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
             out = model(x)
         F.cross_entropy(out.float(), y).backward()
         model.zero_grad(set_to_none=True)
 
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     times = []
     for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = time.perf_counter()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
         step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if cuda:
+            end.record()
+            sync()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            times.append(time.perf_counter() - start)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
-    fams = measured_by_family(device_kernels(prof.events()))
+        sync()
+    kernels = device_kernels(prof.events()) if cuda else [
+        (e.name, e.self_cpu_time_total / 1e6) for e in prof.events() if e.name.startswith("aten::")]
+    fams = measured_by_family(kernels)
     return dict(families={f: dict(seconds=v["seconds"] / steps, launches=v["launches"] / steps)
                           for f, v in fams.items()},
-                step_s=sorted(times)[len(times) // 2], gpu=torch.cuda.get_device_name())
+                step_s=sorted(times)[len(times) // 2], gpu=torch.cuda.get_device_name() if cuda else "CPU")
 
 
 def measure_paths(preset: str, batch: int, dtype_name: str, paths, timeout: float = 1800) -> dict:

@@ -397,8 +397,9 @@ def micro_child(spec: dict) -> None:
 
 def stream_child(c: Campaign, kind: str, spec: dict, idle_timeout: float, on_line: Callable[[str], None]):
     """Run ``python -m vit_fast.tools.campaign KIND SPEC_JSON``, handing each stdout line to ``on_line`` as it
-    comes (rows reach the disk as measured). Killed when ``idle_timeout`` seconds pass without a line or the
-    stage's budget runs out: returns (exit code, or None when killed; its stderr, faulthandler stacks included)."""
+    comes (rows reach the disk as measured). Killed when ``idle_timeout`` seconds pass without a line ('hung')
+    or the stage's budget runs out ('budget'): returns (exit code, or that reason; its stderr, faulthandler
+    stacks included)."""
     import queue
     import threading
 
@@ -425,7 +426,7 @@ def stream_child(c: Campaign, kind: str, spec: dict, idle_timeout: float, on_lin
         elif time.perf_counter() >= min(deadline, c.stage_deadline):
             proc.kill()
             proc.wait()
-            rc = None
+            rc = "hung" if time.perf_counter() >= deadline and deadline < c.stage_deadline else "budget"
             break
     time.sleep(0.1)  # the stderr reader's last lines
     return rc, "".join(errors)
@@ -451,7 +452,7 @@ def stage_micro(c: Campaign) -> dict:
     timeout = MICRO_CASE_TIMEOUT_S * max(c.scale, 0.25)
     hung, failed, not_reached = [], [], 0
     for shape_name, preset, batch in MICRO_SHAPES[:1] if c.dry_run else MICRO_SHAPES:
-        state = dict(start=0, cases=None, current=None)
+        state = dict(start=0, cases=0, current=None, completed=0, hung=0)
 
         def on_line(line: str, state=state) -> None:
             if line.startswith("CASES "):
@@ -463,6 +464,7 @@ def stage_micro(c: Campaign) -> dict:
                 rows.append(row)
                 write_outputs(c)  # on disk as measured
                 if row["pass_"] == "fwd+bwd":
+                    state["completed"] += 1
                     c.progress(f"  micro {row['model']} {row['op']}: fwd+bwd {row['vit_fast_ms']:.3f} ms, "
                                f"{row['speedup_vs_eager']:.2f}x eager, {row['speedup_vs_compiled']:.2f}x compiled")
 
@@ -476,16 +478,16 @@ def stage_micro(c: Campaign) -> dict:
                 break
             where = state["current"]
             what = f"micro {shape_name} {where[1] if where else 'setup'}"
-            if rc is None and c.left() > 1.0:
+            if rc == "hung":
                 _log_hang(c, what, timeout, stderr)
                 hung.append(what)
-            elif rc is not None:
+                state["hung"] += 1
+            elif rc != "budget":
                 failed.append(f"{what}: exit {rc}: {' '.join(stderr.strip().splitlines()[-2:])[-200:]}")
-            if where is None or c.left() <= 1.0:
+            if where is None or rc == "budget" or c.left() <= 1.0:
                 break
             state["start"] = where[0] + 1
-        done = state["current"][0] + 1 if state["current"] else state["start"]
-        not_reached += max((state["cases"] or 0) - done, 0) if c.left() <= 1.0 else 0
+        not_reached += max(state["cases"] - state["completed"] - state["hung"], 0)
     c.stages["micro_hung"] = hung
     status = "ok" if not (hung or failed or not_reached) else ("budget spent" if not_reached else "errors")
     return dict(status=status, rows=len(rows), hung=len(hung), failed=failed, cases_not_reached=not_reached)
@@ -613,8 +615,8 @@ def stage_profile(c: Campaign) -> dict:
     rows = c.results.setdefault("profile", [])
     hung, failed, skipped = [], [], []
     for path in PROFILE_PATHS:
-        timeout = min(_row_timeout(c, path), c.left())
-        if timeout < 5.0 * min(c.scale, 1.0):
+        timeout = _row_timeout(c, path)
+        if c.left() < 5.0 * min(c.scale, 1.0):
             skipped.append(path)
             continue
         spec = dict(path=path, preset=preset, batch=batch, device=c.device, steps=1 if c.dry_run else 5,
@@ -627,9 +629,11 @@ def stage_profile(c: Campaign) -> dict:
                 write_outputs(c)
 
         rc, stderr = stream_child(c, "profile", spec, timeout, on_line)
-        if rc is None:
+        if rc == "hung":
             _log_hang(c, f"profile {preset} b{batch} {path}", timeout, stderr)
             hung.append(path)
+        elif rc == "budget":
+            skipped.append(path)
         elif rc != 0:
             failed.append(f"{path}: exit {rc}: {' '.join(stderr.strip().splitlines()[-2:])[-200:]}")
         else:
@@ -836,11 +840,12 @@ def main(args) -> int:
     if not cuda and not args.dry_run:
         print(NO_CUDA)
         return 0
+    quick = bool(getattr(args, "quick", False))
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         # the dry run's kernels run in the interpreter, which must be on before triton is imported
         if "triton" in sys.modules:
-            argv = ["--campaign", "--dry-run", "--out", args.out] + (["--budget", str(args.budget)]
-                                                                     if args.budget else [])
+            argv = ["--campaign", "--dry-run", "--out", args.out]
+            argv += (["--budget", str(args.budget)] if args.budget else []) + (["--quick"] if quick else [])
             env = dict(os.environ, TRITON_INTERPRET="1")
             return subprocess.run([sys.executable, "-m", "vit_fast.tools.cli", "bench", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
@@ -849,7 +854,6 @@ def main(args) -> int:
 
         install_bf16_shims()
     os.makedirs(args.out, exist_ok=True)
-    quick = bool(getattr(args, "quick", False))
     stages = [Stage(s.name, s.run, QUICK_BUDGET_S[s.name]) for s in STAGES if s.name in QUICK_STAGES] if quick \
         else STAGES
     total = sum(s.budget_s for s in stages)

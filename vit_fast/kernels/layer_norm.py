@@ -175,11 +175,13 @@ def _layer_norm_bwd_kernel(
 # Backward tiles that differ from the forward's (BLOCK_N -> (BLOCK_M, num_warps)): at most two rows
 # and 8 elements per thread. The forward's 8-warp tiles of 4-8 rows (and 16 warps for one 2048 row)
 # leave ptxas spilling one register (8 B/thread) in some flag combinations on sm_80 or sm_90.
-# 1024 (widths 513-1024, ViT-B's 768): one row per 8-warp program, measured 3.5x faster than two rows
-# (0.241 vs 0.853 ms at 65536 x 768 bf16; NVIDIA H200, torch 2.11, triton 3.6, 2026-11-26, `vit-fast tune`
-# in docs/measured/h200-2026-11-26-campaign/tune.csv). The static tile is what runs untuned: under
+# 1024 (widths 513-1024, ViT-B's 768): one row per program. Measured on an NVIDIA H200 (torch 2.11, triton 3.6,
+# 2026-11-26, `vit-fast tune`, docs/measured/h200-2026-11-26-campaign/tune.csv), 65536 x 768 bf16: one row on
+# 8 warps 0.241 ms, two rows on 8 warps 0.853 ms (3.5x). One row on 8 warps spills 8 B/thread on sm_90 with
+# LayerScale, so the static tile is one row on 4 warps (spill-free, 8 elements per thread; PREDICTED close to
+# 0.241 ms, not yet measured); autotuning still tries 8 warps. The static tile is what runs untuned: under
 # torch.compile and CUDA-graph capture, and with VIT_FAST_AUTOTUNE=0.
-_BWD_TILES = {256: (2, 2), 512: (2, 4), 1024: (1, 8), 2048: (1, 8)}
+_BWD_TILES = {256: (2, 2), 512: (2, 4), 1024: (1, 4), 2048: (1, 8)}
 
 
 def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int, int]:

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 
 COMMANDS: dict[str, str] = {
     "info": "vit_fast.tools.cli:info_main",
+    "host": "vit_fast.tools.host_cost:main",
     "report": "vit_fast.tools.report:main",
     "traffic": "vit_fast.tools.traffic:main",
     "bench": "vit_fast.tools.bench:main",

@@ -1,0 +1,188 @@
+"""`vit-fast host`: the host work of one training step (forward + cross-entropy + backward), measured on CPU with
+the kernel launches stubbed, for vit_fast's fused model and timm eager at the same shapes.
+
+What it measures: wall-clock microseconds per step of everything the host does around the kernels (Python,
+autograd, the torch dispatcher, custom-op dispatch, vit_fast's configs and grids, timm's aten calls), on CPU
+tensors of a model with the preset's depth and head dim but a few tokens and a narrow width, so the CPU's own
+arithmetic stays small next to the host work. vit_fast's Triton kernels run in the interpreter's launch path
+with the launch itself replaced by a counter (nothing executes: outputs are uninitialised memory, which the
+host work does not read). Not included: Triton's own launcher on a GPU (argument binding and the driver call,
+counted here as launches) and the CUDA launch of each aten op (counted as aten calls). A check of where the
+time goes, not a GPU speed figure.
+
+Per op: torch.profiler's CPU time per vit_fast custom op (inclusive) and per top-level aten op, with call counts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# Shapes: the preset's depth, heads and head dim at two heads' width, one 32 px image of 16 px patches (5 tokens):
+# the host path is the one the full model takes (same ops, same branches), the arithmetic negligible.
+HOST_OVERRIDES = dict(img_size=32, num_classes=10)
+
+
+@dataclass
+class HostCost:
+    path: str
+    step_us: float
+    steps: int
+    launches: int = 0  # Triton launches per step (stubbed)
+    custom_ops: int = 0  # vit_fast:: custom-op calls per step
+    aten_calls: int = 0  # top-level aten calls per step (each a kernel launch or more on a GPU)
+    autograd_nodes: int = 0  # backward nodes run per step
+    per_op: list = field(default_factory=list)  # (name, calls per step, us per step), slowest first
+
+
+def shapes(preset: str) -> dict:
+    """Overrides that keep the preset's depth and head dim but use two heads and one 32 px image."""
+    from vit_fast.presets import get_config
+
+    cfg = get_config(preset)
+    head_dim = cfg.embed_dim // cfg.num_heads
+    return dict(HOST_OVERRIDES, embed_dim=2 * head_dim, num_heads=2, patch_size=16)
+
+
+def _model(path: str, preset: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    overrides = shapes(preset)
+    if path == "timm_eager":
+        import timm
+
+        return timm.create_model(preset, pretrained=False, **overrides).train()
+    import vit_fast
+
+    return vit_fast.create_model(preset, backend="triton", **overrides).train()
+
+
+class _StubbedLaunches:
+    """Replace the Triton interpreter's launch with a counter for the duration of a ``with``."""
+
+    def __enter__(self):
+        from triton.runtime import interpreter
+
+        self.executor = interpreter.GridExecutor
+        self.real = self.executor.__call__
+        self.count = 0
+
+        def counted(_self, *args, **kwargs):
+            self.count += 1
+
+        self.executor.__call__ = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.executor.__call__ = self.real
+
+
+class _quiet_stderr:
+    """File descriptor 2 to /dev/null for a ``with``: the profiler's C++ library logs its start, stop and a failed
+    GPU query there, which would read as errors."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
+def measure(path: str, preset: str, steps: int = 20, warmup: int = 3, batch: int = 1) -> HostCost:
+    """Median host microseconds per training step of ``path`` ('vit_fast' or 'timm_eager'), with counts."""
+    model = _model(path, preset)
+    cfg_img = HOST_OVERRIDES["img_size"]
+    x = torch.randn(batch, 3, cfg_img, cfg_img)
+    y = torch.randint(0, HOST_OVERRIDES["num_classes"], (batch,))
+
+    def step():
+        F.cross_entropy(model(x).float(), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    with _StubbedLaunches() as launches:
+        for _ in range(warmup):
+            step()
+        launches.count = 0
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e6)
+        launches_per_step = launches.count / steps
+        from torch.profiler import ProfilerActivity, profile
+
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+    result = HostCost(path, statistics.median(times), steps, launches=round(launches_per_step))
+    per_op: dict[str, list] = {}
+    for e in prof.events():
+        top_level = e.cpu_parent is None or e.cpu_parent.name.startswith(("autograd::engine", "ProfilerStep"))
+        if e.name.startswith("vit_fast::"):
+            result.custom_ops += 1
+        elif e.name.startswith("aten::") and top_level:
+            result.aten_calls += 1
+        elif e.name.startswith("autograd::engine::evaluate_function"):
+            result.autograd_nodes += 1
+        if e.name.startswith("vit_fast::") or (e.name.startswith("aten::") and top_level):
+            entry = per_op.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.cpu_time_total
+    result.per_op = sorted(((n, c, us) for n, (c, us) in per_op.items()), key=lambda r: -r[2])
+    return result
+
+
+def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
+    o = shapes(preset)
+    lines = [f"vit-fast host: {preset} (depth as the preset, {o['num_heads']} heads of {o['embed_dim'] // 2}, one "
+             f"{o['img_size']} px image): host work per training step (forward + cross-entropy + backward) on CPU, "
+             "kernel launches stubbed; not a GPU timing", "",
+             f"{'path':<12} {'host us/step':>12} {'launches':>9} {'custom ops':>10} {'aten calls':>10} "
+             f"{'autograd nodes':>14}"]
+    for r in results:
+        lines.append(f"{r.path:<12} {r.step_us:>12.0f} {r.launches:>9} {r.custom_ops:>10} {r.aten_calls:>10} "
+                     f"{r.autograd_nodes:>14}")
+    by = {r.path: r for r in results}
+    if "vit_fast" in by and "timm_eager" in by:
+        lines.append(f"\nvit_fast / timm eager host time: {by['vit_fast'].step_us / by['timm_eager'].step_us:.2f}x "
+                     "(Triton's launcher and the CUDA launches, not run here, add to both on a GPU)")
+    for r in results:
+        lines += ["", f"{r.path}: slowest ops (us per step, inclusive; calls)"]
+        for name, calls, us in r.per_op[:top]:
+            lines.append(f"  {name:<44} {us:>9.0f} us {calls:>5}x")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vit-fast host", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="vit_base_patch16_224", help="preset (depth and head dim are kept)")
+    parser.add_argument("--paths", nargs="+", default=["vit_fast", "timm_eager"], choices=["vit_fast", "timm_eager"])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported; default 20)")
+    parser.add_argument("--top", type=int, default=12, help="ops listed per path (default 12)")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter's launch path: on before triton loads
+        if "triton" in sys.modules:
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            return subprocess.run([sys.executable, "-m", "vit_fast.tools.host_cost",
+                                   *(sys.argv[1:] if argv is None else argv)], env=env).returncode
+        os.environ["TRITON_INTERPRET"] = "1"
+    results = [measure(path, args.model, steps=args.steps) for path in args.paths]
+    print(format_report(args.model, results, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -249,9 +249,9 @@ def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype
     backward) matches an aot_specs entry of the model's shape: kernel, constexprs, num_warps, num_stages
     and the dtype of every tensor argument. The launchers pick their tables for sm_90 too (gpu_arch
     patched): the interpreter runs whatever tiles an H100 would."""
-    from vit_fast.kernels import attention, linear_act, patch_embed
+    from vit_fast.kernels import attention, layer_norm, linear_act, patch_embed
 
-    for module in (attention, linear_act, patch_embed):  # the launchers that read the device's arch
+    for module in (attention, layer_norm, linear_act, patch_embed):  # the launchers that read the device's arch
         monkeypatch.setattr(module, "gpu_arch", lambda device: arch)
     torch.manual_seed(0)
     model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=64, num_heads=2,

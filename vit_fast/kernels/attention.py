@@ -75,6 +75,7 @@ token). The forward's bias costs nothing here: it rides in the qkv GEMM's epilog
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -710,6 +711,14 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     every D = 72 load was one element wide: sm_90 forward 38-51%, backward 32-34% at 32 rows owned, 1 stage.)
     fp32 keeps the padded builds (not measured split).
     """
+    if dtype == torch.float32 and input_precision is None:  # the torch tf32 flag, read now: not cached
+        input_precision = dot_input_precision(dtype)
+    return _attention_config(seq_len, head_dim, dtype, arch, input_precision, dropout)
+
+
+@functools.lru_cache(maxsize=None)  # a pure table lookup asked on every launch: built once per shape
+def _attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, input_precision: str | None,
+                      dropout: bool) -> AttentionConfig:
     wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
     # D = 72, 88 (SigLIP So400m: 72): not a multiple of the 16-wide MMA k-step, so the padded columns are
     # masked inside the dots' tiles, which costs registers of their own; checked at N = 256 and 257
@@ -937,7 +946,7 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N),
-                          _tuning.tile_candidates(static), launch, q.device))
+                          _fwd_candidates(static), launch, q.device))
 
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
@@ -973,7 +982,13 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
                                  launch, q.device))
 
 
-def _bwd_candidates(static: AttentionConfig) -> list[AttentionConfig]:
+@functools.lru_cache(maxsize=None)
+def _fwd_candidates(static: Tile) -> tuple[Tile, ...]:
+    return tuple(_tuning.tile_candidates(static))
+
+
+@functools.lru_cache(maxsize=None)  # asked on every backward launch: built once per config
+def _bwd_candidates(static: AttentionConfig) -> tuple[AttentionConfig, ...]:
     """The static backward config, then: the rows each program owns halved (both phases), the q rows per
     dK/dV step halved, the k/v rows per dQ step halved, the warps doubled (both phases share the launch)."""
     dkdv, dq = static.dkdv, static.dq
@@ -986,7 +1001,7 @@ def _bwd_candidates(static: AttentionConfig) -> list[AttentionConfig]:
         pairs.append((dkdv, replace(dq, block_n=dq.block_n // 2)))
     if dq.num_warps < 8:
         pairs.append((replace(dkdv, num_warps=8), replace(dq, num_warps=8)))
-    return [AttentionConfig(static.fwd, d, q) for d, q in pairs]
+    return tuple(AttentionConfig(static.fwd, d, q) for d, q in pairs)
 
 
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.

@@ -60,7 +60,7 @@ from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._rows import as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket
-from ._utils import FLOAT_DTYPES, check_kernel_device, next_power_of_2, seed_value, unit_stride
+from ._utils import FLOAT_DTYPES, check_kernel_device, gpu_arch, next_power_of_2, seed_value, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
@@ -175,13 +175,15 @@ def _layer_norm_bwd_kernel(
 # Backward tiles that differ from the forward's (BLOCK_N -> (BLOCK_M, num_warps)): at most two rows
 # and 8 elements per thread. The forward's 8-warp tiles of 4-8 rows (and 16 warps for one 2048 row)
 # leave ptxas spilling one register (8 B/thread) in some flag combinations on sm_80 or sm_90.
-# 1024 (widths 513-1024, ViT-B's 768): one row per program. Measured on an NVIDIA H200 (torch 2.11, triton 3.6,
-# 2026-11-26, `vit-fast tune`, docs/measured/h200-2026-11-26-campaign/tune.csv), 65536 x 768 bf16: one row on
-# 8 warps 0.241 ms, two rows on 8 warps 0.853 ms (3.5x). One row on 8 warps spills 8 B/thread on sm_90 with
-# LayerScale, so the static tile is one row on 4 warps (spill-free, 8 elements per thread; PREDICTED close to
-# 0.241 ms, not yet measured); autotuning still tries 8 warps. The static tile is what runs untuned: under
-# torch.compile and CUDA-graph capture, and with VIT_FAST_AUTOTUNE=0.
-_BWD_TILES = {256: (2, 2), 512: (2, 4), 1024: (1, 4), 2048: (1, 8)}
+_BWD_TILES = {256: (2, 2), 512: (2, 4), 2048: (1, 8)}
+# sm_90, 1024 (widths 513-1024, ViT-B's 768): one row per program. Measured on an NVIDIA H200 (torch 2.11,
+# triton 3.6, 2026-11-26, `vit-fast tune`, docs/measured/h200-2026-11-26-campaign/tune.csv), 65536 x 768 bf16:
+# one row on 8 warps 0.241 ms, two rows on 8 warps (the table above) 0.853 ms (3.5x). One row on 8 warps spills
+# 8 B/thread on sm_90 with LayerScale, so the static tile is one row on 4 warps (spill-free on sm_90, 8 elements
+# per thread; PREDICTED close to 0.241 ms, not yet measured); autotuning still tries 8 warps. On sm_80 one row on
+# 4 warps spills 8 B in an fp16 case, and nothing was measured there: it keeps two rows. The static tile is what
+# runs untuned: under torch.compile and CUDA-graph capture, and with VIT_FAST_AUTOTUNE=0.
+_BWD_TILES_SM90 = {1024: (1, 4)}
 
 
 def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int, int]:
@@ -192,8 +194,9 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
     entry of the report's presets for sm_80 and sm_90. One table for both archs; launchers and
     aot_specs both call this."""
     block_n = next_power_of_2(n)
-    if backward and block_n in _BWD_TILES:
-        block_m, warps = _BWD_TILES[block_n]
+    tiles = {**_BWD_TILES, **(_BWD_TILES_SM90 if arch >= 90 else {})}
+    if backward and block_n in tiles:
+        block_m, warps = tiles[block_n]
         return block_m, block_n, warps
     block_m = max(1, min(16, 2048 // block_n))
     if block_m > 1 or block_n < 2048:
@@ -275,8 +278,9 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
             dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, **flags)
         return sum_partials(partial, param_grad_dtype(params))
-    key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), *flags.values())
-    candidates = _tuning.row_candidates(*ln_config(n, backward=True), grow=False)
+    arch = gpu_arch(dev)
+    key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values())
+    candidates = _tuning.row_candidates(*ln_config(n, arch, backward=True), grow=False)
     return dh, dx, launch(_tuning.choose("layer_norm_bwd", key, candidates, launch, dev))
 
 

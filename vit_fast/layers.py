@@ -89,14 +89,22 @@ def layer_norm(dim: int, eps: float, backend: str = "auto") -> LayerNorm:
 def has_hooks(module: nn.Module, inside: bool = False) -> bool:
     """Whether forward or backward hooks would fire on ``module`` (with ``inside``: on any module below
     it, not counting itself), global module hooks included. The fused paths call GEMMs and kernels
-    directly, so modules with hooks (FSDP2's fully_shard registers them) are run through ``__call__``."""
+    directly, so modules with hooks (FSDP2's fully_shard registers them) are run through ``__call__``.
+    Asked on every forward: a plain walk of the module dicts (Module.modules() costs several times more)."""
     from torch.nn.modules import module as torch_module
 
     if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
             or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks):
         return True
-    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
-               for m in module.modules() if not (inside and m is module))
+    stack = list(module._modules.values()) if inside else [module]
+    while stack:
+        m = stack.pop()
+        if m is None:
+            continue
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+            return True
+        stack.extend(m._modules.values())
+    return False
 
 
 def linear_without_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

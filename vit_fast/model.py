@@ -308,17 +308,17 @@ class VisionTransformer(nn.Module):
         return (len(self.blocks) > 0 and resolve_backend(self.backend, x) == "triton"
                 and not has_hooks(self.blocks) and all(blk.reads_norms() for blk in self.blocks))
 
-    def _prunes_to_class_token(self, x: torch.Tensor) -> bool:
+    def _prunes_to_class_token(self, x: torch.Tensor, chained: bool) -> bool:
         """Whether forward() may run the last block on token 0 alone (class-token pooling reads nothing
         else). Same logits and gradients as the full path, also with drop-path and attention dropout,
         unless the last block draws per-token masks after attention (proj / MLP dropout in training): a
         pruned block would draw different ones. A subclass that overrides forward_features keeps its own."""
-        return (self.global_pool == "token" and self._fuses_across_blocks(x)
+        return (self.global_pool == "token" and chained
                 and type(self).forward_features is VisionTransformer.forward_features
                 and not self.blocks[-1].draws_row_dropout_masks())
 
     def _forward_blocks(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
-                        outputs: Optional[list] = None) -> torch.Tensor:
+                        outputs: Optional[list] = None, chained: Optional[bool] = None) -> torch.Tensor:
         """The block loop (the only one) and the final norm. Fused chain (``_fuses_across_blocks``): the
         blocks pass (hidden, residual) pairs, every join fused with the next LayerNorm (the last block's
         with the final norm); otherwise each block runs through ``__call__`` (hooks fire) on the stream.
@@ -329,7 +329,7 @@ class VisionTransformer(nn.Module):
         the CPU RNG state first, and the kernels draw their dropout seeds from it (next_seed), so the
         recomputed masks are the same."""
         blocks = list(self.blocks)[:depth]
-        chained = self._fuses_across_blocks(x)
+        chained = self._fuses_across_blocks(x) if chained is None else chained  # decided by forward() once
         final_norm = self.norm if chained and reads_norm(self.norm) else None
         hidden, residual = layer_norm_with_input(blocks[0].norm1, x) if chained else (None, x)
         for i, blk in enumerate(blocks):
@@ -428,11 +428,12 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
-        if self._prunes_to_class_token(x):
+        chained = self._fuses_across_blocks(x)
+        if self._prunes_to_class_token(x, chained):
             # the last block skips the other tokens' proj, MLP and joins; forward_features still
             # returns every token
             keep = 1 if self.dist_token is None else 2  # the heads read the class (and distillation) token
-            return self.forward_head(self._forward_blocks(self.embed(x), last_keep_rows=keep))
+            return self.forward_head(self._forward_blocks(self.embed(x), last_keep_rows=keep, chained=True))
         return self.forward_head(self.forward_features(x))
 
     @torch.no_grad()

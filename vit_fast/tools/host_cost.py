@@ -4,9 +4,9 @@ the kernel launches stubbed, for vit_fast's fused model and timm eager at the sa
 What it measures: wall-clock microseconds per step of everything the host does around the kernels (Python,
 autograd, the torch dispatcher, custom-op dispatch, vit_fast's configs and grids, timm's aten calls), on CPU
 tensors of a model with the preset's depth and head dim but a few tokens and a narrow width, so the CPU's own
-arithmetic stays small next to the host work. vit_fast's Triton kernels run in the interpreter's launch path
-with the launch itself replaced by a counter (nothing executes: outputs are uninitialised memory, which the
-host work does not read). Not included: Triton's own launcher on a GPU (argument binding and the driver call,
+arithmetic stays small next to the host work. vit_fast's Triton kernels are defined under the interpreter and
+their launch entry is replaced by a counter (nothing executes: outputs are uninitialised memory, which the host
+work does not read). Not included: Triton's own launcher on a GPU (argument binding and the driver call,
 counted here as launches) and the CUDA launch of each aten op (counted as aten calls). A check of where the
 time goes, not a GPU speed figure.
 
@@ -65,23 +65,25 @@ def _model(path: str, preset: str) -> torch.nn.Module:
 
 
 class _StubbedLaunches:
-    """Replace the Triton interpreter's launch with a counter for the duration of a ``with``."""
+    """Replace the Triton interpreter's launch entry (``InterpretedFunction.run``, what ``kernel[grid](...)``
+    calls) with a counter for the duration of a ``with``: the interpreter's own argument handling, which a GPU
+    launch does not do, is skipped with the kernel."""
 
     def __enter__(self):
         from triton.runtime import interpreter
 
-        self.executor = interpreter.GridExecutor
-        self.real = self.executor.__call__
+        self.function = interpreter.InterpretedFunction
+        self.real = self.function.run
         self.count = 0
 
-        def counted(_self, *args, **kwargs):
-            self.count += 1
+        def counted(_self, *args, grid, warmup, **kwargs):
+            self.count += 0 if warmup else 1
 
-        self.executor.__call__ = counted
+        self.function.run = counted
         return self
 
     def __exit__(self, *exc):
-        self.executor.__call__ = self.real
+        self.function.run = self.real
 
 
 class _quiet_stderr:

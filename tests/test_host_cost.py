@@ -4,8 +4,7 @@ from vit_fast.tools import host_cost
 
 
 def test_host_meter_counts_launches_ops_and_reports_both_paths():
-    results = [host_cost.measure(path, "vit_tiny_patch16_224", steps=2, warmup=1)
-               for path in ("vit_fast", "timm_eager")]
+    results = host_cost.measure(["vit_fast", "timm_eager"], "vit_tiny_patch16_224", steps=2, warmup=1)
     fast, timm = results
     depth = 12
     assert fast.step_us > 0 and timm.step_us > 0

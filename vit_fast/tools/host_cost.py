@@ -102,34 +102,47 @@ class _quiet_stderr:
         os.close(self.saved)
 
 
-def measure(path: str, preset: str, steps: int = 20, warmup: int = 3, batch: int = 1) -> HostCost:
-    """Median host microseconds per training step of ``path`` ('vit_fast' or 'timm_eager'), with counts."""
-    model = _model(path, preset)
-    cfg_img = HOST_OVERRIDES["img_size"]
-    x = torch.randn(batch, 3, cfg_img, cfg_img)
+def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3, batch: int = 1) -> list[HostCost]:
+    """Median host microseconds per training step of each path ('vit_fast', 'timm_eager'), with counts. The
+    paths' steps alternate, so a busy or throttled CPU slows them alike and their ratio holds."""
+    x = torch.randn(batch, 3, HOST_OVERRIDES["img_size"], HOST_OVERRIDES["img_size"])
     y = torch.randint(0, HOST_OVERRIDES["num_classes"], (batch,))
 
-    def step():
-        F.cross_entropy(model(x).float(), y).backward()
-        model.zero_grad(set_to_none=True)
+    def stepper(model):
+        def step():
+            F.cross_entropy(model(x).float(), y).backward()
+            model.zero_grad(set_to_none=True)
+        return step
 
-    with _StubbedLaunches() as launches:
-        for _ in range(warmup):
-            step()
-        launches.count = 0
-        times = []
+    step_of = {path: stepper(_model(path, preset)) for path in paths}
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    launches: dict[str, int] = {path: 0 for path in paths}
+    results = []
+    with _StubbedLaunches() as counter:
+        for step in step_of.values():
+            for _ in range(warmup):
+                step()
         for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e6)
-        launches_per_step = launches.count / steps
+            for path, step in step_of.items():
+                counter.count = 0
+                start = time.perf_counter()
+                step()
+                times[path].append((time.perf_counter() - start) * 1e6)
+                launches[path] += counter.count
         from torch.profiler import ProfilerActivity, profile
 
-        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-    result = HostCost(path, statistics.median(times), steps, launches=round(launches_per_step))
+        for path, step in step_of.items():
+            with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            result = HostCost(path, statistics.median(times[path]), steps, launches=round(launches[path] / steps))
+            _count_ops(result, prof.events())
+            results.append(result)
+    return results
+
+
+def _count_ops(result: HostCost, events) -> None:
     per_op: dict[str, list] = {}
-    for e in prof.events():
+    for e in events:
         top_level = e.cpu_parent is None or e.cpu_parent.name.startswith(("autograd::engine", "ProfilerStep"))
         if e.name.startswith("vit_fast::"):
             result.custom_ops += 1
@@ -142,7 +155,6 @@ def measure(path: str, preset: str, steps: int = 20, warmup: int = 3, batch: int
             entry[0] += 1
             entry[1] += e.cpu_time_total
     result.per_op = sorted(((n, c, us) for n, (c, us) in per_op.items()), key=lambda r: -r[2])
-    return result
 
 
 def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
@@ -181,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return subprocess.run([sys.executable, "-m", "vit_fast.tools.host_cost",
                                    *(sys.argv[1:] if argv is None else argv)], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
-    results = [measure(path, args.model, steps=args.steps) for path in args.paths]
+    results = measure(args.paths, args.model, steps=args.steps)
     print(format_report(args.model, results, args.top))
     return 0
 

@@ -10,6 +10,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from vit_fast._compat import custom_op_function
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The values Triton's own getenv_bool (triton/_C, read by triton.knobs.runtime.interpret) takes as
@@ -23,6 +26,26 @@ def interpreter_active() -> bool:
     case), read at every call (tests and tools set it at run time). Importing this module imports
     triton, but Triton reads the variable at launch time, so setting it after the import still works."""
     return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE_VALUES
+
+
+def run_op(op, *args):
+    """Call the custom op ``op`` from an autograd Function. On plain CUDA tensors (or CPU ones under the
+    interpreter) with nothing tracing, its Python function runs directly: the dispatcher's round trip through
+    the custom op (autograd redispatch, backend lookup) costs tens of microseconds per call and buys nothing
+    there. torch.compile, fake or meta tensors and dispatch modes (FakeTensorMode, counting modes) get the
+    custom op, whose fake implementation and schema they need."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return op(*args)
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.device.type not in ("cuda", "cpu")):
+            return op(*args)
+    if torch.autograd.profiler._is_profiler_enabled:  # profiles (vit-fast host) still see the op by its name
+        with torch.profiler.record_function(f"{op._namespace}::{op._name}"):
+            return custom_op_function(op)(*args)
+    return custom_op_function(op)(*args)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
@@ -56,7 +79,8 @@ def check_float(op: str, name: str, t: torch.Tensor, dtypes=FLOAT_DTYPES) -> Non
 def check_ndim(op: str, name: str, t: torch.Tensor, ndim: int | tuple[int, ...]) -> None:
     allowed = (ndim,) if isinstance(ndim, int) else ndim
     if t.dim() not in allowed:
-        raise ValueError(f"{op}: expected {name} with {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}")
+        raise ValueError(f"{op}: expected {name} with {' or '.join(map(str, allowed))} dims, "
+                         f"got shape {tuple(t.shape)}")
 
 
 def check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -101,6 +101,7 @@ from ._utils import (
     gpu_arch,
     next_power_of_2,
     next_seed,
+    run_op,
     seed_value,
 )
 from ._utils import input_precision as dot_input_precision
@@ -1100,7 +1101,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, qkv_bias, num_heads, scale, dropout_p, seed, query_rows):
-        out, lse = attention_fwd(qkv, num_heads, scale, dropout_p, seed, query_rows)
+        out, lse = run_op(attention_fwd, qkv, num_heads, scale, dropout_p, seed, query_rows)
         ctx.save_for_backward(qkv, qkv_bias, out, lse, seed)
         ctx.set_materialize_grads(False)  # no zero-filled grad for the non-differentiable lse
         ctx.args = (num_heads, scale, dropout_p)
@@ -1110,14 +1111,14 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         qkv, qkv_bias, out, lse, seed = ctx.saved_tensors
-        dqkv, dbias = attention_bwd(grad_out, qkv, qkv_bias, out, lse, *ctx.args, seed)
+        dqkv, dbias = run_op(attention_bwd, grad_out, qkv, qkv_bias, out, lse, *ctx.args, seed)
         return dqkv, (dbias if qkv_bias is not None else None), None, None, None, None, None
 
 
 class AttentionQKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, dropout_p, seed):
-        out, lse = attention_qkv_fwd(q, k, v, scale, dropout_p, seed)
+        out, lse = run_op(attention_qkv_fwd, q, k, v, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse, seed)
         ctx.set_materialize_grads(False)  # no zero-filled grad for the non-differentiable lse
         ctx.args = (scale, dropout_p)
@@ -1127,7 +1128,7 @@ class AttentionQKVFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         *tensors, seed = ctx.saved_tensors
-        return *attention_qkv_bwd(grad_out, *tensors, *ctx.args, seed), None, None, None
+        return *run_op(attention_qkv_bwd, grad_out, *tensors, *ctx.args, seed), None, None, None
 
 
 # --------------------------------------------------------------------------------------- functional

@@ -71,7 +71,7 @@ from ._rows import (
     sum_partials_spec,
 )
 from ._tuning import bucket
-from ._utils import check_kernel_device, next_power_of_2, seed_value, unit_stride
+from ._utils import check_kernel_device, next_power_of_2, run_op, seed_value, unit_stride
 
 
 # -------------------------------------------------------------------------------------- jit kernels
@@ -326,12 +326,12 @@ class BiasGeluFunction(torch.autograd.Function):
         x2 = as_rows(x, n)
         ctx.save_for_backward(x2, bias)
         ctx.approximate, ctx.shape = approximate, shape
-        return bias_gelu_fwd(x2, bias, approximate).view(shape)
+        return run_op(bias_gelu_fwd, x2, bias, approximate).view(shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, bias = ctx.saved_tensors
-        dx, dbias = bias_gelu_bwd(as_rows(dy, x2.shape[1]), x2, bias, ctx.approximate)
+        dx, dbias = run_op(bias_gelu_bwd, as_rows(dy, x2.shape[1]), x2, bias, ctx.approximate)
         return dx.view(ctx.shape), (dbias if bias is not None else None), None
 
 
@@ -343,13 +343,13 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         ctx.p, ctx.shape, ctx.res_dtype = p, x.shape, residual.dtype
         ctx.store_dx = stores_dx(p, gamma, sample_scale, torch.promote_types(x.dtype, residual.dtype), x.dtype)
         # x2 in x's shape: a view of x (or of the one copy as_rows made), so the op copies nothing again
-        return bias_dropout_add_fwd(x2.view(x.shape), bias, residual, gamma, sample_scale, p, seed)
+        return run_op(bias_dropout_add_fwd, x2.view(x.shape), bias, residual, gamma, sample_scale, p, seed)
 
     @staticmethod
     def backward(ctx, dout):
         x2, bias, gamma, sample_scale, seed = ctx.saved_tensors
         dout2 = as_rows(dout, x2.shape[1])
-        dx, dparams = bias_dropout_add_bwd(dout2, x2, bias, gamma, sample_scale, ctx.p, seed)
+        dx, dparams = run_op(bias_dropout_add_bwd, dout2, x2, bias, gamma, sample_scale, ctx.p, seed)
         dx = dx.view(ctx.shape) if ctx.store_dx else dout
         grads = iter(dparams)
         dbias = next(grads).to(bias.dtype) if bias is not None else None

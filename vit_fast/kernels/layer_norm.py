@@ -60,7 +60,7 @@ from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._rows import as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket
-from ._utils import FLOAT_DTYPES, check_kernel_device, gpu_arch, next_power_of_2, seed_value, unit_stride
+from ._utils import FLOAT_DTYPES, check_kernel_device, gpu_arch, next_power_of_2, run_op, seed_value, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
@@ -320,7 +320,8 @@ class AddLayerNormFunction(torch.autograd.Function):
         shape, n = x.shape, x.shape[-1]
         x2 = as_rows(x, n)
         res2 = as_rows(residual, n) if residual is not None else None
-        y, h, mean, rstd = add_layer_norm_fwd(x2, res2, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed,
+        y, h, mean, rstd = run_op(add_layer_norm_fwd, x2, res2, weight, bias, branch_bias, gamma, sample_scale,
+                                  eps, p, seed,
                                               out_dtype)
         ctx.has_res = residual is not None
         ctx.res_dtype = residual.dtype if ctx.has_res else None
@@ -343,8 +344,8 @@ class AddLayerNormFunction(torch.autograd.Function):
         if dy is None:  # normed unused: only the join's backward (no LN pass over zeros)
             return AddLayerNormFunction._join_backward(ctx, dh_out2, x2, branch_bias, gamma, sample_scale, seed)
         dy2 = as_rows(dy, n)
-        dh, dx, dparams = add_layer_norm_bwd(dy2, dh_out2, h, x2, weight, bias, branch_bias, gamma, sample_scale,
-                                             mean, rstd, ctx.p, seed, ctx.store_dx)
+        dh, dx, dparams = run_op(add_layer_norm_bwd, dy2, dh_out2, h, x2, weight, bias, branch_bias, gamma,
+                                 sample_scale, mean, rstd, ctx.p, seed, ctx.store_dx)
         dh = dh.view(ctx.shape)
         grads = iter(dparams)
         dweight, dbias = next(grads).to(weight.dtype), next(grads).to(bias.dtype)
@@ -358,7 +359,7 @@ class AddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def _join_backward(ctx, dh2, x2, branch_bias, gamma, sample_scale, seed):
-        dx, dparams = bias_dropout_add_bwd(dh2, x2, branch_bias, gamma, sample_scale, ctx.p, seed)
+        dx, dparams = run_op(bias_dropout_add_bwd, dh2, x2, branch_bias, gamma, sample_scale, ctx.p, seed)
         grads = iter(dparams)
         dbranch = next(grads).to(branch_bias.dtype) if branch_bias is not None else None
         dgamma = next(grads).to(gamma.dtype) if gamma is not None else None

@@ -38,8 +38,8 @@ HBM traffic per row of M (s = bytes of x's dtype; C = width, H = hidden; weights
     backward  dw2: read dy, h;  dgrad: read dy, act'(u), write du;  dx: read du, write dx;  dw1: read du, x
 For ViT (H = 4C, N = C): forward 14C s, backward 24C s. The removed gelu_linear path (fc1 on cuBLAS,
 GELU inside fc2's operand loads) moved 10C s and 24C s but was issue-bound (a 35% tensor-core ceiling on
-sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate GELU and GELU backward): 18C s and 32C s. Memory held for backward:
-x, h and act'(u) (eager holds x, u and h).
+sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate GELU and GELU backward): 18C s
+and 32C s. Memory held for backward: x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
 main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config.
 """
@@ -57,7 +57,7 @@ from . import _tuning
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._math import gelu_fwd_bwd
 from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
-from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, unit_stride
+from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
 
 OP = "linear_act"
 # activation name -> ACT constexpr of the kernels
@@ -314,7 +314,7 @@ class LinearActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, activation, needs_du):
         x2 = as_rows(x, x.shape[-1])  # needs_du: a grad of x, w1 or b1 is wanted (fc2's dgrad GEMM runs)
-        h, dact = linear_act_fwd(x2, w1, b1, activation, needs_du)
+        h, dact = run_op(linear_act_fwd, x2, w1, b1, activation, needs_du)
         y = F.linear(h, w2)  # cuBLAS
         ctx.save_for_backward(x2, w1, b1, w2, h, dact)
         ctx.shape, ctx.needs_du = x.shape, needs_du
@@ -329,7 +329,7 @@ class LinearActFunction(torch.autograd.Function):
             dw2 = dy2.t().mm(h)  # cuBLAS
         if ctx.needs_du:
             needs_db = b1 is not None and ctx.needs_input_grad[2]
-            du, db = linear_act_bwd(dy2, dact, w2, b1 if needs_db else None)
+            du, db = run_op(linear_act_bwd, dy2, dact, w2, b1 if needs_db else None)
             db1 = db if needs_db else None
             if ctx.needs_input_grad[0]:
                 dx = du.mm(w1).view(ctx.shape)  # cuBLAS

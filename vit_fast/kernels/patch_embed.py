@@ -41,7 +41,8 @@ traffic divided by B): forward, 1 launch, reads the image once (602 KB; the othe
 from L2) and writes the tokens once (303 KB), ~0.92 MB; eager (cast images, cast weight, cast bias,
 conv, cat, add: 6 launches) moves ~3.6 MB and hands on fp32 tokens (605 KB). Backward, 2 launches:
 dY twice (dW GEMM, batch sums) + the image once + the fp32 dW partials written and read back (S=8 on
-sm_90: 148 KB; S=3 on sm_80: 55 KB), ~1.3-1.4 MB; eager ~3.1-3.5 MB in 5-6 launches. The saved activation is the caller's image (eager also keeps a bf16 copy).
+sm_90: 148 KB; S=3 on sm_80: 55 KB), ~1.3-1.4 MB; eager ~3.1-3.5 MB in 5-6 launches. The saved activation is
+the caller's image (eager also keeps a bf16 copy).
 
 Limits: square patches (P x P, stride P, no padding; any P >= 1: for P <= 2 a K tile spans several
 channels, as tl.dot needs K >= 16), H and W positive multiples of P, float images.
@@ -67,6 +68,7 @@ from ._utils import (
     check_shape,
     compute_dtype_for,
     gpu_arch,
+    run_op,
 )
 
 OP = "patch_embed"
@@ -625,14 +627,14 @@ class PatchEmbedFunction(torch.autograd.Function):
     def forward(ctx, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype):
         ctx.save_for_backward(images, weight, bias, pos_embed, cls_token, reg_tokens)
         ctx.pos_embed_covers_prefix = pos_embed_covers_prefix
-        return patch_embed_fwd(images, weight, bias, pos_embed, cls_token, reg_tokens,
+        return run_op(patch_embed_fwd, images, weight, bias, pos_embed, cls_token, reg_tokens,
                                pos_embed_covers_prefix, compute_dtype)
 
     @staticmethod
     def backward(ctx, dtokens):
         images, weight, bias, pos_embed, cls_token, reg_tokens = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        dW, dbias, dpos, dcls, dreg, dimages = patch_embed_bwd(
+        dW, dbias, dpos, dcls, dreg, dimages = run_op(patch_embed_bwd,
             dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens,
             ctx.pos_embed_covers_prefix, needs[0], needs[1] or needs[2])
         wanted = lambda i, g: g if needs[i] else None  # noqa: E731

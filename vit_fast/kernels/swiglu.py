@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_float, check_kernel_device, next_power_of_2
+from ._utils import check_float, check_kernel_device, next_power_of_2, run_op
 
 
 @triton.jit
@@ -140,12 +140,12 @@ class SwiGLUFunction(torch.autograd.Function):
         a2, b2 = _rows(a), _rows(b)
         ctx.save_for_backward(a2, b2)
         ctx.shape = a.shape
-        return swiglu_fwd(a2, b2).view(a.shape)
+        return run_op(swiglu_fwd, a2, b2).view(a.shape)
 
     @staticmethod
     def backward(ctx, dy):
         a2, b2 = ctx.saved_tensors
-        grad = swiglu_bwd(_rows(dy), a2, b2, 0)
+        grad = run_op(swiglu_bwd, _rows(dy), a2, b2, 0)
         return grad[0].view(ctx.shape), grad[1].view(ctx.shape)
 
 
@@ -159,14 +159,14 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         a2, b2 = (h2[:, f:], h2[:, :f]) if gate_last else (h2[:, :f], h2[:, f:])
         ctx.save_for_backward(h2)
         ctx.gate_last, ctx.shape = gate_last, h.shape
-        return swiglu_fwd(a2, b2).view(*h.shape[:-1], f)
+        return run_op(swiglu_fwd, a2, b2).view(*h.shape[:-1], f)
 
     @staticmethod
     def backward(ctx, dy):
         (h2,) = ctx.saved_tensors
         f = h2.shape[1] // 2
         a2, b2 = (h2[:, f:], h2[:, :f]) if ctx.gate_last else (h2[:, :f], h2[:, f:])
-        grad = swiglu_bwd(_rows(dy), a2, b2, 2 if ctx.gate_last else 1)
+        grad = run_op(swiglu_bwd, _rows(dy), a2, b2, 2 if ctx.gate_last else 1)
         return grad.view(ctx.shape), None
 
 

@@ -176,14 +176,13 @@ def _layer_norm_bwd_kernel(
 # and 8 elements per thread. The forward's 8-warp tiles of 4-8 rows (and 16 warps for one 2048 row)
 # leave ptxas spilling one register (8 B/thread) in some flag combinations on sm_80 or sm_90.
 _BWD_TILES = {256: (2, 2), 512: (2, 4), 2048: (1, 8)}
-# sm_90, 1024 (widths 513-1024, ViT-B's 768): one row per program. Measured on an NVIDIA H200 (torch 2.11,
-# triton 3.6, 2026-11-26, `vit-fast tune`, docs/measured/h200-2026-11-26-campaign/tune.csv), 65536 x 768 bf16:
-# one row on 8 warps 0.241 ms, two rows on 8 warps (the table above) 0.853 ms (3.5x). One row on 8 warps spills
-# 8 B/thread on sm_90 with LayerScale, so the static tile is one row on 4 warps (spill-free on sm_90, 8 elements
-# per thread; PREDICTED close to 0.241 ms, not yet measured); autotuning still tries 8 warps. On sm_80 one row on
-# 4 warps spills 8 B in an fp16 case, and nothing was measured there: it keeps two rows. The static tile is what
-# runs untuned: under torch.compile and CUDA-graph capture, and with VIT_FAST_AUTOTUNE=0.
-_BWD_TILES_SM90 = {1024: (1, 4)}
+# 1024 (widths 513-1024, ViT-B's 768) keeps the forward's two rows on 8 warps, although one row on 8 warps
+# measured 3.5x faster on an NVIDIA H200 (0.241 vs 0.853 ms at 65536 x 768 bf16; torch 2.11, triton 3.6,
+# 2026-11-26, `vit-fast tune`, docs/measured/h200-2026-11-26-campaign/tune.csv): every one-row tile tried spills
+# somewhere (8 warps: 8 B/thread on sm_90 with LayerScale; 4 warps: 8 B on sm_80 fp16, and on sm_90 with
+# LayerScale and dropout under triton 3.6). Autotuning (on by default on a GPU) tries one row on 8 warps; the
+# static tile is what runs under torch.compile, CUDA-graph capture and VIT_FAST_AUTOTUNE=0.
+_BWD_TILES_SM90: dict[int, tuple[int, int]] = {}
 
 
 def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int, int]:

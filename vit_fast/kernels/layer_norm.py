@@ -182,7 +182,6 @@ _BWD_TILES = {256: (2, 2), 512: (2, 4), 2048: (1, 8)}
 # somewhere (8 warps: 8 B/thread on sm_90 with LayerScale; 4 warps: 8 B on sm_80 fp16, and on sm_90 with
 # LayerScale and dropout under triton 3.6). Autotuning (on by default on a GPU) tries one row on 8 warps; the
 # static tile is what runs under torch.compile, CUDA-graph capture and VIT_FAST_AUTOTUNE=0.
-_BWD_TILES_SM90: dict[int, tuple[int, int]] = {}
 
 
 def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int, int]:
@@ -193,9 +192,8 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
     entry of the report's presets for sm_80 and sm_90. One table for both archs; launchers and
     aot_specs both call this."""
     block_n = next_power_of_2(n)
-    tiles = {**_BWD_TILES, **(_BWD_TILES_SM90 if arch >= 90 else {})}
-    if backward and block_n in tiles:
-        block_m, warps = tiles[block_n]
+    if backward and block_n in _BWD_TILES:
+        block_m, warps = _BWD_TILES[block_n]
         return block_m, block_n, warps
     block_m = max(1, min(16, 2048 // block_n))
     if block_m > 1 or block_n < 2048:
@@ -320,8 +318,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         x2 = as_rows(x, n)
         res2 = as_rows(residual, n) if residual is not None else None
         y, h, mean, rstd = run_op(add_layer_norm_fwd, x2, res2, weight, bias, branch_bias, gamma, sample_scale,
-                                  eps, p, seed,
-                                              out_dtype)
+                                  eps, p, seed, out_dtype)
         ctx.has_res = residual is not None
         ctx.res_dtype = residual.dtype if ctx.has_res else None
         ctx.store_dx = ctx.has_res and stores_dx(p, gamma, sample_scale, h.dtype, x.dtype)

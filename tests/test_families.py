@@ -5,6 +5,7 @@ gradient with the source (random weights, tiny configs); the family layers again
 backends (kernels in the interpreter without a GPU)."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -106,12 +107,10 @@ def _hf_models():
 
 def _hf_output(model, x):
     out = model(pixel_values=x)
-    name = type(model).__name__
-    if name == "CLIPVisionModelWithProjection":
-        return out.image_embeds
-    if name == "SiglipForImageClassification":
-        return out.logits
-    return out.pooler_output
+    for field in ("image_embeds", "logits", "pooler_output"):
+        if getattr(out, field, None) is not None:
+            return getattr(out, field)
+    raise AssertionError(f"no pooled output in {type(out).__name__}")
 
 
 @pytest.mark.parametrize("kind", ["clip", "clip_projection", "siglip", "siglip_classifier", "dinov2",
@@ -392,14 +391,18 @@ def _perturbed(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("kind", ["clip", "clip_projection", "siglip", "siglip_classifier", "dinov2",
                                   "dinov2_swiglu"])
 def test_hf_family_through_optimize(kind, backend):
-    """optimize(transformers model): the source's output type and fields (last_hidden_state, pooler_output,
-    image_embeds, logits, loss) and every source parameter's gradient, both backends."""
+    """optimize(transformers model) keeps transformers' class (a same-name subclass), module tree and
+    parameter names; the source's output type and fields (last_hidden_state, pooler_output, image_embeds,
+    logits, loss) and every parameter's gradient, both backends; the linked vit_fast model owns nothing."""
     import vit_fast
 
     torch.manual_seed(0)
     source = _perturbed(_hf_models()[kind]()).eval()
     fast = vit_fast.optimize(source, backend=backend)
-    assert type(fast).__name__ == "HFVisionFamily"
+    assert type(fast).__name__ == type(source).__name__ and isinstance(fast, type(source))
+    assert [n for n, _ in fast.named_parameters()] == [n for n, _ in source.named_parameters()]
+    assert [n for n, _ in fast.named_modules()] == [n for n, _ in source.named_modules()]
+    assert not list(fast.vit_fast_model.parameters())
     x = _images({"img_size": 32})
     labels = torch.tensor([1, 3]) if kind == "siglip_classifier" else None
     kwargs = {"labels": labels} if labels is not None else {}
@@ -413,18 +416,73 @@ def test_hf_family_through_optimize(kind, backend):
                       for o in (out, expected))
     loss.backward()
     ref_loss.backward()
-    fast_params = dict(fast.named_parameters())
-    names = __import__("vit_fast.interop.optimize", fromlist=["x"])._family_names(
-        source, __import__("vit_fast.interop.optimize", fromlist=["x"]).hf_family_to_timm(source))
-    to_timm = families.hf_dinov2_to_timm if kind.startswith("dinov2") else families.hf_clip_siglip_to_timm
-    mapped = to_timm({k: p.grad for k, p in source.named_parameters() if p.grad is not None})
-    assert {"model." + k for k in mapped} == set(fast_params)
-    assert {"model." + n for v in names.values() for n in v} == set(fast_params)
-    for k, g in mapped.items():
-        assert_close(fast_params["model." + k].grad, g, FP32, f"grad {k}")
+    grads, ref_grads = (_qkv_bias_grads_joined(m) for m in (fast, source))
+    assert grads.keys() == ref_grads.keys(), "gradients reach the same parameters"
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], FP32, f"grad {name}")
     assert not fast(x, return_dict=False)[0].isnan().any()
     with pytest.raises(ValueError, match="output_hidden_states"):
         fast(x, output_hidden_states=True)
+
+
+def _qkv_bias_grads_joined(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gradient, a layer's q, k and v bias gradients joined as one: the key bias's own is
+    zero up to rounding (softmax ignores a shift per query row), so only the joined one has a scale."""
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for name in [n for n in grads if n.endswith("k_proj.bias")]:
+        grads[name[:-len("k_proj.bias")] + "qkv_bias"] = torch.cat(
+            [grads.pop(name.replace("k_proj", part)) for part in ("q_proj", "k_proj", "v_proj")])
+    return grads
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT asks
+@pytest.mark.parametrize("kind", ["clip_projection", "dinov2_swiglu"])
+def test_hf_family_peft_freezing_and_save_load(kind, tmp_path):
+    """The optimized family model is transformers' tree: PEFT's usual targets (q_proj, v_proj) wrap its
+    modules and the fused forward reads them (same outputs and LoRA gradients as PEFT on the source);
+    freezing by name holds; save_pretrained / from_pretrained round-trip through the optimized class, and a
+    model transformers builds itself (from_pretrained on the optimized class) links on first use."""
+    import vit_fast
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    source = _perturbed(_hf_models()[kind]()).eval()
+    fast = vit_fast.optimize(copy.deepcopy(source), backend="triton")
+    config = dict(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8, init_lora_weights=False)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(source, peft.LoraConfig(**config))
+    fast = peft.get_peft_model(fast, peft.LoraConfig(**config))
+    fast.load_state_dict(ref.state_dict())
+    x = _images({"img_size": 32})
+    out, expected = (_hf_output(m, x) for m in (fast, ref))
+    assert_close(out, expected, FP32, "output with LoRA")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    ref_params = dict(ref.named_parameters())
+    trained = [(n, p) for n, p in fast.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, _ in trained)
+    for name, p in trained:
+        assert_close(p.grad, ref_params[name].grad, FP32, name)
+
+    model = vit_fast.optimize(_hf_models()[kind](), backend="triton")
+    embeddings = getattr(model, "vision_model", model).embeddings
+    for p in embeddings.parameters():
+        p.requires_grad_(False)
+    _hf_output(model, x).sum().backward()
+    assert all(p.grad is None for p in embeddings.parameters())
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, backend="triton")
+    assert type(loaded) is type(model) and loaded.config.architectures == [type(model).__name__]
+    with torch.no_grad():
+        assert_close(_hf_output(loaded.eval(), x), _hf_output(model.eval(), x), FP32, "after save / load")
+    stock = model.to_transformers()
+    assert type(stock) is type(model).stock_class()
+    with torch.no_grad():
+        assert_close(_hf_output(stock.eval(), x), _hf_output(model, x), FP32, "to_transformers")
+    built = type(model)(copy.deepcopy(model.config))  # transformers' own construction: links on first call
+    built.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert_close(_hf_output(built.eval(), x), _hf_output(model, x), FP32, "constructed directly")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

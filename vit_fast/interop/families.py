@@ -276,8 +276,9 @@ def _hf_act(name: str) -> str:
 
 def hf_config(model: nn.Module) -> dict:
     """ViTConfig fields of a transformers CLIP / SigLIP / Dinov2 vision model, read from its config."""
-    where = _qualname(model)
-    cls = type(model).__name__
+    # an optimized model (vit_fast.interop.hf_families) is read as the transformers class it subclasses
+    stock = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), type(model))
+    where, cls = f"{stock.__module__}.{stock.__qualname__}", stock.__name__
     known = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel", "SiglipForImageClassification",
              "Dinov2Model")
     if not where.startswith("transformers.") or cls not in known:

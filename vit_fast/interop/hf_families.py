@@ -1,6 +1,9 @@
-"""``HFVisionFamily``: what ``vit_fast.optimize`` returns for a transformers CLIP / SigLIP / Dinov2 vision model,
-a look-alike of the source class around a vit_fast VisionTransformer (``.model``), same forward signature
-and output type:
+"""What ``vit_fast.optimize`` returns for a transformers CLIP / SigLIP / DINOv2 vision model: a copy of it whose
+class is a same-name subclass of the source's (``isinstance`` holds, ``config``, ``save_pretrained``, module
+tree and parameter names are transformers' own: PEFT targets ``q_proj`` / ``v_proj``, freezing and
+per-layer learning rates by name work as on the source), whose forward is a vit_fast VisionTransformer
+linked to those modules (interop/linked.py; the layouts there say where each family keeps each part).
+Same forward signature and output type as the source:
 
   CLIPVisionModel               BaseModelOutputWithPooling(last_hidden_state = the encoder output before
                                 post_layernorm, pooler_output = post_layernorm(class token))
@@ -17,64 +20,97 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn as nn
+import transformers
+from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
-from ..model import VisionTransformer
+from .families import hf_config
+from .hf import HFLinked
+from .linked import CLIPLayout, Dinov2Layout, SiglipLayout
 
 
-class HFVisionFamily(nn.Module):
-    def __init__(self, source: nn.Module, fast: VisionTransformer):
-        super().__init__()
-        self.model = fast
-        self.config = source.config
-        self.source_class = type(source).__name__
-        self._loss_function = source.loss_function if self.source_class == "SiglipForImageClassification" else None
+class HFVisionFamily(HFLinked):
+    """The forward of the optimized CLIP / SigLIP / DINOv2 vision classes (see the module docstring)."""
 
-    @property
-    def vit_fast_model(self) -> VisionTransformer:
-        return self.model
+    def vit_fast_config(self) -> dict:
+        return hf_config(self)
 
-    def set_backend(self, backend: str) -> "HFVisionFamily":
-        self.model.set_backend(backend)
-        return self
-
-    def forward(self, pixel_values: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None, *,
-                return_dict: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
-                output_attentions: Optional[bool] = None, interpolate_pos_encoding: Optional[bool] = None,
-                bool_masked_pos: Optional[torch.Tensor] = None, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
-
+    def _forward(self, pixel_values: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None, *,
+                 return_dict: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
+                 output_attentions: Optional[bool] = None, interpolate_pos_encoding: Optional[bool] = None,
+                 bool_masked_pos: Optional[torch.Tensor] = None, **kwargs):
+        source_class = self.stock_class().__name__
+        classifier = source_class == "SiglipForImageClassification"
         unsupported = [name for name, bad in [
             ("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions),
             ("interpolate_pos_encoding", interpolate_pos_encoding), ("bool_masked_pos", bool_masked_pos is not None),
             (f"keyword arguments {sorted(kwargs)}", kwargs),
-            ("labels (only SiglipForImageClassification takes them)",
-             labels is not None and self._loss_function is None),
+            ("labels (only SiglipForImageClassification takes them)", labels is not None and not classifier),
         ] if bad]
         if pixel_values is None:
             unsupported.append("pixel_values=None (required)")
         if unsupported:
-            raise ValueError(f"{self.source_class} (vit_fast): not supported: {', '.join(unsupported)}")
-        m = self.model
-        if self.source_class.startswith("CLIP"):
+            raise ValueError(f"{source_class} (vit_fast): not supported: {', '.join(unsupported)}")
+        m = self.linked_in_mode()
+        pixel_values = pixel_values.to(m.patch_embed.proj.weight.dtype)  # as transformers does
+        if source_class.startswith("CLIP"):
             # last_hidden_state is the stream before post_layernorm; pooled = post_layernorm(class token)
             final, [(patches, prefix)] = m.forward_intermediates(pixel_values, indices=1, output_fmt="NLC",
                                                                  return_prefix_tokens=True)
             sequence, pooled = torch.cat([prefix, patches], dim=1), final[:, 0]
-            if self.source_class == "CLIPVisionModelWithProjection":
+            if source_class == "CLIPVisionModelWithProjection":
                 from transformers.models.clip.modeling_clip import CLIPVisionModelOutput
 
                 out = CLIPVisionModelOutput(image_embeds=m.head(pooled), last_hidden_state=sequence)
             else:
                 out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled)
-        elif self.source_class == "SiglipForImageClassification":
+        elif classifier:
             logits = m(pixel_values)  # global_pool='avg' over the post-layernorm tokens, then the classifier
-            loss = self._loss_function(labels, logits, self.config) if labels is not None else None
+            loss = self.loss_function(labels, logits, self.config) if labels is not None else None
             out = ImageClassifierOutput(loss=loss, logits=logits)
         else:
             sequence = m.forward_features(pixel_values)
             pooled = m.attn_pool(sequence) if m.attn_pool is not None else (
-                sequence[:, 0] if self.source_class == "Dinov2Model" else None)
+                sequence[:, 0] if source_class == "Dinov2Model" else None)
             out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled)
-        use_dict = return_dict if return_dict is not None else getattr(self.config, "use_return_dict", True)
+        use_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         return out if use_dict else out.to_tuple()
+
+
+class _WithImageSize(HFVisionFamily):
+    def forward(self, pixel_values: Optional[torch.Tensor] = None, interpolate_pos_encoding: Optional[bool] = None,
+                **kwargs):
+        return self._forward(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
+
+
+# Same names as the source classes (config.architectures and save_pretrained see transformers' names);
+# module-level so that pickling finds them.
+class CLIPVisionModel(_WithImageSize, transformers.CLIPVisionModel):
+    vit_fast_layout = CLIPLayout()
+
+
+class CLIPVisionModelWithProjection(_WithImageSize, transformers.CLIPVisionModelWithProjection):
+    vit_fast_layout = CLIPLayout()
+
+
+class SiglipVisionModel(_WithImageSize, transformers.SiglipVisionModel):
+    vit_fast_layout = SiglipLayout()
+
+
+class SiglipForImageClassification(HFVisionFamily, transformers.SiglipForImageClassification):
+    vit_fast_layout = SiglipLayout()
+
+    def forward(self, pixel_values: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                interpolate_pos_encoding: Optional[bool] = None, **kwargs):
+        return self._forward(pixel_values, labels, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
+
+
+class Dinov2Model(HFVisionFamily, transformers.Dinov2Model):
+    vit_fast_layout = Dinov2Layout()
+
+    def forward(self, pixel_values: Optional[torch.Tensor] = None, bool_masked_pos: Optional[torch.Tensor] = None,
+                **kwargs):
+        return self._forward(pixel_values, bool_masked_pos=bool_masked_pos, **kwargs)
+
+
+OPTIMIZED_CLASSES = {cls.__name__: cls for cls in (CLIPVisionModel, CLIPVisionModelWithProjection, SiglipVisionModel,
+                                                   SiglipForImageClassification, Dinov2Model)}

@@ -7,9 +7,10 @@ Accepted sources and what comes back (same device, dtype, train/eval mode and re
   - timm VisionTransformer        -> vit_fast.VisionTransformer (timm's own module and parameter names;
                                      forward / forward_features / forward_head as timm's);
   - torchvision VisionTransformer -> vit_fast.VisionTransformer (forward(x) -> logits);
-  - transformers ViTModel / ViTForImageClassification -> a copy of it that keeps transformers' class (a
-    subclass of the same name), module tree, config and save_pretrained, with vit_fast's forward reading
-    those modules (interop/hf.py; ``isinstance(model, vit_fast.HFViT)``);
+  - transformers ViTModel / ViTForImageClassification, CLIPVisionModel(WithProjection), SiglipVisionModel,
+    SiglipForImageClassification, Dinov2Model -> a copy of it that keeps transformers' class (a subclass
+    of the same name), module tree, config and save_pretrained, with vit_fast's forward reading those
+    modules (interop/hf.py, hf_families.py; ``isinstance(model, vit_fast.interop.hf.HFLinked)``);
   - a vit_fast VisionTransformer  -> the same object, switched to ``backend``.
 A source using a feature vit_fast does not implement raises one ValueError listing every such feature:
 the result is never a silently different model.
@@ -23,7 +24,6 @@ from ..backend import check_backend, kernels_can_run_on
 from ..model import VisionTransformer
 from .convert import (
     HF_FAMILY_CLASSES,
-    from_hf,
     from_open_clip,
     from_timm,
     from_torchvision,
@@ -31,7 +31,6 @@ from .convert import (
     torchvision_to_timm_state_dict,
 )
 from .families import open_clip_to_timm
-from .hf_families import HFVisionFamily
 
 
 def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True,
@@ -78,13 +77,10 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
     elif kind == "open_clip":
         fast = from_open_clip(model)
         names = _family_names(model, open_clip_to_timm)
-    elif kind == "hf_family":
-        fast = HFVisionFamily(model, from_hf(model))
-        names = {k: ["model." + n for n in v] for k, v in _family_names(model, hf_family_to_timm(model)).items()}
     elif kind == "torchvision":
         fast = from_torchvision(model)
         names = _mapped_names(model, torchvision_to_timm_state_dict)
-    else:  # transformers ViT: the same modules, vit_fast's forward
+    else:  # transformers ViT, CLIP, SigLIP, DINOv2: the same modules, vit_fast's forward
         from .hf import optimize_hf  # imports transformers
 
         fast = optimize_hf(model)
@@ -125,7 +121,8 @@ def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
 
 
 def source_kind(model: nn.Module) -> str:
-    """'vit_fast' | 'timm' | 'torchvision' | 'hf' for a supported ViT class, else a ValueError."""
+    """'vit_fast' | 'timm' | 'torchvision' | 'hf' | 'hf_family' | 'open_clip' | 'hf_optimized' for a supported
+    ViT class, else a ValueError."""
     if isinstance(model, VisionTransformer):
         return "vit_fast"
     if hasattr(model, "vit_fast_model"):  # already optimized (interop/hf.py)
@@ -166,18 +163,6 @@ def _mapped_names(model: nn.Module, to_timm) -> dict[str, str]:
     names = [name for name, _ in model.named_parameters()]
     mapped = to_timm({name: torch.tensor([float(i)]) for i, name in enumerate(names)})
     return {names[int(i)]: new for new, index in mapped.items() for i in index.tolist()}
-
-
-def hf_family_to_timm(model: nn.Module):
-    """The state-dict key map of a transformers family model (the classifier drops SigLIP's unused head)."""
-    from .families import hf_clip_siglip_to_timm, hf_dinov2_to_timm
-
-    if type(model).__name__ == "Dinov2Model":
-        return hf_dinov2_to_timm
-    if type(model).__name__ == "SiglipForImageClassification":
-        return lambda sd: hf_clip_siglip_to_timm(
-            {k: v for k, v in sd.items() if not k.startswith("vision_model.head.")})
-    return hf_clip_siglip_to_timm
 
 
 def _family_names(model: nn.Module, to_timm) -> dict[str, list[str]]:

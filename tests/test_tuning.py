@@ -266,13 +266,16 @@ def test_tune_model_applies_the_faster_path_per_fusion_prints_the_table_and_cach
         result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
     assert result.timed and result.choices == {"patch_embed": "fused", "attention": "eager", "mlp": "eager",
                                                "join": "fused"}
-    assert all(not b.attn.use_fused and not b.mlp.use_fused and b.use_fused_join for b in model.blocks)
-    assert model.patch_embed.use_fused
-    assert len([label for label in timer.labels if label.startswith("fusion:")]) == 8
+    assert all(b.attn.impl == "eager" and b.mlp.impl == "eager" and b.join_impl == "fused" for b in model.blocks)
+    assert model.patch_embed.impl == "fused" and vit_fast.route_of(model).source == "vit-fast tune"
+    # every implementation of every part timed: fused | eager, fused | sdpa | eager, fused | bias_gelu | eager
+    assert len([label for label in timer.labels if label.startswith("fusion:")]) == 10
     rows = {r.op: r for r in result.fusions}
+    assert rows["attention"].candidates == ("fused", "sdpa", "eager")
     assert rows["attention"].speedup == pytest.approx(2.0) and rows["join"].speedup == pytest.approx(5.0)
     table = tuning.format_table(result)
-    for text in ("fusion attention", "1.000 / 0.500", "eager", "2.00x", "fusion join", "5.00x"):
+    for text in ("fusion attention", "1.000 / 1.000 / 0.500 (fused / sdpa / eager)", "eager", "2.00x",
+                 "fusion join", "5.00x"):
         assert text in table, (text, table)
 
     fresh = tiny_model()  # optimize(tune=True) applies the cached table: nothing is timed again
@@ -298,8 +301,10 @@ def test_set_fusion_choices_rejects_unknown_names_and_values():
     model = tiny_model()
     with pytest.raises(ValueError, match="unknown fusion 'softmax'"):
         tuning.set_fusion_choices(model, {"softmax": "eager"})
-    with pytest.raises(ValueError, match="expected 'fused' or 'eager'"):
+    with pytest.raises(ValueError, match=r"expected one of \['fused', 'bias_gelu', 'eager'\]"):
         tuning.set_fusion_choices(model, {"mlp": "fast"})
+    with pytest.raises(ValueError, match="expected one of"):
+        tuning.set_fusion_choices(model, {"join": "sdpa"})
 
 
 FUSED_KERNELS = {  # fusion -> the kernel entry points its fused path calls (module, name)
@@ -310,21 +315,31 @@ FUSED_KERNELS = {  # fusion -> the kernel entry points its fused path calls (mod
 }
 
 
+LIBRARY_ROUTES = {"sdpa": {"attention": "sdpa"}, "bias_gelu": {"mlp": "bias_gelu"},
+                  "both": {"attention": "sdpa", "mlp": "bias_gelu"}}
+
+
 @pytest.mark.parametrize("eager,dtype", [(("patch_embed",), torch.float32), (("attention",), torch.float32),
                                          (("mlp",), torch.float32), (("join",), torch.float32),
                                          (tuple(tuning.FUSIONS), torch.float32),
-                                         (tuple(tuning.FUSIONS), torch.bfloat16)])
+                                         (tuple(tuning.FUSIONS), torch.bfloat16),
+                                         ("sdpa", torch.float32), ("bias_gelu", torch.float32),
+                                         ("both", torch.bfloat16)])
 def test_forcing_each_fusion_choice_keeps_logits_and_gradients_within_bounds(eager, dtype, monkeypatch):
-    """Each fusion forced to its eager path (the others fused; and all eager, also under bf16 autocast),
-    kernels in the interpreter: logits and every parameter gradient against the float64 reference within
-    `vit-fast check`'s bound; the forced fusion's kernels are never called."""
+    """Each fusion forced to its eager path (the others fused; and all eager, also under bf16 autocast), and
+    the library routes (attention through SDPA on the packed qkv, the MLP as cuBLAS fc1 + the bias_gelu
+    kernel), kernels in the interpreter: logits and every parameter gradient against the float64 reference
+    within `vit-fast check`'s bound; the replaced kernels are never called."""
     import importlib
 
     model = tiny_model(init_values=0.1)
     ref = copy.deepcopy(model).set_backend("torch").double()
-    tuning.set_fusion_choices(model, dict.fromkeys(eager, "eager"))
-    for op in eager:
-        for module, name in FUSED_KERNELS[op]:
+    choices = LIBRARY_ROUTES[eager] if isinstance(eager, str) else dict.fromkeys(eager, "eager")
+    tuning.set_fusion_choices(model, choices)
+    refused = {op: FUSED_KERNELS[op] if impl != "bias_gelu" else [("vit_fast.layers", "linear_act")]
+               for op, impl in choices.items()}
+    for op in choices:
+        for module, name in refused[op]:
             def refuse(*args, _name=name, **kwargs):
                 raise AssertionError(f"{_name} called with the eager path chosen")
             monkeypatch.setattr(importlib.import_module(module), name, refuse)
@@ -475,4 +490,4 @@ def test_tune_model_handles_frozen_parts_and_models_without_class_token(cpu_tuni
     model.patch_embed.requires_grad_(False)
     with cpu_tuning(FakeTimer(**{"patch_embed:eager": 0.1})):
         result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
-    assert result.choices["patch_embed"] == "eager" and not model.patch_embed.use_fused
+    assert result.choices["patch_embed"] == "eager" and model.patch_embed.impl == "eager"

@@ -18,6 +18,7 @@ from .interop.optimize import optimize
 from .layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed
 from .model import VisionTransformer, count_params, create_model, forward_flops
 from .presets import PRESETS, ViTConfig, get_config, list_models
+from .route import Route, apply_route, default_route, route_of
 
 install_inductor_fallbacks()  # torch.compile of a fused model must not stall in inductor (see the function)
 
@@ -37,5 +38,5 @@ __all__ = [
     "from_torchvision",
     "load_checkpoint", "save_checkpoint", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "PRESETS", "ViTConfig",
     "VisionTransformer", "count_params", "create_model", "forward_flops", "get_config", "list_models", "optimize",
-    "resample_abs_pos_embed", "__version__",
+    "resample_abs_pos_embed", "Route", "apply_route", "default_route", "route_of", "__version__",
 ]

@@ -41,8 +41,8 @@ def quick_gelu_grad(x: torch.Tensor) -> torch.Tensor:
 
 def fuses_swiglu(mlp: MlpJoin, x: torch.Tensor) -> bool:
     """The ``swiglu`` kernel replaces SiLU(gate) * value: Triton backend, the MLP's fused choice on
-    (``use_fused``, vit_fast.tuning) and no hook on the activation module."""
-    return mlp.use_fused and resolve_backend(mlp.backend, x) == "triton" and not has_hooks(mlp.act)
+    (any route but 'eager', vit_fast/route.py) and no hook on the activation module."""
+    return mlp.impl != "eager" and resolve_backend(mlp.backend, x) == "triton" and not has_hooks(mlp.act)
 
 
 class SwiGLUPackedMlp(MlpJoin):

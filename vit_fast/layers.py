@@ -45,6 +45,7 @@ from vit_fast.kernels.patch_embed import patch_embed as patch_embed_kernel
 
 from .adapters import effective_bias, effective_weight, fusable_linear
 from .backend import BACKENDS, check_backend, check_image_batch, resolve_backend  # noqa: F401  (re-exported)
+from .sdpa import packed_sdpa, split_packed
 
 
 def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -147,7 +148,7 @@ class PatchEmbed(nn.Module):
     patch works (dynamic_img_size). Bad input raises ValueError naming what was expected.
     """
 
-    use_fused = True  # vit_fast.tuning: False runs the eager conv path on the GPU as well
+    impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'eager' (the conv path on the GPU too)
 
     def __init__(self, img_size=224, patch_size=16, in_chans: int = 3, embed_dim: int = 768,
                  bias: bool = True, strict_img_size: bool = True, backend: str = "auto"):
@@ -185,7 +186,7 @@ class PatchEmbed(nn.Module):
     def fused(self, x: torch.Tensor) -> bool:
         """The ``patch_embed`` kernel runs: Triton backend, and ``proj`` is a convolution it can read
         (vit_fast/adapters.py) with no hook on it."""
-        return (self.use_fused and resolve_backend(self.backend, x) == "triton" and fusable_linear(self.proj)
+        return (self.impl == "fused" and resolve_backend(self.backend, x) == "triton" and fusable_linear(self.proj)
                 and not has_hooks(self, inside=True))
 
     def forward(self, x: torch.Tensor, any_size: bool = False) -> torch.Tensor:
@@ -202,7 +203,7 @@ class PatchEmbed(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with a packed qkv projection (timm's layout: [q | k | v] x heads x head_dim)."""
 
-    use_fused = True  # vit_fast.tuning: False runs the qkv GEMM + SDPA on the GPU as well
+    impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'sdpa' | 'eager'
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "auto"):
@@ -223,13 +224,17 @@ class Attention(nn.Module):
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, N, 3*H*D) -> q, k, v of shape (B, H, N, D), with q/k norm applied."""
-        B, N, _ = qkv.shape
-        q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_packed(qkv, self.num_heads)
         return self.q_norm(q), self.k_norm(k), v
 
     def fused(self, x: torch.Tensor) -> bool:
         """The attention kernel runs (it has no per-head LayerNorm: with qk_norm the reference ops do)."""
-        return (self.use_fused and not isinstance(self.q_norm, nn.LayerNorm)
+        return (self.impl == "fused" and not isinstance(self.q_norm, nn.LayerNorm)
+                and resolve_backend(self.backend, x) == "triton")
+
+    def packed_sdpa(self, x: torch.Tensor) -> bool:
+        """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""
+        return (self.impl == "sdpa" and not isinstance(self.q_norm, nn.LayerNorm)
                 and resolve_backend(self.backend, x) == "triton")
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -237,6 +242,8 @@ class Attention(nn.Module):
         ``attention`` kernel reads q, k, v through strides of the packed qkv and writes (B, N, H*D)."""
         if self.fused(qkv):
             return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
+        if self.packed_sdpa(qkv):
+            return packed_sdpa(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
@@ -291,7 +298,7 @@ class MlpJoin(nn.Module):
     """What every MLP kind (Mlp, the SwiGLU MLPs) gives the block's fused residual join, around its own
     ``hidden`` (fc1 -> activation -> drop1 -> norm) and ``branch`` (fc2 without its bias)."""
 
-    use_fused = True  # vit_fast.tuning: False runs the MLP's reference ops on the GPU as well
+    impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'bias_gelu' | 'eager'
 
     def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
         """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
@@ -330,7 +337,7 @@ class Mlp(MlpJoin):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
         ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
-        if (not self.use_fused or resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1)
+        if (self.impl == "eager" or resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1)
                 or has_hooks(self.act) or isinstance(self.act, QuickGELU) or not fusable_linear(self.fc1)):
             return self.norm(self.drop1(self.act(self.fc1(x))))
         x = bias_gelu(F.linear(x, effective_weight(self.fc1)), effective_bias(self.fc1), self.act.approximate)
@@ -343,7 +350,7 @@ class Mlp(MlpJoin):
         as a Triton GEMM with bias + activation in its epilogue, fc2 on cuBLAS, act' in the epilogue of fc2's
         dgrad GEMM). With drop1 active or an MLP norm the hidden activation goes through ``hidden`` then
         the fc2 GEMM."""
-        if (self.use_fused and resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
+        if (self.impl == "fused" and resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
                 and not (self.drop1.p > 0 and self.training) and fusable_linear(self.fc1)
                 and fusable_linear(self.fc2)):
             return linear_act(x.to(compute_dtype_for(x)), effective_weight(self.fc1), effective_bias(self.fc1),
@@ -400,7 +407,7 @@ class DropPath(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)), each with LayerScale and DropPath."""
 
-    use_fused_join = True  # vit_fast.tuning: False runs the residual joins + LayerNorm as separate torch ops
+    join_impl = "fused"  # the route's choice for the joins (vit_fast/route.py): 'fused' | 'eager' (torch ops)
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  qk_norm: bool = False, init_values: Optional[float] = None, proj_drop: float = 0.0,
@@ -476,7 +483,7 @@ class Block(nn.Module):
         gamma = ls.gamma if isinstance(ls, LayerScale) else None
         sample_scale = dp.sample_scale(branch) if isinstance(dp, DropPath) else None
         return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, self.training, norm,
-                             self.use_fused_join)
+                             self.join_impl == "fused")
 
 
 def resample_abs_pos_embed(posemb: torch.Tensor, new_size: tuple[int, int], old_size: tuple[int, int] | None = None,

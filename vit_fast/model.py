@@ -43,6 +43,7 @@ from .layers import (
     trunc_normal_,
 )
 from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
+from .route import STATIC_ROUTE, apply_route, default_route
 
 
 class VisionTransformer(nn.Module):
@@ -71,6 +72,8 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = cfg.dynamic_img_size
         self.grad_checkpointing = False
         self.backend = cfg.backend
+        # the route (vit_fast/route.py): until one is set, the measured default of the device it first runs on
+        self.route, self.route_explicit, self._route_device = STATIC_ROUTE, False, None
         self.residual_in_fp32 = cfg.residual_in_fp32
         D = cfg.embed_dim
 
@@ -265,6 +268,9 @@ class VisionTransformer(nn.Module):
         position embedding the caller made for this input's grid (transformers' interpolate_pos_encoding),
         in place of the model's; any image size divisible by the patch is then accepted."""
         grid = self.patch_embed.check_input(x, any_size=pos_embed is not None)
+        if not self.route_explicit and x.device != self._route_device:  # decided once per device
+            apply_route(self, default_route(x.device), explicit=False)
+            self._route_device = x.device
         if pos_embed is not None:
             self._check_pos_embed(pos_embed, grid)
         residual_dtype = self._autocast_residual_dtype(x)

@@ -1,20 +1,22 @@
-"""A measured choice per fusion, on the user's GPU: the fused kernel or the eager path it replaces.
+"""A measured choice per fusion, on the user's GPU: which implementation runs each part of the model.
 
-For each fusion of a model (the patch embedding, attention, the MLP, the residual join + LayerNorm) the
-fused path and its eager alternative are timed forward + backward at the model's shapes (batch, tokens,
-width, dtype), on one representative module, and the faster is used for the whole model: a per-module
-flag the layers consult (``PatchEmbed.use_fused``, ``Attention.use_fused``, ``Mlp.use_fused``,
-``Block.use_fused_join``). The eager alternatives are the layers' own reference code paths run on the
-GPU: conv + cat + position add; qkv GEMM with its bias + SDPA; fc1 GEMM with its bias + GELU (cuBLAS
-and a separate elementwise op); the bias / LayerScale / dropout / residual adds then F.layer_norm.
+For each fusion of a model (the patch embedding, attention, the MLP, the residual join + LayerNorm) every
+implementation the part has (vit_fast/route.py ``PART_IMPLS``: the fused kernel path, and the library
+paths it replaces) is timed forward + backward at the model's shapes (batch, tokens, width, dtype), on
+one representative module, and the fastest is used for the whole model: the model's route
+(``vit_fast.route.apply_route``) hands each part its implementation. The library paths are the layers'
+own code run on the GPU: conv + cat + position add; qkv GEMM + SDPA on the packed qkv (vit_fast/sdpa.py)
+or as timm writes it; cuBLAS fc1 + the bias_gelu kernel, or fc1 with its bias + torch's GELU; the bias /
+LayerScale / dropout / residual adds then F.layer_norm. Implementations that are not bitwise repeatable
+(route.NONDETERMINISTIC) are not timed while torch.use_deterministic_algorithms is on.
 
 While the fused paths run, every kernel launcher picks its measured config (vit_fast.kernels._tuning),
 so the table holds both: the per-kernel config choices and the per-fusion choices. The fusion choices
 are cached with the kernel choices (same file, same environment key), keyed by the model's shapes,
 batch, dtype and the sources of the layers and kernels, so ``vit_fast.optimize(model, tune=True)``
 applies what ``vit-fast tune`` measured without timing again. Nothing is timed on CPU or in the
-interpreter (every choice stays fused, the static tables stay). Under torch.distributed rank 0 times
-and broadcasts its choices (kernel configs and fusions) to every rank.
+interpreter (the route stays as it is). Under torch.distributed rank 0 times and broadcasts its choices
+(kernel configs and fusions) to every rank.
 """
 from __future__ import annotations
 
@@ -27,31 +29,40 @@ import torch
 import torch.nn as nn
 
 from .kernels import _tuning
+from .route import NONDETERMINISTIC, PART_IMPLS, STATIC_ROUTE, apply_route, route_of
 
-FUSIONS: dict[str, str] = {  # fusion -> (fused path) vs (eager alternative)
+FUSIONS: dict[str, str] = {  # fusion -> its implementations (vit_fast/route.py)
     "patch_embed": "patch_embed kernel | conv + cat + position add",
-    "attention": "attention_linear (qkv GEMM + flash attention) | qkv GEMM + SDPA",
-    "mlp": "linear_act (fc1 GEMM + bias + act epilogue, fc2 GEMM) | fc1 GEMM with bias + act + fc2 GEMM",
+    "attention": "attention_linear (qkv GEMM + flash attention) | qkv GEMM + SDPA on the packed qkv | "
+                 "qkv GEMM + SDPA as timm",
+    "mlp": "linear_act (fc1 GEMM + bias + act epilogue, fc2 GEMM) | fc1 GEMM + bias_gelu kernel + fc2 GEMM | "
+           "fc1 GEMM with bias + act + fc2 GEMM",
     "join": "add_layer_norm | bias, LayerScale, dropout, residual adds + F.layer_norm",
 }
-CANDIDATES = ("fused", "eager")
-_LAYER_MODULES = ("vit_fast.layers", "vit_fast.kernels.attention", "vit_fast.kernels.linear_act",
+_LAYER_MODULES = ("vit_fast.layers", "vit_fast.sdpa", "vit_fast.kernels.attention", "vit_fast.kernels.linear_act",
                   "vit_fast.kernels.layer_norm", "vit_fast.kernels.patch_embed")
+
+
+def candidates_for(op: str) -> tuple[str, ...]:
+    """The implementations of ``op`` that tuning times (the static one first)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    return tuple(impl for impl in PART_IMPLS[op] if not (deterministic and (op, impl) in NONDETERMINISTIC))
 
 
 @dataclasses.dataclass(frozen=True)
 class FusionRow:
     op: str
-    times_ms: Optional[tuple[float, float]]  # (fused, eager); None where nothing was timed
-    choice: str  # 'fused' or 'eager'
+    times_ms: Optional[tuple[float, ...]]  # one per candidate; None where nothing was timed
+    choice: str  # one of candidates
+    candidates: tuple[str, ...] = ("fused", "eager")
 
     @property
     def speedup(self) -> float:
-        """The chosen path's speedup over the other one (>= 1 when timed)."""
-        if self.times_ms is None:
+        """The chosen implementation's speedup over the fastest other one (>= 1 when timed)."""
+        if self.times_ms is None or len(self.times_ms) < 2:
             return float("nan")
-        fused, eager = self.times_ms
-        return (eager / fused) if self.choice == "fused" else (fused / eager)
+        chosen = self.times_ms[self.candidates.index(self.choice)]
+        return min(t for c, t in zip(self.candidates, self.times_ms) if c != self.choice) / chosen
 
 
 @dataclasses.dataclass
@@ -67,40 +78,35 @@ class TuneResult:
         return {row.op: row.choice for row in self.fusions}
 
 
-# ------------------------------------------------------------------------------------------- flags
+# ------------------------------------------------------------------------------------------ route
 def _vit(model: nn.Module) -> nn.Module:
     from .interop.optimize import vit_fast_model_of
 
     return vit_fast_model_of(model)
 
 
-def _flag_targets(vit: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
-    return {
-        "patch_embed": [(vit.patch_embed, "use_fused")],
-        "attention": [(b.attn, "use_fused") for b in vit.blocks],
-        "mlp": [(b.mlp, "use_fused") for b in vit.blocks],
-        "join": [(b, "use_fused_join") for b in vit.blocks],
-    }
-
-
-def set_fusion_choices(model: nn.Module, choices: dict[str, str | bool]) -> None:
-    """Apply {'attention': 'eager', 'mlp': 'fused', ...} (or booleans, True = fused) to every module of
-    the model; fusions not named keep their flag. Unknown names or values raise ValueError."""
-    targets = _flag_targets(_vit(model))
+def set_fusion_choices(model: nn.Module, choices: dict[str, str | bool], source: str = "set_fusion_choices") -> None:
+    """Apply {'attention': 'sdpa', 'mlp': 'fused', ...} (or booleans, True = fused, False = eager) to the
+    model's route; fusions not named keep their choice. Unknown names or values raise ValueError."""
+    resolved = {}
     for op, choice in choices.items():
-        if op not in targets:
-            raise ValueError(f"unknown fusion {op!r}; expected one of {sorted(targets)}")
-        if choice not in (True, False, "fused", "eager"):
-            raise ValueError(f"fusion {op!r}: expected 'fused' or 'eager' (or a bool), got {choice!r}")
-        fused = choice in (True, "fused")
-        for module, attr in targets[op]:
-            setattr(module, attr, fused)
+        if op not in PART_IMPLS:
+            raise ValueError(f"unknown fusion {op!r}; expected one of {sorted(PART_IMPLS)}")
+        impl = {True: "fused", False: "eager"}.get(choice, choice) if isinstance(choice, bool) else choice
+        if impl not in PART_IMPLS[op]:
+            raise ValueError(f"fusion {op!r}: expected one of {list(PART_IMPLS[op])} (or a bool), got {choice!r}")
+        resolved[op] = impl
+    apply_route(model, route_of(model).with_choices(resolved, source))
 
 
 def fusion_choices(model: nn.Module) -> dict[str, str]:
-    """The current choice per fusion ('fused' or 'eager'; the first module's flag)."""
-    return {op: ("fused" if getattr(mods[0][0], mods[0][1], True) else "eager") if mods else "fused"
-            for op, mods in _flag_targets(_vit(model)).items()}
+    """The current implementation per fusion (the model's route)."""
+    return route_of(model).choices()
+
+
+def set_static_route(model: nn.Module) -> None:
+    """Every part fused, on every device (bitwise-reproducible runs across machines)."""
+    apply_route(model, STATIC_ROUTE)
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -178,28 +184,30 @@ def _benchmarks(vit: nn.Module, batch_size: int, dtype: torch.dtype) -> dict[str
 
 def measure_fusions(model: nn.Module, batch_size: int, dtype: torch.dtype,
                     fusions: Optional[list[str]] = None) -> list[FusionRow]:
-    """Time every fusion fused and eager (fwd + bwd, the model's shapes) and return one row per fusion;
-    the model's flags are left as they were. Where nothing may be timed (CPU, interpreter, switch off,
-    tracing), each row says 'fused' without times."""
+    """Time every implementation of every fusion (fwd + bwd, the model's shapes) and return one row per
+    fusion; the model's route is left as it was. Where nothing may be timed (CPU, interpreter, switch off,
+    tracing), each row keeps the model's current choice without times."""
     vit = _vit(model)
     device = vit.patch_embed.proj.weight.device
     names = list(FUSIONS) if fusions is None else fusions
+    before = route_of(vit)
     if not _tuning.can_time(device):
-        return [FusionRow(op, None, "fused") for op in names]
-    before = fusion_choices(vit)
+        return [FusionRow(op, None, before.choices()[op], candidates_for(op)) for op in names]
     rows = []
     builders = _benchmarks(vit, batch_size, dtype)
     try:
         for op in names:
+            candidates = candidates_for(op)
             times = []
-            for candidate in CANDIDATES:
+            for candidate in candidates:
                 set_fusion_choices(vit, {op: candidate})
                 run = builders[op]()
                 run()  # warm-up outside the timer: compiles and picks the kernels' configs
                 times.append(float(_tuning._state.timer(run, f"fusion:{op}:{candidate}")))
-            rows.append(FusionRow(op, (times[0], times[1]), "fused" if times[0] <= times[1] else "eager"))
+            best = min(range(len(times)), key=lambda i: (times[i], i))  # ties: the earlier (static first)
+            rows.append(FusionRow(op, tuple(times), candidates[best], candidates))
     finally:
-        set_fusion_choices(vit, before)
+        apply_route(vit, before, explicit=vit.route_explicit)
     return rows
 
 
@@ -228,7 +236,7 @@ def tune_model(model: nn.Module, batch_size: Optional[int] = None, dtype: Option
         _tuning.install_decisions(chosen)
     else:
         result = _tune_local(vit, device, batch_size, dtype, refresh)
-    set_fusion_choices(vit, result.choices)
+    set_fusion_choices(vit, result.choices, source="vit-fast tune" + (" (cached)" if result.cached else ""))
     return result
 
 
@@ -259,9 +267,9 @@ def _tune_local(vit: nn.Module, device: torch.device, batch_size: Optional[int],
     if timed and cache is not None:
         sig = _signature(vit, batch_size, dtype)
         cache.put({_tuning.entry_key("fusion:" + r.op, sig): {
-            "source": source, "choice": r.choice, "candidates": list(CANDIDATES), "times_ms": list(r.times_ms),
+            "source": source, "choice": r.choice, "candidates": list(r.candidates), "times_ms": list(r.times_ms),
             "written": time.time()} for r in rows})
-    note = "" if timed else "nothing timed (no CUDA device, the interpreter, or autotuning off): every fusion fused"
+    note = "" if timed else "nothing timed (no CUDA device, the interpreter, or autotuning off): the route as it was"
     return TuneResult(rows, _tuning.records()[start:], timed=timed, cached=False, note=note)
 
 
@@ -275,7 +283,7 @@ def _cached_rows(cache: _tuning.TuningCache, vit: nn.Module, batch_size: Optiona
         prefix = _tuning.entry_key("fusion:" + op, model_part)
         best = None
         for key, e in entries.items():
-            if not key.startswith(prefix) or e.get("source") != source or e.get("choice") not in CANDIDATES:
+            if not key.startswith(prefix) or e.get("source") != source or e.get("choice") not in PART_IMPLS[op]:
                 continue
             rest = key[len(prefix):]  # ",dtype=torch.bfloat16,training=True|batch=64"
             if dtype is not None and not rest.startswith(f",dtype={dtype},"):
@@ -283,8 +291,9 @@ def _cached_rows(cache: _tuning.TuningCache, vit: nn.Module, batch_size: Optiona
             if batch_size is not None and not rest.endswith(f"|batch={int(batch_size)}"):
                 continue
             written = float(e.get("written", 0.0))
-            times = e.get("times_ms")
-            row = FusionRow(op, tuple(times) if isinstance(times, list) and len(times) == 2 else None, e["choice"])
+            times, candidates = e.get("times_ms"), tuple(e.get("candidates", ("fused", "eager")))
+            timed = isinstance(times, list) and len(times) == len(candidates) and e["choice"] in candidates
+            row = FusionRow(op, tuple(times) if timed else None, e["choice"], candidates)
             if best is None or written > best[0]:
                 best = (written, row)
         if best is None:
@@ -304,7 +313,8 @@ def format_table(result: TuneResult) -> str:
     for r in result.fusions:
         times = "-" if r.times_ms is None else " / ".join(ms(t) for t in r.times_ms)
         speed = "-" if r.times_ms is None else f"{r.speedup:.2f}x"
-        lines.append(f"{'fusion ' + r.op:<34} {'2':<10} {times + ' (fused / eager)':<40} {r.choice:<40} {speed}")
+        label = f"{times} ({' / '.join(r.candidates)})"
+        lines.append(f"{'fusion ' + r.op:<34} {len(r.candidates):<10} {label:<40} {r.choice:<40} {speed}")
     for k in result.kernels:
         times = " / ".join(ms(t) for t in k.times_ms)
         label = k.key if len(k.key) <= 34 else k.key[:31] + "..."

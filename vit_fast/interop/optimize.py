@@ -100,7 +100,7 @@ def _apply_tune(fast: nn.Module, tune: bool | None) -> nn.Module:
     if tune:
         tuning.tune_model(fast)
     else:
-        tuning.set_fusion_choices(fast, {op: "fused" for op in tuning.FUSIONS})
+        tuning.set_static_route(fast)
     return fast
 
 

@@ -5,14 +5,15 @@ work when its budget is spent and says what it skipped), a progress line each:
 
   env         GPU, driver, torch, triton, CUDA, git revision; measured peaks: a bf16 GEMM (8192^3) and a device copy
   headline    training steps of ViT-B/16 and ViT-S/16 at batch 256 in bf16: timm eager, timm torch.compile, vit_fast,
-              vit_fast torch.compile, vit_fast with a CUDA-graph step (images/s, median step time and 10-90% spread,
-              MFU, peak memory); uncompiled paths first, then compiled ones while the budget lasts
+              vit_fast with attention on the SDPA route, vit_fast torch.compile, vit_fast with a CUDA-graph step
+              (images/s, median step time and 10-90% spread, MFU, peak memory); uncompiled paths first, then
+              compiled ones while the budget lasts
   profile     where the step's kernel time goes: torch.profiler per op family (GEMM, attention, norm, elementwise,
-              embed, other) for ViT-B/16 b256, timm eager, timm compile and vit_fast
+              embed, other) for ViT-B/16 b256, timm eager, vit_fast, vit_fast on the SDPA route, timm compile
   micro       every fused op against the eager ops it replaces and torch.compile of those, forward and
               forward+backward, ViT-B/16 and ViT-L/16 shapes (batch 256), plain calls (host included) and CUDA-graph
               replays (kernel time), GB/s or TFLOP/s next to the measured peaks
-  tune        `vit-fast tune`'s table: each fusion fused vs eager, each kernel's config choice
+  tune        `vit-fast tune`'s table: every implementation of each part (vit_fast/route.py), each kernel's config
   check       ``vit-fast check --dtype bf16`` at full ViT-B/16 size (every kernel and the model vs float64)
   tests       the test suite on the compiled kernels (TRITON_INTERPRET unset), the kernel/model subset that fits
   throughput  the remaining throughput cases (ViT-L/16; batch 128)
@@ -71,7 +72,7 @@ DRY_TESTS = ["tests/test_backend.py::test_resolve_rules"]
 MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256), ("L/16", "vit_large_patch16_224", 256)]
 THROUGHPUT_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224"]
 THROUGHPUT_BATCHES = [128, 256]
-THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_graph")
+THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_sdpa", "vit_fast_compile", "vit_fast_graph")
 QUICK_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224"]
 QUICK_BATCHES = [256]
 # Each throughput row runs in its own process under this timeout (seconds, before --budget scaling): a path that
@@ -79,7 +80,7 @@ QUICK_BATCHES = [256]
 # (faulthandler, dumped at two thirds of the timeout) in DIR/hangs.log.
 ROW_TIMEOUT_S = {"eager": 60.0, "graph": 60.0, "compile": 150.0}
 MICRO_CASE_TIMEOUT_S = 60.0  # each micro case (fused op, eager, torch.compile of eager), before --budget scaling
-PROFILE_PATHS = ("timm_eager", "timm_compile", "vit_fast")
+PROFILE_PATHS = ("timm_eager", "vit_fast", "vit_fast_sdpa", "timm_compile")  # compiled last: the longest
 SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
 DRY_RUN_NOTE = "DRY RUN: CPU, tiny shapes, figures meaningless"
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
@@ -610,7 +611,7 @@ def profile_child(spec: dict) -> None:
 
 def stage_profile(c: Campaign) -> dict:
     """Kernel time per op family per training step (torch.profiler: GEMM, attention, norm, elementwise, embed,
-    other) of ViT-B/16 at batch 256 for timm eager, timm compile and vit_fast, each path in its own process."""
+    other) of ViT-B/16 at batch 256 for each of PROFILE_PATHS, each path in its own process."""
     preset, batch = (THROUGHPUT_MODELS[0], 2) if c.dry_run else (QUICK_MODELS[0], QUICK_BATCHES[0])
     rows = c.results.setdefault("profile", [])
     hung, failed, skipped = [], [], []
@@ -644,7 +645,7 @@ def stage_profile(c: Campaign) -> dict:
 
 
 def stage_tune(c: Campaign) -> dict:
-    """`vit-fast tune`'s table: each fusion fused vs eager and each kernel's config choice (vit_fast/tools/tune.py)."""
+    """`vit-fast tune`'s table: every implementation of each part and each kernel's config choice (tools/tune.py)."""
     from vit_fast.tools.tune import campaign_stage
 
     return campaign_stage(c)

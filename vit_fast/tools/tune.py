@@ -71,7 +71,8 @@ def tune_report(model_name: str, batch: int, dtype: str = "bf16", img_size: int 
         lines.append(f"written to {_tuning.cache_for(device).path}")
     return {"text": "\n".join(lines), "model": model_name, "batch": batch, "dtype": dtype, "env": env,
             "timed": result.timed,
-            "fusions": [{"op": r.op, "times_ms": r.times_ms, "choice": r.choice} for r in result.fusions],
+            "fusions": [{"op": r.op, "candidates": list(r.candidates), "times_ms": r.times_ms, "choice": r.choice}
+                        for r in result.fusions],
             "kernels": [{"key": k.key, "candidates": k.candidates, "times_ms": k.times_ms, "choice": k.choice}
                         for k in result.kernels]}
 
@@ -83,9 +84,9 @@ def campaign_stage(c) -> dict:
     with ``register_stage(Stage("tune", campaign_stage, budget_s=120), after="env")``: the first tuning of
     a model compiles every candidate config (about 1 s each), later runs read the cache."""
     model, batch = ("vit_tiny_patch16_224", 2) if c.dry_run else ("vit_base_patch16_224", 256)
-    c.progress(f"tune: {model}, batch {batch}, bf16 (fused vs eager per fusion, kernel configs)")
+    c.progress(f"tune: {model}, batch {batch}, bf16 (every implementation per fusion, kernel configs)")
     report = tune_report(model, batch, "bf16")
-    rows = [{"kind": "fusion", "op": r["op"], "candidates": "fused|eager",
+    rows = [{"kind": "fusion", "op": r["op"], "candidates": "|".join(r["candidates"]),
              "times_ms": "" if r["times_ms"] is None else "|".join(f"{t:.4f}" for t in r["times_ms"]),
              "choice": r["choice"]} for r in report["fusions"]]
     rows += [{"kind": "kernel", "op": k["key"], "candidates": "|".join(k["candidates"]),

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 import vit_fast
-import vit_fast.layers
+import vit_fast.kernels.attention
+import vit_fast.layers.mlp
 from vit_fast.adapters import fusable_linear
 
 from .numerics import assert_close, bound
@@ -57,7 +58,7 @@ def assert_same_training_step(ref: nn.Module, fast: nn.Module, x: torch.Tensor) 
 def kernel_calls(monkeypatch):
     """Counts of the fused entry points the layers call (attention_linear, linear_act)."""
     calls = {"attention_linear": 0, "linear_act": 0}
-    real_attention, real_linear_act = vit_fast.layers.attention_kernels.attention_linear, vit_fast.layers.linear_act
+    real_attention, real_linear_act = vit_fast.kernels.attention.attention_linear, vit_fast.layers.mlp.linear_act
 
     def attention_linear(*args, **kwargs):
         calls["attention_linear"] += 1
@@ -67,8 +68,8 @@ def kernel_calls(monkeypatch):
         calls["linear_act"] += 1
         return real_linear_act(*args, **kwargs)
 
-    monkeypatch.setattr(vit_fast.layers.attention_kernels, "attention_linear", attention_linear)
-    monkeypatch.setattr(vit_fast.layers, "linear_act", linear_act)
+    monkeypatch.setattr(vit_fast.kernels.attention, "attention_linear", attention_linear)
+    monkeypatch.setattr(vit_fast.layers.mlp, "linear_act", linear_act)
     return calls
 
 

@@ -1,8 +1,8 @@
-"""The fine-tuning families (vit_fast/interop/families.py, family_layers.py, family_presets.py): presets
-against timm on the meta device; the transformers and open_clip key mappings and config extraction checked
-by loading the mapped weights into timm's model of that config and comparing outputs and every parameter
-gradient with the source (random weights, tiny configs); the family layers against timm's modules on both
-backends (kernels in the interpreter without a GPU)."""
+"""The fine-tuning families (vit_fast/interop/families.py, layers/mlp.py and attention_pool.py, family_presets.py):
+presets against timm on the meta device; the transformers and open_clip key mappings and config extraction checked
+by loading the mapped weights into timm's model of that config and comparing outputs and every parameter gradient
+with the source (random weights, tiny configs); the family layers against timm's modules on both backends (kernels
+in the interpreter without a GPU)."""
 from __future__ import annotations
 
 import copy
@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 
 from tests.numerics import assert_close
-from vit_fast.family_layers import AttentionPoolLatent, SwiGLUMlp, SwiGLUPackedMlp, quick_gelu, quick_gelu_grad
 from vit_fast.family_presets import FAMILY_PRESETS
 from vit_fast.interop import families
+from vit_fast.layers import AttentionPoolLatent, SwiGLUMlp, SwiGLUPackedMlp, quick_gelu, quick_gelu_grad
 
 timm = pytest.importorskip("timm")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

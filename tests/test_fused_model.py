@@ -255,8 +255,8 @@ def test_autocast_bf16_matches_reference_under_autocast(monkeypatch, residual_in
     ref64 = copy.deepcopy(ref).double()
     x = torch.randn(2, 3, 32, 32)
     first_norm = []
-    original = vit_fast.layers.layer_norm_and_input
-    monkeypatch.setattr(vit_fast.layers, "layer_norm_and_input", lambda *args: first_norm.append(
+    original = vit_fast.layers.norm.layer_norm_and_input
+    monkeypatch.setattr(vit_fast.layers.norm, "layer_norm_and_input", lambda *args: first_norm.append(
         original(*args)) or first_norm[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         stream = torch.float32 if residual_in_fp32 else torch.bfloat16

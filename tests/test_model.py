@@ -8,7 +8,8 @@ import torch.nn as nn
 
 import vit_fast
 from vit_fast import VisionTransformer, ViTConfig, create_model, list_models
-from vit_fast.layers import BACKENDS, resample_abs_pos_embed, sincos_2d_pos_embed
+from vit_fast.backend import BACKENDS
+from vit_fast.layers import resample_abs_pos_embed, sincos_2d_pos_embed
 
 from .numerics import assert_close
 

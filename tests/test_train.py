@@ -264,8 +264,8 @@ def test_fused_backend_trains_like_the_reference(tmp_path, monkeypatch):
     """A few steps on the Triton kernels (interpreter on CPU) follow the reference run's losses."""
     import vit_fast.layers
     joins = []
-    fused_join = vit_fast.layers.add_layer_norm
-    monkeypatch.setattr(vit_fast.layers, "add_layer_norm", lambda *a, **k: joins.append(1) or fused_join(*a, **k))
+    fused_join = vit_fast.layers.norm.add_layer_norm
+    monkeypatch.setattr(vit_fast.layers.norm, "add_layer_norm", lambda *a, **k: joins.append(1) or fused_join(*a, **k))
     steps = ["--batch-size", "8", "--stop-at-step", "3", "--log-every", "1", "--drop-path-rate", "0.1"]
 
     def losses(backend):

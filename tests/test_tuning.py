@@ -310,8 +310,8 @@ def test_set_fusion_choices_rejects_unknown_names_and_values():
 FUSED_KERNELS = {  # fusion -> the kernel entry points its fused path calls (module, name)
     "patch_embed": [("vit_fast.model", "patch_embed_kernel")],
     "attention": [("vit_fast.kernels.attention", "attention_linear"), ("vit_fast.kernels.attention", "attention")],
-    "mlp": [("vit_fast.layers", "linear_act"), ("vit_fast.layers", "bias_gelu")],
-    "join": [("vit_fast.layers", "add_layer_norm"), ("vit_fast.layers", "bias_dropout_add")],
+    "mlp": [("vit_fast.layers.mlp", "linear_act"), ("vit_fast.layers.mlp", "bias_gelu")],
+    "join": [("vit_fast.layers.norm", "add_layer_norm"), ("vit_fast.layers.norm", "bias_dropout_add")],
 }
 
 
@@ -336,7 +336,7 @@ def test_forcing_each_fusion_choice_keeps_logits_and_gradients_within_bounds(eag
     ref = copy.deepcopy(model).set_backend("torch").double()
     choices = LIBRARY_ROUTES[eager] if isinstance(eager, str) else dict.fromkeys(eager, "eager")
     tuning.set_fusion_choices(model, choices)
-    refused = {op: FUSED_KERNELS[op] if impl != "bias_gelu" else [("vit_fast.layers", "linear_act")]
+    refused = {op: FUSED_KERNELS[op] if impl != "bias_gelu" else [("vit_fast.layers.mlp", "linear_act")]
                for op, impl in choices.items()}
     for op in choices:
         for module, name in refused[op]:
@@ -359,14 +359,14 @@ def test_forcing_each_fusion_choice_keeps_logits_and_gradients_within_bounds(eag
 def test_eager_mlp_choice_also_routes_swiglu_mlps(mlp_layer, monkeypatch):
     """'mlp': 'eager' on a SwiGLU model runs SiLU(gate) * value in torch ops: the swiglu kernels are never
     called, and the logits match the float64 reference."""
-    import vit_fast.family_layers as family_layers
+    import vit_fast.layers.mlp as mlp_module
 
     model = tiny_model(mlp_layer=mlp_layer)
     ref = copy.deepcopy(model).set_backend("torch").double()
     tuning.set_fusion_choices(model, {"mlp": "eager"})
     assert tuning.fusion_choices(model)["mlp"] == "eager"
     for name in ("swiglu", "swiglu_packed"):
-        monkeypatch.setattr(family_layers, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} called"))
+        monkeypatch.setattr(mlp_module, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} called"))
     x = torch.randn(2, 3, 32, 32)
     assert_close(model(x), ref(x.double()), bound(torch.float32, "dot"), "logits")
 

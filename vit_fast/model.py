@@ -28,7 +28,9 @@ import torch.utils.checkpoint
 
 from .adapters import effective_bias, effective_weight
 from .backend import check_backend, check_model_input, resolve_backend
+from .kernels.patch_embed import patch_embed as patch_embed_kernel
 from .layers import (
+    AttentionPoolLatent,
     Block,
     LayerNorm,
     PatchEmbed,
@@ -36,7 +38,6 @@ from .layers import (
     init_weights_vit_timm,
     layer_norm_with_input,
     named_apply,
-    patch_embed_kernel,
     reads_norm,
     resample_abs_pos_embed,
     sincos_2d_pos_embed,
@@ -109,9 +110,7 @@ class VisionTransformer(nn.Module):
         self.norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if final_norm else nn.Identity()
         self.fc_norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if cfg.final_norm and use_fc_norm \
             else nn.Identity()
-        if cfg.global_pool == "map":  # SigLIP: timm's AttentionPoolLatent (vit_fast/family_layers.py)
-            from .family_layers import AttentionPoolLatent
-
+        if cfg.global_pool == "map":  # SigLIP: timm's AttentionPoolLatent (vit_fast/layers/attention_pool.py)
             self.attn_pool = AttentionPoolLatent(D, cfg.num_heads, cfg.mlp_ratio, qkv_bias=cfg.qkv_bias,
                                                  norm_eps=cfg.norm_eps, act=cfg.act if cfg.mlp_layer == "mlp"
                                                  else "gelu", backend=cfg.backend)

@@ -9,8 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .backend import check_backend
 from .family_presets import FAMILY_DATA_CFG, FAMILY_PRESETS
-from .layers import check_backend, to_2tuple
+from .layers import to_2tuple
 
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "map", "")
 ACTS = ("gelu", "gelu_tanh", "quick_gelu")

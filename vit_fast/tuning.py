@@ -39,8 +39,9 @@ FUSIONS: dict[str, str] = {  # fusion -> its implementations (vit_fast/route.py)
            "fc1 GEMM with bias + act + fc2 GEMM",
     "join": "add_layer_norm | bias, LayerScale, dropout, residual adds + F.layer_norm",
 }
-_LAYER_MODULES = ("vit_fast.layers", "vit_fast.sdpa", "vit_fast.kernels.attention", "vit_fast.kernels.linear_act",
-                  "vit_fast.kernels.layer_norm", "vit_fast.kernels.patch_embed")
+_LAYER_MODULES = ("vit_fast.layers.norm", "vit_fast.layers.patch_embed", "vit_fast.layers.attention",
+                  "vit_fast.layers.mlp", "vit_fast.layers.block", "vit_fast.sdpa", "vit_fast.kernels.attention",
+                  "vit_fast.kernels.linear_act", "vit_fast.kernels.layer_norm", "vit_fast.kernels.patch_embed")
 
 
 def candidates_for(op: str) -> tuple[str, ...]:

@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..adapters import PackedLinear
-from ..family_layers import SwiGLUPackedMlp
-from ..layers import Attention, Block, LayerScale, Mlp, PatchEmbed, has_hooks
+from ..layers import Attention, Block, LayerScale, Mlp, PatchEmbed, SwiGLUPackedMlp, has_hooks
 from ..model import VisionTransformer
 from ..presets import ViTConfig
 

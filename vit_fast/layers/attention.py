@@ -1,0 +1,100 @@
+"""Multi-head self-attention on the packed qkv: vit_fast's kernels (``attention_linear``), SDPA on the packed
+qkv (vit_fast/sdpa.py) or timm's eager ops, as the route says (vit_fast/route.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import vit_fast.kernels.attention as attention_kernels
+
+from ..adapters import effective_bias, effective_weight, fusable_linear
+from ..backend import check_backend, resolve_backend
+from ..sdpa import packed_sdpa, split_packed
+from .common import bias_left_to_join, linear_without_bias
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a packed qkv projection (timm's layout: [q | k | v] x heads x head_dim)."""
+
+    impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'sdpa' | 'eager'
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "auto"):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed dim {dim} must be divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.backend = check_backend(backend)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        # q/k norms stay reference ops on every backend (the attention kernel reads raw packed qkv)
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, 3*H*D) -> q, k, v of shape (B, H, N, D), with q/k norm applied."""
+        q, k, v = split_packed(qkv, self.num_heads)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """The attention kernel runs (it has no per-head LayerNorm: with qk_norm the reference ops do)."""
+        return (self.impl == "fused" and not isinstance(self.q_norm, nn.LayerNorm)
+                and resolve_backend(self.backend, x) == "triton")
+
+    def packed_sdpa(self, x: torch.Tensor) -> bool:
+        """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""
+        return (self.impl == "sdpa" and not isinstance(self.q_norm, nn.LayerNorm)
+                and resolve_backend(self.backend, x) == "triton")
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D). Fused path: the
+        ``attention`` kernel reads q, k, v through strides of the packed qkv and writes (B, N, H*D)."""
+        if self.fused(qkv):
+            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
+        if self.packed_sdpa(qkv):
+            return packed_sdpa(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
+        B, N, _ = qkv.shape
+        q, k, v = self.split_heads(qkv)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        return x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)  # explicit: B may be 0
+
+    def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Softmax attention probabilities (B, H, N, N) for the normalised input x (no dropout)."""
+        q, k, _ = self.split_heads(self.qkv(x))
+        return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+    def branch(self, x: torch.Tensor, keep_rows: Optional[int] = None) -> torch.Tensor:
+        """Fused path: ``attention_linear`` (the qkv GEMM with its bias, attention; the bias's gradient
+        from the attention backward, no separate reduction over d(qkv)), then the proj GEMM *without*
+        its bias (the residual join adds it). ``keep_rows``: only the first tokens' output is wanted;
+        attention still reads every token's k and v; the kernels compute only those queries (no output and
+        no zero-filled output gradient for the others), the proj GEMM runs on those rows."""
+        if self.fused(x) and fusable_linear(self.qkv):
+            out = attention_kernels.attention_linear(x, effective_weight(self.qkv), effective_bias(self.qkv),
+                                                     self.num_heads, self.scale, self.attn_drop.p, self.training,
+                                                     query_rows=keep_rows)
+        else:
+            out = self.attend(self.qkv(x))
+            out = out if keep_rows is None else out[:, :keep_rows]
+        return linear_without_bias(self.proj, out)
+
+    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
+        """What the residual join applies to ``branch``'s output: the proj bias, then proj dropout's rate."""
+        return bias_left_to_join(self.proj), self.proj_drop.p
+
+    def draws_row_dropout_masks(self) -> bool:
+        """A forward in this mode may draw per-token dropout masks after attention: proj dropout, or a
+        proj module called whole (vit_fast/adapters.py: e.g. LoRA with dropout)."""
+        return self.training and (self.proj_drop.p > 0 or not fusable_linear(self.proj))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        x = self.attend(qkv)
+        return self.proj_drop(self.proj(x))

@@ -1,0 +1,135 @@
+"""The pre-norm transformer block, its LayerScale and DropPath, and its fused dataflow (``forward_pair``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..backend import check_backend, resolve_backend
+from .attention import Attention
+from .common import has_hooks
+from .mlp import make_mlp
+from .norm import layer_norm, layer_norm_with_input, reads_norm, residual_join
+
+
+class LayerScale(nn.Module):
+    """Per-channel learnable scale (CaiT / DeiT-III): x * gamma, gamma initialised to init_values."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5):
+        super().__init__()
+        self.init_values = init_values
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def init_weights(self) -> None:
+        nn.init.constant_(self.gamma, self.init_values)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Stochastic depth per sample, kept samples scaled by 1/keep (timm's scale_by_keep=True)."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep = 1.0 - drop_prob
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+    return x * mask.div_(keep)
+
+
+class DropPath(nn.Module):
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.drop_prob, self.training)
+
+    def sample_scale(self, branch: torch.Tensor) -> Optional[torch.Tensor]:
+        """The per-sample factor (B,) fp32 (0 or 1/keep) the fused join applies, or None when inactive.
+        Drawn like ``drop_path`` (same generator, dtype and count as for the branch tensor), so a fixed
+        seed gives the reference and the fused path the same drop decisions."""
+        if self.drop_prob == 0.0 or not self.training:
+            return None
+        keep = 1.0 - self.drop_prob
+        return branch.new_empty((branch.shape[0],)).bernoulli_(keep).div_(keep).float()
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:.3f}"
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)), each with LayerScale and DropPath."""
+
+    join_impl = "fused"  # the route's choice for the joins (vit_fast/route.py): 'fused' | 'eager' (torch ops)
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 qk_norm: bool = False, init_values: Optional[float] = None, proj_drop: float = 0.0,
+                 attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6, act: str = "gelu",
+                 backend: str = "auto", mlp_layer: str = "mlp"):
+        super().__init__()
+        self.backend = check_backend(backend)
+        self.norm1 = layer_norm(dim, norm_eps, backend)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
+                              proj_drop=proj_drop, norm_eps=norm_eps, backend=backend)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = layer_norm(dim, norm_eps, backend)
+        self.mlp = make_mlp(mlp_layer, dim, int(dim * mlp_ratio), act, proj_drop, backend=backend)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """The block runs on its kernels (``forward_pair``): the backend resolves to Triton, no hook sits
+        on a part of it (hooks fire only when the parts run through their own ``__call__``) and its norms
+        are vit_fast LayerNorms the join kernel can read (a wrapped or replaced norm is called instead)."""
+        return (resolve_backend(self.backend, x) == "triton" and self.reads_norms()
+                and not has_hooks(self, inside=True))
+
+    def reads_norms(self) -> bool:
+        return reads_norm(self.norm1) and reads_norm(self.norm2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuses(x):
+            return self.forward_pair(*layer_norm_with_input(self.norm1, x), next_norm=None)[1]
+        # reference: module by module (each part on its own kernels where it has them). .to(x.dtype): the
+        # stream keeps its dtype (a no-op unless it is half under autocast, residual_in_fp32=False, where
+        # the fp32 LayerScale output would promote it)
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x)))).to(x.dtype)
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))).to(x.dtype)
+        return x
+
+    def draws_row_dropout_masks(self) -> bool:
+        """True when a forward in the current mode draws per-token dropout masks after attention (the
+        parts' proj / MLP dropout): those draws depend on how many rows run. Attention dropout (drawn over
+        every token) and drop-path (one value per image) do not."""
+        return self.attn.draws_row_dropout_masks() or self.mlp.draws_row_dropout_masks()
+
+    def forward_pair(self, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm],
+                     keep_rows: Optional[int] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """The fused dataflow: (hidden = norm1(x), residual = x) -> (next_norm(x'), x'), x' this block's output.
+
+            attention branch (no proj bias) -> join: + proj bias, proj dropout, ls1, drop-path, add, norm2
+            MLP branch (no fc2 bias)        -> join: + fc2 bias, drop2, ls2, drop-path, add, next_norm
+        Each join is one kernel (``add_layer_norm``; ``bias_dropout_add`` when next_norm is None, and the
+        first output is then None). ``keep_rows``: x' of the first tokens only (the last block under
+        class-token pooling): every token still enters attention as a key and value; the proj GEMM, both
+        joins and the MLP run on the kept rows. Exact: the dropped rows would only get zero gradients."""
+        if resolve_backend(self.backend, residual) == "torch":
+            x = self(residual)[:, :keep_rows]
+            return (next_norm(x) if next_norm is not None else None), x
+        branch = self.attn.branch(hidden, keep_rows)
+        residual = residual if keep_rows is None else residual[:, :keep_rows]
+        hidden, residual = self._join(branch, residual, self.attn, self.ls1, self.drop_path1, self.norm2)
+        branch = self.mlp.branch(hidden)
+        return self._join(branch, residual, self.mlp, self.ls2, self.drop_path2, next_norm)
+
+    def _join(self, branch: torch.Tensor, residual: torch.Tensor, part: nn.Module, ls: nn.Module, dp: nn.Module,
+              norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """residual + drop_path(ls(dropout(branch + bias))), and norm of it: ``residual_join`` with the
+        part's bias and dropout rate, LayerScale's gamma (None: Identity) and the drop-path scale."""
+        bias, dropout_p = part.join_terms()
+        gamma = ls.gamma if isinstance(ls, LayerScale) else None
+        sample_scale = dp.sample_scale(branch) if isinstance(dp, DropPath) else None
+        return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, self.training, norm,
+                             self.join_impl == "fused")

@@ -1,0 +1,75 @@
+"""What every part uses: argument helpers, hook detection, the output GEMM without its bias (the residual
+join adds it), and timm's weight init."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..adapters import effective_bias, effective_weight, fusable_linear
+
+
+def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"expected an int or a pair (H, W), got {x!r}")
+        return int(x[0]), int(x[1])
+    return int(x), int(x)
+
+
+def has_hooks(module: nn.Module, inside: bool = False) -> bool:
+    """Whether forward or backward hooks would fire on ``module`` (with ``inside``: on any module below
+    it, not counting itself), global module hooks included. The fused paths call GEMMs and kernels
+    directly, so modules with hooks (FSDP2's fully_shard registers them) are run through ``__call__``.
+    Asked on every forward: a plain walk of the module dicts (Module.modules() costs several times more)."""
+    from torch.nn.modules import module as torch_module
+
+    if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
+            or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks):
+        return True
+    stack = list(module._modules.values()) if inside else [module]
+    while stack:
+        m = stack.pop()
+        if m is None:
+            continue
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+            return True
+        stack.extend(m._modules.values())
+    return False
+
+
+def linear_without_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The output GEMM of a part's branch: ``module``'s weight without its bias (the residual join adds
+    it); a module the fused path cannot read (vit_fast/adapters.py) is called whole, bias included."""
+    return F.linear(x, effective_weight(module)) if fusable_linear(module) else module(x)
+
+
+def bias_left_to_join(module: nn.Module) -> Optional[torch.Tensor]:
+    """The bias ``linear_without_bias`` left out, for the residual join (None when it called the module)."""
+    return effective_bias(module) if fusable_linear(module) else None
+
+
+def trunc_normal_(tensor: torch.Tensor, std: float = 0.02) -> torch.Tensor:
+    """timm's default: normal(0, std) truncated at +-2 (absolute, i.e. +-100 std for std=0.02)."""
+    return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-2.0, b=2.0)
+
+
+def init_weights_vit_timm(module: nn.Module, name: str = "") -> None:
+    """timm's 'timm' init: Linear weights trunc_normal(std .02), biases zero; LayerScale to init_values;
+    conv and LayerNorm keep PyTorch's defaults."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "init_weights"):
+        module.init_weights()
+
+
+def named_apply(fn: Callable[[nn.Module, str], None], module: nn.Module, name: str = "") -> None:
+    """Apply fn to every descendant of module (children before parents), not to module itself."""
+    for child_name, child in module.named_children():
+        child_full = f"{name}.{child_name}" if name else child_name
+        named_apply(fn, child, child_full)
+        fn(child, child_full)

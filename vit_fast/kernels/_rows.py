@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._aot import LAUNCH_DEFAULT_STAGES, AotSpec, divisible_args, kernel_signature
-from ._utils import check_float, check_shape, next_power_of_2, programs_to_fill
+from ._utils import cdiv, check_float, check_shape, next_power_of_2, programs_to_fill
 
 _BLOCK_G = 16  # partial rows per loop step of the reduction
 _WARPS = 4
@@ -48,7 +48,7 @@ def sum_partials(partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     k, g, n = partial.shape
     out = torch.empty((k, n), device=partial.device, dtype=out_dtype)
     block_n = sum_partials_block_n(n)
-    _sum_partials_kernel[(k, triton.cdiv(n, block_n))](out, partial, g, n, BLOCK_G=_BLOCK_G,
+    _sum_partials_kernel[(k, cdiv(n, block_n))](out, partial, g, n, BLOCK_G=_BLOCK_G,
                                                        BLOCK_N=block_n, num_warps=_WARPS)
     return out
 
@@ -68,7 +68,7 @@ def num_partials(row_tiles: int, col_tiles: int, device: torch.device) -> int:
     programs over the whole grid to fill the GPU (``programs_to_fill``). Fixed per device and shape,
     so reproducible. Under the interpreter: a few partials, so the multi-program reduction is exercised."""
     target = programs_to_fill(device, per_sm=4) if device.type == "cuda" else 3 * col_tiles
-    return max(1, min(row_tiles, triton.cdiv(target, col_tiles)))
+    return max(1, min(row_tiles, cdiv(target, col_tiles)))
 
 
 def param_grad_dtype(params: list[torch.Tensor]) -> torch.dtype:

@@ -362,7 +362,10 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
     if decided in names:
         _state.fast[(op, key)] = names.index(decided)
         return candidates[names.index(decided)]
-    if not may_use_cache() or device.type not in _state.device_types:
+    if device.type not in _state.device_types:
+        _state.fast[(op, key)] = 0  # nothing is ever measured on this device: the static config, at once
+        return candidates[0]
+    if not may_use_cache():
         return candidates[0]
     source = source_hash(module or launch.__module__)
     cache = cache_for(device)
@@ -440,7 +443,7 @@ def overridden(timer: Optional[Timer] = None, device_types: Optional[tuple[str, 
     saved = _state
     _state = dataclasses.replace(
         saved, decisions={} if fresh else saved.decisions, log=[] if fresh else saved.log,
-        fast={} if fresh else saved.fast,
+        fast={},  # a cache of the decisions and of the static fallbacks: rebuilt under the new settings
         **{k: v for k, v in dict(timer=timer, device_types=device_types, enabled=enabled,
                                  local_in_distributed=local_in_distributed).items() if v is not None},
         **({} if cache_dir is None else {"cache_dir": str(cache_dir)}))
@@ -466,6 +469,25 @@ def _get(cfg: Any, name: str) -> int:
     return cfg[name] if isinstance(cfg, dict) else getattr(cfg, name)
 
 
+def _memoized(build: Callable[..., list]) -> Callable[..., list]:
+    """``build``'s list kept per (hashable) arguments: the launchers ask for their candidates on every call.
+    Unhashable arguments (a dict config) build afresh."""
+    memo: dict = {}
+
+    def cached(*args, **kwargs) -> list:
+        key = (args, tuple(sorted(kwargs.items())))
+        try:
+            found = memo.get(key)
+        except TypeError:
+            return build(*args, **kwargs)
+        if found is None:
+            found = memo[key] = tuple(build(*args, **kwargs))
+        return list(found)
+
+    cached.__doc__, cached.__name__, cached.__wrapped__ = build.__doc__, build.__name__, build
+    return cached
+
+
 def unique(items: list) -> list:
     out, seen = [], set()
     for item in items:
@@ -475,6 +497,7 @@ def unique(items: list) -> list:
     return out
 
 
+@_memoized
 def tile_candidates(static: Any, halve: Sequence[str] = ("block_m", "block_n"), warps: str = "num_warps",
                     stages: Optional[str] = None, min_block: int = 16, max_warps: int = 8) -> list:
     """``static`` first, then each ``halve`` field halved (kept >= ``min_block``: tl.dot's minimum), the
@@ -491,6 +514,7 @@ def tile_candidates(static: Any, halve: Sequence[str] = ("block_m", "block_n"), 
     return unique(out)
 
 
+@_memoized
 def row_candidates(block_m: int, block_n: int, warps: int, grow: bool = True,
                    max_warps: int = 16) -> list[tuple[int, int, int]]:
     """(BLOCK_M, BLOCK_N, num_warps) of a row-tile kernel: the static tile, half the rows, twice the warps

@@ -195,7 +195,13 @@ def input_precision(dtype: torch.dtype) -> str:
 
 
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """Host-side sizes (triton.next_power_of_2 and triton.cdiv wrap their arithmetic in a constexpr_function
+    call that costs microseconds per launch on the host)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
 
 
 # SMs of the GPUs the config tables are written for (A100 SXM, H100 SXM), for launches that size

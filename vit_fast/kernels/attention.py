@@ -91,6 +91,7 @@ from ._math import LN2, LOG2E
 from ._rows import sum_partials
 from ._tuning import bucket
 from ._utils import (
+    cdiv,
     check_float,
     check_kernel_device,
     check_ndim,
@@ -784,7 +785,7 @@ def _attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int
 
 def attention_grid(batch_heads: int, seq_len: int, block: int) -> tuple[int]:
     """1-D grid: (batch * heads) x tiles folded onto axis 0 (limit 2^31 - 1, not 65535)."""
-    programs = batch_heads * triton.cdiv(seq_len, block)
+    programs = batch_heads * cdiv(seq_len, block)
     if programs > MAX_GRID:
         raise ValueError(f"attention: {programs} programs exceed the CUDA grid limit {MAX_GRID}; "
                          f"split the batch (batch*heads={batch_heads}, seq_len={seq_len})")
@@ -964,7 +965,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
 
     def launch(cfg: AttentionConfig) -> Optional[torch.Tensor]:
         block_d, tail = _block_dims(D, cfg.dq.split)
-        partial = None if bias_dtype is None else _empty((3, B * triton.cdiv(N, cfg.dq.block_m), H * D),
+        partial = None if bias_dtype is None else _empty((3, B * cdiv(N, cfg.dq.block_m), H * D),
                                                          torch.float32, q.device)
         slabs = (None, None, None) if partial is None else partial.unbind(0)
         _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
@@ -1247,7 +1248,7 @@ def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, 
     the mask depends only on (seed, b * H + h, i, j)."""
     keep = _empty((batch * num_heads, seq_len, seq_len), torch.int8, torch.device(device))
     block_m = 16
-    _attention_dropout_mask_kernel[(triton.cdiv(seq_len, block_m), batch * num_heads)](
+    _attention_dropout_mask_kernel[(cdiv(seq_len, block_m), batch * num_heads)](
         keep, seq_len, dropout_threshold(dropout_p), seed, BLOCK_M=block_m, BLOCK_N=32)
     return keep.view(batch, num_heads, seq_len, seq_len).bool()
 

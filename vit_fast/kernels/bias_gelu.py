@@ -71,7 +71,7 @@ from ._rows import (
     sum_partials_spec,
 )
 from ._tuning import bucket
-from ._utils import check_kernel_device, next_power_of_2, run_op, seed_value, unit_stride
+from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, seed_value, unit_stride
 
 
 # -------------------------------------------------------------------------------------- jit kernels
@@ -201,7 +201,7 @@ def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: st
         return y
     def launch(cfg: tuple[int, int, int]) -> None:
         block_m, block_n, warps = cfg
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        grid = (cdiv(m, block_m), cdiv(n, block_n))
         _bias_gelu_fwd_kernel[grid](y, x, bias, x.stride(0), y.stride(0), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
                                     HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh", num_warps=warps)
     key = (bucket(m), n, str(x.dtype), bias is not None, approximate)
@@ -225,8 +225,8 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor
         return dx, (torch.zeros_like(bias) if has_bias else x.new_empty(0))
     def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
         block_m, block_n, warps = cfg
-        col_tiles = triton.cdiv(n, block_n)
-        g = num_partials(triton.cdiv(m, block_m), col_tiles, x.device)
+        col_tiles = cdiv(n, block_n)
+        g = num_partials(cdiv(m, block_m), col_tiles, x.device)
         partial = torch.empty((1, g, n), device=x.device, dtype=torch.float32) if has_bias else None
         _bias_gelu_bwd_kernel[(g, col_tiles)](dx, partial, dy, x, bias, dy.stride(0), x.stride(0), dx.stride(0), m, n,
                                               g, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
@@ -264,7 +264,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
 
     def launch(cfg: tuple[int, int, int]) -> None:
         block_m, block_n, warps = cfg
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        grid = (cdiv(m, block_m), cdiv(n, block_n))
         _bias_dropout_add_fwd_kernel[grid](
             out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
             seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
@@ -297,8 +297,8 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
 
     def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
         block_m, block_n, warps = cfg
-        col_tiles = triton.cdiv(n, block_n)
-        g = num_partials(triton.cdiv(m, block_m), col_tiles, x.device)
+        col_tiles = cdiv(n, block_n)
+        g = num_partials(cdiv(m, block_m), col_tiles, x.device)
         partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
         _bias_dropout_add_bwd_kernel[(g, col_tiles)](
             dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0),

@@ -60,7 +60,7 @@ from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._rows import as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket
-from ._utils import FLOAT_DTYPES, check_kernel_device, gpu_arch, next_power_of_2, run_op, seed_value, unit_stride
+from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, seed_value, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
@@ -227,7 +227,7 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
     def launch(cfg: tuple[int, int, int]) -> None:
         block_m, block_n, warps = cfg
-        _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        _layer_norm_fwd_kernel[(cdiv(m, block_m),)](
             y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
             x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
             m, n, tokens, eps, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
@@ -267,7 +267,7 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
 
     def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
         block_m, block_n, warps = cfg
-        g = num_partials(triton.cdiv(m, block_m), 1, dev)
+        g = num_partials(cdiv(m, block_m), 1, dev)
         partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
         _layer_norm_bwd_kernel[(g,)](
             dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,

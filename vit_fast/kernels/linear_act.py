@@ -57,7 +57,7 @@ from . import _tuning
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._math import gelu_fwd_bwd
 from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
-from ._utils import check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
+from ._utils import cdiv, check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
 
 OP = "linear_act"
 # activation name -> ACT constexpr of the kernels
@@ -248,7 +248,7 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     arch = gpu_arch(x.device)
 
     def launch(t: GemmTile) -> None:
-        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+        grid = (cdiv(m, t.block_m) * cdiv(n, t.block_n),)
         _linear_act_fwd_kernel[grid](
             h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
@@ -288,9 +288,9 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
     arch = gpu_arch(dact.device)
 
     def launch(t: GemmTile) -> Optional[torch.Tensor]:
-        row_tiles = triton.cdiv(m, t.block_m)
+        row_tiles = cdiv(m, t.block_m)
         partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
-        _linear_act_bwd_kernel[(row_tiles * triton.cdiv(k, t.block_n),)](
+        _linear_act_bwd_kernel[(row_tiles * cdiv(k, t.block_n),)](
             du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
             HAS_BIAS=has_bias, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)

@@ -62,12 +62,14 @@ from ._tuning import bucket
 from ._utils import (
     FLOAT_DTYPES,
     SM_COUNT,
+    cdiv,
     check_float,
     check_kernel_device,
     check_ndim,
     check_shape,
     compute_dtype_for,
     gpu_arch,
+    next_power_of_2,
     run_op,
 )
 
@@ -412,11 +414,11 @@ def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True) -> d
 
 def _dweight_split(M: int, D: int, k_tiles: int, cfg: dict) -> tuple[int, int]:
     """(S, row blocks per split): a fixed cut of the patch axis for the dW partials (depends on shape only)."""
-    tiles = triton.cdiv(D, cfg["BLOCK_N"]) * k_tiles
-    m_blocks = triton.cdiv(M, cfg["BLOCK_M"])
-    splits = min(m_blocks, max(1, triton.cdiv(_DW_PROGRAMS_PER_SM * cfg["num_sms"], tiles)))
-    per_split = triton.cdiv(m_blocks, splits)
-    return triton.cdiv(m_blocks, per_split), per_split
+    tiles = cdiv(D, cfg["BLOCK_N"]) * k_tiles
+    m_blocks = cdiv(M, cfg["BLOCK_M"])
+    splits = min(m_blocks, max(1, cdiv(_DW_PROGRAMS_PER_SM * cfg["num_sms"], tiles)))
+    per_split = cdiv(m_blocks, splits)
+    return cdiv(m_blocks, per_split), per_split
 
 
 def _aligned_blocks(Np: int, Wp: int, block_m: int) -> bool:
@@ -437,12 +439,12 @@ def _gemm_launch(cfg: dict, dtype: torch.dtype, patch: int, in_chans: int) -> tu
     """(constexprs, launch options, K tiles per patch) of a GEMM kernel: a K tile is CHANS channels x ROWS
     patch rows x PATCH_PAD columns, ROWS * PATCH_PAD ~ the table's BLOCK_K; CHANS > 1 only where one
     channel's padded patch is under 16 columns (P <= 2)."""
-    pad = triton.next_power_of_2(patch)
+    pad = next_power_of_2(patch)
     rows = min(max(1, cfg["BLOCK_K"] // pad), pad)
     chans = max(1, _MIN_DOT_K // (rows * pad))  # powers of two: CHANS * ROWS * PATCH_PAD >= 16
     constexprs = dict(INPUT_PRECISION=input_precision(dtype), PATCH=patch, PATCH_PAD=pad, ROWS=rows, CHANS=chans,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
-    k_tiles = triton.cdiv(in_chans, chans) * triton.cdiv(patch, rows)
+    k_tiles = cdiv(in_chans, chans) * cdiv(patch, rows)
     return constexprs, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), k_tiles
 
 
@@ -511,8 +513,8 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 
     def launch(cfg: dict) -> None:
         consts, opts, _ = _gemm_launch(cfg, compute_dtype, P, C)
-        rows = triton.cdiv(M, consts["BLOCK_M"]) + triton.cdiv(B * prefix, consts["BLOCK_M"])
-        grid = (rows * triton.cdiv(D, consts["BLOCK_N"]),)
+        rows = cdiv(M, consts["BLOCK_M"]) + cdiv(B * prefix, consts["BLOCK_M"])
+        grid = (rows * cdiv(D, consts["BLOCK_N"]),)
         _patch_embed_fwd_kernel[grid](
             out, images, weight, bias if bias is not None else weight, pos_embed,
             cls_token if cls_token is not None else weight, reg_tokens if reg_tokens is not None else weight,
@@ -579,7 +581,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
             splits, per_split = _dweight_split(M, D, k_tiles, dict(tile, num_sms=cfg["num_sms"]))
             partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
-            grid = (triton.cdiv(D, consts["BLOCK_N"]) * (k_tiles + (bias is not None)), splits)
+            grid = (cdiv(D, consts["BLOCK_N"]) * (k_tiles + (bias is not None)), splits)
             _patch_embed_dweight_kernel[grid](
                 partials, dtokens, images, *dtokens.stride(), *images.stride(),
                 M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None,
@@ -589,8 +591,8 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
                                                          launch_dweight, device))
 
     red = cfg["reduce"]
-    reduce_programs = triton.cdiv(D * K + D, red["BLOCK"]) if needs_proj_grads else 0
-    grid = (reduce_programs + triton.cdiv(T * D, red["BLOCK"] // red["BATCH_TILE"]),)
+    reduce_programs = cdiv(D * K + D, red["BLOCK"]) if needs_proj_grads else 0
+    grid = (reduce_programs + cdiv(T * D, red["BLOCK"] // red["BATCH_TILE"]),)
     _patch_embed_reduce_kernel[grid](
         dW if needs_proj_grads else dpos, dbias if bias is not None and needs_proj_grads else dpos, dpos,
         dcls if cls_token is not None else dpos, dreg if reg_tokens is not None else dpos, partials, dtokens,
@@ -605,7 +607,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
 
         def launch_dimages(tile: dict) -> None:
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
-            grid = (triton.cdiv(M, consts["BLOCK_M"]) * k_tiles,)
+            grid = (cdiv(M, consts["BLOCK_M"]) * k_tiles,)
             _patch_embed_dimages_kernel[grid](
                 dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
                 M, D, C, Np, Wp, prefix, **consts, **opts)

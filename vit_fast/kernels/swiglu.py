@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_float, check_kernel_device, next_power_of_2, run_op
+from ._utils import cdiv, check_float, check_kernel_device, next_power_of_2, run_op
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def tile_config(f: int) -> tuple[int, int, int]:
 
 
 def _grid(m: int, f: int, block_m: int, block_f: int) -> tuple[int, int]:
-    return triton.cdiv(m, block_m), triton.cdiv(f, block_f)
+    return cdiv(m, block_m), cdiv(f, block_f)
 
 
 @torch.library.custom_op("vit_fast::swiglu_fwd", mutates_args=())

@@ -18,6 +18,7 @@ from tests.numerics import (
     randn,
 )
 from vit_fast.kernels import layer_norm as ln
+from vit_fast.kernels._rows import RowTile
 from vit_fast.kernels.bias_gelu import bias_dropout_add
 from vit_fast.kernels.layer_norm import add_layer_norm, add_layer_norm_ref, layer_norm, layer_norm_ref
 
@@ -330,10 +331,11 @@ def test_aot_specs_match_kernels_and_config_tables(width, hidden):
             strides = {a for a in s.signature if a.startswith("stride_")}
             assert not strides or strides & set(s.divisible_by_16), s.name
             if s.name.startswith("layer_norm"):
-                assert (s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == \
+                assert RowTile(s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == \
                     ln.ln_config(width, arch, backward=s.name.endswith("_bwd"))
             elif s.name.startswith("bias_gelu"):
-                assert (s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == bg.tile_config(hidden, arch)
+                assert RowTile(s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.num_warps) == \
+                    bg.tile_config(hidden, arch)
 
 
 def test_aot_specs_claim_no_alignment_a_launch_does_not_have():

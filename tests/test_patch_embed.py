@@ -3,6 +3,7 @@
 Every launch in this file writes into NaN-poisoned allocations (autouse fixture), so an output row,
 gradient element or partial the kernels forget to write fails the comparison.
 """
+import dataclasses
 import math
 
 import pytest
@@ -149,7 +150,7 @@ def test_dweight_aligned_row_blocks(monkeypatch, case, dtype):
     one split walks every block of 3 images (block starts carry over patch rows and images), channels-last images."""
     P, C, H, W = ALIGNED_CASES[case]
     monkeypatch.setattr(pe, "_DW_PROGRAMS_PER_SM", 0)  # a single split: one program per tile runs every row block
-    block_m = pe.patch_embed_config(80, dtype)["dweight"]["BLOCK_M"]
+    block_m = pe.patch_embed_config(80, dtype).dweight.block_m
     assert pe._aligned_blocks((H // P) * (W // P), W // P, block_m)
     inputs = make_inputs(3, C, H, W, P, 48, cls=True, regs=1, covers=True, dtype=dtype, seed=13)
     inputs["images"] = inputs["images"].detach().to(memory_format=torch.channels_last).requires_grad_()
@@ -237,11 +238,11 @@ def test_empty_batch_gives_empty_tokens_and_zero_grads():
 
 def test_backward_is_bitwise_repeatable(monkeypatch):
     """Two backward passes give identical bits, also with the dW partials split over several programs."""
-    small = pe.patch_embed_config(80, torch.float32)
-    small["dweight"] = dict(small["dweight"], BLOCK_M=16)
+    config = pe.patch_embed_config(80, torch.float32)
+    small = dataclasses.replace(config, dweight=dataclasses.replace(config.dweight, block_m=16))
     monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype, aligned=True: small)
     M, D = 2 * 4 * 6, 64  # rows of the dW GEMM, width
-    splits, _ = pe._dweight_split(M, D, 3 * 1, dict(small["dweight"], num_sms=small["num_sms"]))
+    splits, _ = pe._dweight_split(M, D, 3 * 1, small.dweight, small.num_sms)
     assert splits == 3
     inputs = make_inputs(2, 3, 32, 48, 8, D, cls=True, regs=1, seed=8)
     check_against_reference(inputs, True, torch.float32)  # correct with a 3-way split

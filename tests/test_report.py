@@ -310,7 +310,7 @@ def test_patch_embed_launches_at_unaligned_image_rows_are_in_the_aot_report(monk
     assert not missing, missing
     assert not pe.images_aligned(x.stride())
     unaligned, aligned = pe.patch_embed_config(arch, dtype, False), pe.patch_embed_config(arch, dtype)
-    assert unaligned["fwd"] != aligned["fwd"]
+    assert unaligned.fwd != aligned.fwd
     fwd = next(s for s in specs if s.name == "patch_embed_fwd")
-    assert (fwd.num_warps, fwd.num_stages) == (unaligned["fwd"]["num_warps"], unaligned["fwd"]["num_stages"])
-    assert fwd.constexprs["ROWS"] == unaligned["fwd"]["BLOCK_K"] // 16
+    assert (fwd.num_warps, fwd.num_stages) == (unaligned.fwd.num_warps, unaligned.fwd.num_stages)
+    assert fwd.constexprs["ROWS"] == unaligned.fwd.block_k // 16

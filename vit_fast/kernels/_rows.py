@@ -7,6 +7,7 @@ program writes the fp32 column sums of its rows into one row of a (K, G, N) part
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,6 +16,16 @@ import triton.language as tl
 
 from ._aot import LAUNCH_DEFAULT_STAGES, AotSpec, divisible_args, kernel_signature
 from ._utils import cdiv, check_float, check_shape, next_power_of_2, programs_to_fill
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """Launch shape of a row-tile kernel (layer_norm, bias_gelu, bias_dropout_add, swiglu): ``block_m`` rows of
+    a ``block_n``-column tile on ``num_warps`` warps."""
+    block_m: int
+    block_n: int
+    num_warps: int
+
 
 _BLOCK_G = 16  # partial rows per loop step of the reduction
 _WARPS = 4

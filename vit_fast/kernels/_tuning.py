@@ -515,18 +515,19 @@ def tile_candidates(static: Any, halve: Sequence[str] = ("block_m", "block_n"), 
 
 
 @_memoized
-def row_candidates(block_m: int, block_n: int, warps: int, grow: bool = True,
-                   max_warps: int = 16) -> list[tuple[int, int, int]]:
-    """(BLOCK_M, BLOCK_N, num_warps) of a row-tile kernel: the static tile, half the rows, twice the warps
-    (both fewer elements per thread) and, with ``grow``, twice the rows with twice the warps (as many
-    elements per thread as the static tile)."""
-    out = [(block_m, block_n, warps)]
+def row_candidates(static: Any, grow: bool = True, max_warps: int = 16) -> list:
+    """Tiles of a row-tile kernel (a ``RowTile``, vit_fast/kernels/_rows.py): the static tile, half the rows,
+    twice the warps (both fewer elements per thread) and, with ``grow``, twice the rows with twice the warps
+    (as many elements per thread as the static tile)."""
+    block_m, block_n, warps = static.block_m, static.block_n, static.num_warps
+    tile = type(static)
+    out = [static]
     if block_m >= 2:
-        out.append((block_m // 2, block_n, warps))
+        out.append(tile(block_m // 2, block_n, warps))
     if warps * 2 <= max_warps:
-        out.append((block_m, block_n, warps * 2))
+        out.append(tile(block_m, block_n, warps * 2))
         if grow:
-            out.append((block_m * 2, block_n, warps * 2))
+            out.append(tile(block_m * 2, block_n, warps * 2))
     return unique(out)
 
 

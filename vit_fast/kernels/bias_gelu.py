@@ -61,6 +61,7 @@ from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._math import gelu_fwd_bwd
 from ._rows import (
+    RowTile,
     as_rows,
     check_param,
     check_rows_input,
@@ -181,14 +182,14 @@ def _bias_dropout_add_bwd_kernel(
 
 
 # ------------------------------------------------------------------------------------------ configs
-def tile_config(n: int, arch: int = 80) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the elementwise row-tile kernels: 2048-element tiles at
+def tile_config(n: int, arch: int = 80) -> RowTile:
+    """The tile of the elementwise row-tile kernels: 2048-element tiles at
     most 256 columns wide (ViT widths 768..16384 are multiples of 256, 1408 of 128), 8 elements
     per thread, so the Philox draw and the GELU derivative stay in registers (``vit-fast report``
     checks it for sm_80 / sm_90). The same table serves both architectures."""
     block_n = min(256, next_power_of_2(n))
     block_m = max(1, 2048 // block_n)
-    return block_m, block_n, max(1, block_m * block_n // 256)
+    return RowTile(block_m, block_n, max(1, block_m * block_n // 256))
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
@@ -199,13 +200,13 @@ def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: st
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    def launch(cfg: tuple[int, int, int]) -> None:
-        block_m, block_n, warps = cfg
+    def launch(cfg: RowTile) -> None:
+        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         grid = (cdiv(m, block_m), cdiv(n, block_n))
         _bias_gelu_fwd_kernel[grid](y, x, bias, x.stride(0), y.stride(0), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
                                     HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh", num_warps=warps)
     key = (bucket(m), n, str(x.dtype), bias is not None, approximate)
-    launch(_tuning.choose("bias_gelu_fwd", key, _tuning.row_candidates(*tile_config(n)), launch, x.device))
+    launch(_tuning.choose("bias_gelu_fwd", key, _tuning.row_candidates(tile_config(n)), launch, x.device))
     return y
 
 
@@ -223,8 +224,8 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor
     has_bias = bias is not None
     if m == 0:
         return dx, (torch.zeros_like(bias) if has_bias else x.new_empty(0))
-    def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
-        block_m, block_n, warps = cfg
+    def launch(cfg: RowTile) -> torch.Tensor:
+        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         col_tiles = cdiv(n, block_n)
         g = num_partials(cdiv(m, block_m), col_tiles, x.device)
         partial = torch.empty((1, g, n), device=x.device, dtype=torch.float32) if has_bias else None
@@ -233,7 +234,7 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor
                                               APPROX_TANH=approximate == "tanh", num_warps=warps)
         return sum_partials(partial, bias.dtype)[0] if has_bias else x.new_empty(0)
     key = (bucket(m), n, str(dy.dtype), str(x.dtype), has_bias, approximate)
-    candidates = _tuning.row_candidates(*tile_config(n), grow=False)
+    candidates = _tuning.row_candidates(tile_config(n), grow=False)
     return dx, launch(_tuning.choose("bias_gelu_bwd", key, candidates, launch, x.device))
 
 
@@ -262,14 +263,14 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
                  HAS_DROPOUT=p > 0)
 
-    def launch(cfg: tuple[int, int, int]) -> None:
-        block_m, block_n, warps = cfg
+    def launch(cfg: RowTile) -> None:
+        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         grid = (cdiv(m, block_m), cdiv(n, block_n))
         _bias_dropout_add_fwd_kernel[grid](
             out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
             seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
     key = (bucket(m), n, str(x.dtype), str(residual.dtype), *flags.values())
-    launch(_tuning.choose("bias_dropout_add_fwd", key, _tuning.row_candidates(*tile_config(n)), launch, x.device))
+    launch(_tuning.choose("bias_dropout_add_fwd", key, _tuning.row_candidates(tile_config(n)), launch, x.device))
     return full
 
 
@@ -295,8 +296,8 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
     flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
                  HAS_DROPOUT=p > 0, STORE_DX=store_dx)
 
-    def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
-        block_m, block_n, warps = cfg
+    def launch(cfg: RowTile) -> torch.Tensor:
+        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         col_tiles = cdiv(n, block_n)
         g = num_partials(cdiv(m, block_m), col_tiles, x.device)
         partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
@@ -306,7 +307,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
             num_warps=warps, **flags)
         return sum_partials(partial, param_dtype) if params else partial.new_empty((0, n))
     key = (bucket(m), n, str(dout.dtype), str(x.dtype), *flags.values())
-    candidates = _tuning.row_candidates(*tile_config(n), grow=False)
+    candidates = _tuning.row_candidates(tile_config(n), grow=False)
     return dx, launch(_tuning.choose("bias_dropout_add_bwd", key, candidates, launch, x.device))
 
 
@@ -424,12 +425,14 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
         specs.append(AotSpec(name, fn, signature, constexprs, warps, LAUNCH_DEFAULT_STAGES, False, note,
                              divisible_by_16=divisible_args(signature, values)))
 
-    bm, bn, warps = tile_config(mlp_hidden, arch)
+    tile = tile_config(mlp_hidden, arch)
+    bm, bn, warps = tile.block_m, tile.block_n, tile.num_warps
     for approx in (False, True):
         c = dict(BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=True, APPROX_TANH=approx)
         add("bias_gelu_fwd", _bias_gelu_fwd_kernel, mlp_hidden, c, warps, f"N={mlp_hidden} tanh={approx}")
         add("bias_gelu_bwd", _bias_gelu_bwd_kernel, mlp_hidden, c, warps, f"N={mlp_hidden} tanh={approx}")
-    bm, bn, warps = tile_config(width, arch)
+    tile = tile_config(width, arch)
+    bm, bn, warps = tile.block_m, tile.block_n, tile.num_warps
     # the residual stream in the activation dtype, and (16-bit only) fp32 under autocast as in timm
     streams = [types] if dtype == torch.float32 else [types, dict(types, OUT="*fp32", RES="*fp32", DOUT="*fp32")]
     for stream in streams:

@@ -58,7 +58,7 @@ import triton.language as tl
 from . import _tuning
 from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
-from ._rows import as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
+from ._rows import RowTile, as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket
 from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, seed_value, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
@@ -184,8 +184,8 @@ _BWD_TILES = {256: (2, 2), 512: (2, 4), 2048: (1, 8)}
 # static tile is what runs under torch.compile, CUDA-graph capture and VIT_FAST_AUTOTUNE=0.
 
 
-def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the forward (or, with ``backward``, the backward) kernel: a
+def ln_config(n: int, arch: int = 80, backward: bool = False) -> RowTile:
+    """The tile of the forward (or, with ``backward``, the backward) kernel: a
     whole padded row per tile (statistics in registers). Forward: rows stacked to 2048 elements for
     narrow widths with 8 elements per thread; single-row tiles (widths > 1024) get 4-8 elements per
     thread, up to 32 warps. Backward: ``_BWD_TILES`` where set. ``vit-fast report`` compiles every
@@ -194,11 +194,11 @@ def ln_config(n: int, arch: int = 80, backward: bool = False) -> tuple[int, int,
     block_n = next_power_of_2(n)
     if backward and block_n in _BWD_TILES:
         block_m, warps = _BWD_TILES[block_n]
-        return block_m, block_n, warps
+        return RowTile(block_m, block_n, warps)
     block_m = max(1, min(16, 2048 // block_n))
     if block_m > 1 or block_n < 2048:
-        return block_m, block_n, max(1, block_m * block_n // 256)
-    return 1, block_n, min(32, block_n // 128)
+        return RowTile(block_m, block_n, max(1, block_m * block_n // 256))
+    return RowTile(1, block_n, min(32, block_n // 128))
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
@@ -225,14 +225,14 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     flags = dict(HAS_RESIDUAL=has_res, HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None,
                  HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
 
-    def launch(cfg: tuple[int, int, int]) -> None:
-        block_m, block_n, warps = cfg
+    def launch(cfg: RowTile) -> None:
+        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         _layer_norm_fwd_kernel[(cdiv(m, block_m),)](
             y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
             x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
             m, n, tokens, eps, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
     key = (bucket(m), n, str(x.dtype), str(h.dtype), str(y.dtype), *flags.values())
-    launch(_tuning.choose("layer_norm_fwd", key, _tuning.row_candidates(*ln_config(n)), launch, dev))
+    launch(_tuning.choose("layer_norm_fwd", key, _tuning.row_candidates(ln_config(n)), launch, dev))
     return y, h, mean, rstd
 
 
@@ -265,8 +265,8 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
     flags = dict(HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
                  HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
 
-    def launch(cfg: tuple[int, int, int]) -> torch.Tensor:
-        block_m, block_n, warps = cfg
+    def launch(cfg: RowTile) -> torch.Tensor:
+        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         g = num_partials(cdiv(m, block_m), 1, dev)
         partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
         _layer_norm_bwd_kernel[(g,)](
@@ -277,7 +277,7 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
         return sum_partials(partial, param_grad_dtype(params))
     arch = gpu_arch(dev)
     key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values())
-    candidates = _tuning.row_candidates(*ln_config(n, arch, backward=True), grow=False)
+    candidates = _tuning.row_candidates(ln_config(n, arch, backward=True), grow=False)
     return dh, dx, launch(_tuning.choose("layer_norm_bwd", key, candidates, launch, dev))
 
 
@@ -437,8 +437,9 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     types.update({name: par for name in ("W", "B", "BRANCH_BIAS", "GAMMA")})
     types.update({"MEAN": "*fp32", "RSTD": "*fp32", "SCALE": "*fp32", "PARTIAL": "*fp32", "eps": "fp32",
                   "seed": "i32", "p": "fp32"})
-    block_m, block_n, warps = ln_config(width, arch)
-    bwd_block_m, _, bwd_warps = ln_config(width, arch, backward=True)
+    fwd_tile, bwd_tile = ln_config(width, arch), ln_config(width, arch, backward=True)
+    block_m, block_n, warps = fwd_tile.block_m, fwd_tile.block_n, fwd_tile.num_warps
+    bwd_block_m, bwd_warps = bwd_tile.block_m, bwd_tile.num_warps
     specs = []
     variants = [(False, False, False, False, False)] + [
         (True, bb, gamma, scale, drop) for bb in (False, True) for gamma in (False, True)

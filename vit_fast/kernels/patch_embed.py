@@ -49,6 +49,7 @@ channels, as tl.dot needs K >= 16), H and W positive multiples of P, float image
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -72,6 +73,7 @@ from ._utils import (
     next_power_of_2,
     run_op,
 )
+from .linear_act import GemmTile
 
 OP = "patch_embed"
 
@@ -390,7 +392,7 @@ _CONFIGS_UNALIGNED_IMAGES = {
     (80, 2): dict(fwd=(128, 128, 16, 8, 3), dweight=(16, 256, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
     (90, 2): dict(fwd=(128, 128, 32, 8, 3), dweight=(32, 512, 64, 8, 3), dimages=(256, 64, 64, 16, 3)),
 }
-_REDUCE = dict(BLOCK=1024, BATCH_TILE=8, num_warps=8, num_stages=1)  # batch sums: 8 x 128 tiles
+_REDUCE = (1024, 8, 8, 1)  # batch sums: 8 x 128 tiles
 _DW_PROGRAMS_PER_SM = 2  # the dW split fills the GPU with ~2 programs per SM (_utils.programs_to_fill)
 
 
@@ -400,23 +402,41 @@ def images_aligned(strides) -> bool:
     return all(s == 1 or s % 16 == 0 for s in strides)
 
 
-def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True) -> dict:
+@dataclass(frozen=True)
+class ReduceTile:
+    """The batch-sum kernel's launch: ``block`` outputs per program, ``batch_tile`` images per step."""
+    block: int
+    batch_tile: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class PatchEmbedConfig:
+    """Launch parameters of every patch-embedding kernel: a GemmTile per GEMM (fwd tiles (M, N) over K;
+    dweight (N, K) over M; dimages (M, K) over N), the batch-sum tile, and the SM count the dW split fills."""
+    fwd: GemmTile
+    dweight: GemmTile
+    dimages: GemmTile
+    reduce: ReduceTile
+    num_sms: int
+
+
+def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True) -> PatchEmbedConfig:
     """Launch parameters of every kernel for a GPU arch (80|90), compute dtype and image alignment
-    (``images_aligned`` of the strides the kernel gathers from or scatters to); a table, no autotune."""
+    (``images_aligned`` of the strides the kernel gathers from or scatters to); a table (autotuning may try
+    the fwd, dweight and dimages tiles' variants, vit_fast/kernels/_tuning.py)."""
     key = (arch, 4 if dtype == torch.float32 else 2)
     table = dict(_CONFIGS[key], **({} if aligned else _CONFIGS_UNALIGNED_IMAGES.get(key, {})))
-    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-    cfg = {kernel: dict(zip(names, entry)) for kernel, entry in table.items()}
-    cfg["reduce"] = dict(_REDUCE)
-    cfg["num_sms"] = SM_COUNT[arch]
-    return cfg
+    return PatchEmbedConfig(**{kernel: GemmTile(*entry) for kernel, entry in table.items()},
+                            reduce=ReduceTile(*_REDUCE), num_sms=SM_COUNT[arch])
 
 
-def _dweight_split(M: int, D: int, k_tiles: int, cfg: dict) -> tuple[int, int]:
+def _dweight_split(M: int, D: int, k_tiles: int, tile: GemmTile, num_sms: int) -> tuple[int, int]:
     """(S, row blocks per split): a fixed cut of the patch axis for the dW partials (depends on shape only)."""
-    tiles = cdiv(D, cfg["BLOCK_N"]) * k_tiles
-    m_blocks = cdiv(M, cfg["BLOCK_M"])
-    splits = min(m_blocks, max(1, cdiv(_DW_PROGRAMS_PER_SM * cfg["num_sms"], tiles)))
+    tiles = cdiv(D, tile.block_n) * k_tiles
+    m_blocks = cdiv(M, tile.block_m)
+    splits = min(m_blocks, max(1, cdiv(_DW_PROGRAMS_PER_SM * num_sms, tiles)))
     per_split = cdiv(m_blocks, splits)
     return cdiv(m_blocks, per_split), per_split
 
@@ -435,17 +455,17 @@ def input_precision(dtype: torch.dtype) -> str:
 _MIN_DOT_K = 16  # tl.dot on NVIDIA needs K (and this kernel's tile widths) >= 16
 
 
-def _gemm_launch(cfg: dict, dtype: torch.dtype, patch: int, in_chans: int) -> tuple[dict, dict, int]:
+def _gemm_launch(tile: GemmTile, dtype: torch.dtype, patch: int, in_chans: int) -> tuple[dict, dict, int]:
     """(constexprs, launch options, K tiles per patch) of a GEMM kernel: a K tile is CHANS channels x ROWS
     patch rows x PATCH_PAD columns, ROWS * PATCH_PAD ~ the table's BLOCK_K; CHANS > 1 only where one
     channel's padded patch is under 16 columns (P <= 2)."""
     pad = next_power_of_2(patch)
-    rows = min(max(1, cfg["BLOCK_K"] // pad), pad)
+    rows = min(max(1, tile.block_k // pad), pad)
     chans = max(1, _MIN_DOT_K // (rows * pad))  # powers of two: CHANS * ROWS * PATCH_PAD >= 16
     constexprs = dict(INPUT_PRECISION=input_precision(dtype), PATCH=patch, PATCH_PAD=pad, ROWS=rows, CHANS=chans,
-                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+                      BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
     k_tiles = cdiv(in_chans, chans) * cdiv(patch, rows)
-    return constexprs, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), k_tiles
+    return constexprs, dict(num_warps=tile.num_warps, num_stages=tile.num_stages), k_tiles
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
@@ -511,8 +531,8 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     out = torch.empty((B, T, D), dtype=compute_dtype, device=device)
     arch = gpu_arch(device)
 
-    def launch(cfg: dict) -> None:
-        consts, opts, _ = _gemm_launch(cfg, compute_dtype, P, C)
+    def launch(tile: GemmTile) -> None:
+        consts, opts, _ = _gemm_launch(tile, compute_dtype, P, C)
         rows = cdiv(M, consts["BLOCK_M"]) + cdiv(B * prefix, consts["BLOCK_M"])
         grid = (rows * cdiv(D, consts["BLOCK_N"]),)
         _patch_embed_fwd_kernel[grid](
@@ -526,12 +546,12 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     aligned = images_aligned(images.stride())
     key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), arch, T - Np, aligned)
     launch(_tuning.choose("patch_embed_fwd", key,
-                          _candidates(patch_embed_config(arch, compute_dtype, aligned)["fwd"]), launch, device))
+                          _candidates(patch_embed_config(arch, compute_dtype, aligned).fwd), launch, device))
     return out
 
 
-def _candidates(cfg: dict) -> list[dict]:
-    return _tuning.tile_candidates(cfg, ("BLOCK_M", "BLOCK_N"), stages="num_stages")
+def _candidates(tile: GemmTile) -> list[GemmTile]:
+    return _tuning.tile_candidates(tile, ("block_m", "block_n"), stages="num_stages")
 
 
 @patch_embed_fwd.register_fake
@@ -577,9 +597,9 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
     if needs_proj_grads:
-        def launch_dweight(tile: dict) -> tuple[int, torch.Tensor]:
+        def launch_dweight(tile: GemmTile) -> tuple[int, torch.Tensor]:
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
-            splits, per_split = _dweight_split(M, D, k_tiles, dict(tile, num_sms=cfg["num_sms"]))
+            splits, per_split = _dweight_split(M, D, k_tiles, tile, cfg.num_sms)
             partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
             grid = (cdiv(D, consts["BLOCK_N"]) * (k_tiles + (bias is not None)), splits)
             _patch_embed_dweight_kernel[grid](
@@ -587,25 +607,25 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
                 M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None,
                 ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, consts["BLOCK_M"]), **consts, **opts)
             return splits, partials
-        splits, partials = launch_dweight(_tuning.choose("patch_embed_dweight", key, _candidates(cfg["dweight"]),
+        splits, partials = launch_dweight(_tuning.choose("patch_embed_dweight", key, _candidates(cfg.dweight),
                                                          launch_dweight, device))
 
-    red = cfg["reduce"]
-    reduce_programs = cdiv(D * K + D, red["BLOCK"]) if needs_proj_grads else 0
-    grid = (reduce_programs + cdiv(T * D, red["BLOCK"] // red["BATCH_TILE"]),)
+    red = cfg.reduce
+    reduce_programs = cdiv(D * K + D, red.block) if needs_proj_grads else 0
+    grid = (reduce_programs + cdiv(T * D, red.block // red.batch_tile),)
     _patch_embed_reduce_kernel[grid](
         dW if needs_proj_grads else dpos, dbias if bias is not None and needs_proj_grads else dpos, dpos,
         dcls if cls_token is not None else dpos, dreg if reg_tokens is not None else dpos, partials, dtokens,
         *dtokens.stride(), splits, B, D, K, T, prefix, 0 if pos_embed_covers_prefix else prefix,
         HAS_DW=needs_proj_grads, HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None),
-        HAS_REG=reg_tokens is not None, BLOCK=red["BLOCK"], BATCH_TILE=red["BATCH_TILE"],
-        num_warps=red["num_warps"], num_stages=red["num_stages"])
+        HAS_REG=reg_tokens is not None, BLOCK=red.block, BATCH_TILE=red.batch_tile,
+        num_warps=red.num_warps, num_stages=red.num_stages)
 
     if needs_dimages:
         dx_aligned = images_aligned(dimages.stride())
-        dx_tile = patch_embed_config(arch, dtokens.dtype, dx_aligned)["dimages"]
+        dx_tile = patch_embed_config(arch, dtokens.dtype, dx_aligned).dimages
 
-        def launch_dimages(tile: dict) -> None:
+        def launch_dimages(tile: GemmTile) -> None:
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
             grid = (cdiv(M, consts["BLOCK_M"]) * k_tiles,)
             _patch_embed_dimages_kernel[grid](
@@ -690,8 +710,8 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     Np = Wp * Wp
     prefix, K, M = T - Np, C * P * P, batch * Np
     cdt, img, par = (TRITON_DTYPE_NAMES[d] for d in (dtype, images_dtype, param_dtype))
-    k_tiles = _gemm_launch(cfg["dweight"], dtype, P, C)[2]
-    splits, per_split = _dweight_split(M, D, k_tiles, dict(cfg["dweight"], num_sms=cfg["num_sms"]))
+    k_tiles = _gemm_launch(cfg.dweight, dtype, P, C)[2]
+    splits, per_split = _dweight_split(M, D, k_tiles, cfg.dweight, cfg.num_sms)
     values = dict(  # every integer argument of the four kernels at this launch
         {f"sx{k}": v for k, v in image_strides.items()}, **{f"sg{k}": v for k, v in image_strides.items()},
         swd=K, swc=P * P, swy=P, swx=1, spt=D, spd=1, srt=D, sdb=T * D, sdt=D, sdd=1,
@@ -702,24 +722,24 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     kernels = [  # (name, kernel, pointer types, flags, config)
         ("patch_embed_fwd", _patch_embed_fwd_kernel,
          dict(Out=cdt, X=img, W=par, Bias=par, Pos=par, Cls=par, Reg=par),
-         dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg["fwd"]),
+         dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg.fwd),
         ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
-         dict(HAS_BIAS=True, ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, cfg["dweight"]["BLOCK_M"])), cfg["dweight"]),
+         dict(HAS_BIAS=True, ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, cfg.dweight.block_m)), cfg.dweight),
         ("patch_embed_reduce", _patch_embed_reduce_kernel,
          dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), dict(flags, HAS_DW=True),
-         cfg["reduce"]),
-        ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg["dimages"]),
+         cfg.reduce),
+        ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg.dimages),
     ]
     specs = []
     for name, fn, pointers, constexprs, launch in kernels:
         if "PATCH" in fn.arg_names:
             constexprs = dict(constexprs, **_gemm_launch(launch, dtype, P, C)[0])
         else:
-            constexprs = dict(constexprs, BLOCK=launch["BLOCK"], BATCH_TILE=launch["BATCH_TILE"])
+            constexprs = dict(constexprs, BLOCK=launch.block, BATCH_TILE=launch.batch_tile)
         constexprs.update({a: 1 for a in fn.arg_names if values.get(a) == 1})
         signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers else "i32"
                      for a in fn.arg_names}
         divisible = tuple(a for a, t in signature.items() if t.startswith("*") or (t == "i32" and values[a] % 16 == 0))
-        specs.append(AotSpec(name, fn, signature, constexprs, launch["num_warps"], launch["num_stages"],
+        specs.append(AotSpec(name, fn, signature, constexprs, launch.num_warps, launch.num_stages,
                              has_dot=name != "patch_embed_reduce", note=note, divisible_by_16=divisible))
     return specs

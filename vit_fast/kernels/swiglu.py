@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._rows import RowTile
 from ._utils import cdiv, check_float, check_kernel_device, next_power_of_2, run_op
 
 
@@ -70,12 +71,12 @@ def _swiglu_bwd_kernel(
     tl.store(DB + rows[:, None] * stride_dbm + cols[None, :], (dy * silu).to(DB.dtype.element_ty), mask=mask)
 
 
-def tile_config(f: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_F, num_warps): 2048-element tiles at most 256 columns wide, 8 elements per thread
-    (DINOv2-g's F = 4096 is a multiple of 256; SigLIP-style odd widths are masked)."""
+def tile_config(f: int) -> RowTile:
+    """2048-element tiles at most 256 columns (BLOCK_F) wide, 8 elements per thread (DINOv2-g's F = 4096 is a
+    multiple of 256; SigLIP-style odd widths are masked)."""
     block_f = min(256, next_power_of_2(f))
     block_m = max(1, 2048 // block_f)
-    return block_m, block_f, max(1, block_m * block_f // 256)
+    return RowTile(block_m, block_f, max(1, block_m * block_f // 256))
 
 
 def _grid(m: int, f: int, block_m: int, block_f: int) -> tuple[int, int]:
@@ -89,7 +90,8 @@ def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     y = torch.empty((m, f), device=a.device, dtype=a.dtype)
     if m == 0 or f == 0:
         return y
-    block_m, block_f, warps = tile_config(f)
+    tile = tile_config(f)
+    block_m, block_f, warps = tile.block_m, tile.block_n, tile.num_warps
     _swiglu_fwd_kernel[_grid(m, f, block_m, block_f)](y, a, b, a.stride(0), b.stride(0), y.stride(0), m, f,
                                                        BLOCK_M=block_m, BLOCK_F=block_f, num_warps=warps)
     return y
@@ -113,7 +115,8 @@ def swiglu_bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, packed: int) 
         da, db = grad[0], grad[1]
     if m == 0 or f == 0:
         return grad
-    block_m, block_f, warps = tile_config(f)
+    tile = tile_config(f)
+    block_m, block_f, warps = tile.block_m, tile.block_n, tile.num_warps
     _swiglu_bwd_kernel[_grid(m, f, block_m, block_f)](da, db, dy, a, b, da.stride(0), db.stride(0), dy.stride(0),
                                                        a.stride(0), b.stride(0), m, f, BLOCK_M=block_m,
                                                        BLOCK_F=block_f, num_warps=warps)

@@ -184,3 +184,18 @@ def test_hf_freezing_by_name_and_hooks_on_its_modules():
         assert_close(model(pixel_values=images()).logits, source.train()(pixel_values=images()).logits, RTOL,
                      name="logits with a hook")
     assert seen == [torch.Size([2, 5, 128])]
+
+
+def test_hf_layer_replaced_after_optimize_is_the_one_that_runs():
+    """A whole transformers layer replaced (or a model copied as nn.DataParallel's replicas are) links again,
+    keeping the switches set on the previous link."""
+    source = hf_vit()
+    model = vit_fast.optimize(copy.deepcopy(source), backend="triton").eval()
+    model.gradient_checkpointing_enable()
+    for m in (source, model):
+        m.vit.layers[0] = copy.deepcopy(m.vit.layers[1])
+    with torch.no_grad():
+        assert_close(model(pixel_values=images()).logits, source.eval()(pixel_values=images()).logits, RTOL,
+                     name="logits after replacing a layer")
+    assert model.vit_fast_model.blocks[0]._hf is model.vit.layers[0] and model.is_gradient_checkpointing
+    assert model.vit_fast_model.backend == "triton"

@@ -155,3 +155,43 @@ def test_sdpa_route_compiles_fullgraph():
     out = compiled(x)
     out.sum().backward()
     assert_close(out, eager(x), bound(torch.float32, "dot"), "logits")
+
+
+def test_a_fresh_model_compiles_fullgraph_without_reading_the_table(monkeypatch):
+    """The default route is decided in eager code: under torch.compile the model keeps the route it has (the
+    measured table is file I/O dynamo does not trace; here a CUDA-like default that reads it is forced)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr("vit_fast.model.default_route", lambda device: route_for_arch(90))
+    model = tiny_model().to(DEVICE)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(torch.randn(2, 3, 32, 32, device=DEVICE)).sum().backward()
+    assert vit_fast.route_of(model) == route_module.STATIC_ROUTE
+    model(torch.randn(2, 3, 32, 32, device=DEVICE))  # eager: the device's default now
+    assert vit_fast.route_of(model).source.startswith("measured on sm_90")
+
+
+def test_packed_sdpa_refuses_a_second_backward_clearly_and_yields_to_saved_tensor_hooks(monkeypatch):
+    qkv = torch.randn(2, 17, 3 * 2 * 64, device=DEVICE, requires_grad=True)
+    out = vit_fast.sdpa.packed_sdpa(qkv, 2, 0.125)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through the attention a second time"):
+        out.sum().backward()
+    applied = []
+    real = vit_fast.sdpa.PackedSDPAFunction.apply
+    monkeypatch.setattr(vit_fast.sdpa.PackedSDPAFunction, "apply", lambda *a: applied.append(1) or real(*a))
+    with torch.autograd.graph.save_on_cpu():  # as non-reentrant checkpointing: hooks must see every saved tensor
+        hooked = vit_fast.sdpa.packed_sdpa(qkv, 2, 0.125)
+    assert not applied and torch.equal(hooked, out)
+    vit_fast.sdpa.packed_sdpa(qkv, 2, 0.125)
+    assert applied
+
+
+def test_measuring_leaves_the_route_as_it_was_and_routes_the_siglip_head():
+    from vit_fast import tuning
+
+    model = tiny_model()
+    tuning.measure_fusions(model, batch_size=2, dtype=torch.float32)  # nothing timed on CPU; the flag kept
+    assert not model.route_explicit
+    siglip = vit_fast.create_model("vit_base_patch16_siglip_224", img_size=32, depth=1, embed_dim=64, num_heads=2)
+    vit_fast.apply_route(siglip, Route(mlp="eager", source="test"))
+    assert siglip.attn_pool.mlp.impl == "eager" and siglip.blocks[0].mlp.impl == "eager"

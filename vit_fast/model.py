@@ -48,6 +48,9 @@ from .route import STATIC_ROUTE, apply_route, default_route
 
 
 class VisionTransformer(nn.Module):
+    # the route (vit_fast/route.py): until one is set, the measured default of the device it first runs on
+    route, route_explicit, _route_device = STATIC_ROUTE, False, None
+
     def __init__(self, config: Optional[ViTConfig] = None, **overrides):
         super().__init__()
         # Always a private copy: set_backend / reset_classifier must not change the caller's config.
@@ -73,8 +76,6 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = cfg.dynamic_img_size
         self.grad_checkpointing = False
         self.backend = cfg.backend
-        # the route (vit_fast/route.py): until one is set, the measured default of the device it first runs on
-        self.route, self.route_explicit, self._route_device = STATIC_ROUTE, False, None
         self.residual_in_fp32 = cfg.residual_in_fp32
         D = cfg.embed_dim
 
@@ -267,7 +268,9 @@ class VisionTransformer(nn.Module):
         position embedding the caller made for this input's grid (transformers' interpolate_pos_encoding),
         in place of the model's; any image size divisible by the patch is then accepted."""
         grid = self.patch_embed.check_input(x, any_size=pos_embed is not None)
-        if not self.route_explicit and x.device != self._route_device:  # decided once per device
+        # decided once per device, in eager code (a compiled region keeps the route it finds: reading the
+        # measured table is file I/O that dynamo does not trace)
+        if not self.route_explicit and x.device != self._route_device and not torch.compiler.is_compiling():
             apply_route(self, default_route(x.device), explicit=False)
             self._route_device = x.device
         if pos_embed is not None:

@@ -113,9 +113,14 @@ def default_route(device: torch.device) -> Route:
 
 # ---------------------------------------------------------------------------------- the model's parts
 def _targets(vit: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
-    """Part -> the (module, attribute) pairs its implementation is handed to."""
+    """Part -> the (module, attribute) pairs its implementation is handed to (SigLIP's head MLP included)."""
+    from .layers import MlpJoin
+
+    head_mlp = getattr(vit.attn_pool, "mlp", None)
     return {"patch_embed": [(vit.patch_embed, "impl")], "attention": [(b.attn, "impl") for b in vit.blocks],
-            "mlp": [(b.mlp, "impl") for b in vit.blocks], "join": [(b, "join_impl") for b in vit.blocks]}
+            "mlp": [(b.mlp, "impl") for b in vit.blocks] + ([(head_mlp, "impl")] if isinstance(head_mlp, MlpJoin)
+                                                           else []),
+            "join": [(b, "join_impl") for b in vit.blocks]}
 
 
 def apply_route(model: nn.Module, route: Route, explicit: bool = True) -> nn.Module:

@@ -9,7 +9,8 @@ d(qkv) in one pass (eager's autograd stacks them, then copies the permuted stack
 The qkv bias gradient stays the Linear's column sum. Dropout uses torch's generator and SDPA's masks (not
 vit_fast's Philox scheme); activation checkpointing restores that generator, so recomputed masks match.
 Not bitwise repeatable on CUDA where the backend's backward accumulates with atomics (vit_fast.route says
-so and never makes it a default). Under torch.compile the same ops are traced as plain torch calls.
+so and never makes it a default). Under torch.compile, and where saved-tensor hooks are active (non-reentrant
+activation checkpointing, save_on_cpu: they must see every saved tensor), the same ops run as plain torch calls.
 """
 from __future__ import annotations
 
@@ -40,12 +41,28 @@ class PackedSDPAFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
+        if ctx.graph is None:
+            raise RuntimeError("vit_fast's SDPA route (vit_fast/sdpa.py): trying to backward through the attention a "
+                               "second time; its inner graph is freed by the first backward (retain_graph is not "
+                               "supported on this route: use the 'fused' or 'eager' attention route)")
         q, k, v, out = ctx.graph
-        del ctx.graph
+        ctx.graph = None  # the inner graph's saved tensors go with the first backward, as a plain graph's do
         B, H, N, D = out.shape
         grads = torch.autograd.grad(out, (q, k, v), grad_out.view(B, N, H, D).transpose(1, 2))
         dqkv = torch.stack([g.transpose(1, 2) for g in grads], dim=2)  # (B, N, 3, H, D), one pass
         return dqkv.view(B, N, 3 * H * D), None, None, None
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are installed (non-reentrant activation checkpointing, save_on_cpu): the
+    Function keeps SDPA's inner graph on its context, out of their reach, so the plain ops run instead."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: the plain ops are always safe
+    try:
+        return top(True) is not None
+    except TypeError:
+        return top() is not None
 
 
 def packed_sdpa(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float = 0.0,
@@ -55,7 +72,8 @@ def packed_sdpa(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: floa
         raise ValueError(f"packed_sdpa: expected qkv of shape (B, N, 3 * heads * head_dim) with {num_heads} heads, "
                          f"got {tuple(qkv.shape)}")
     p = float(dropout_p) if training else 0.0
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not qkv.requires_grad:
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not qkv.requires_grad
+            or _saved_tensor_hooks_active()):
         B, N, _ = qkv.shape
         out = _sdpa(*split_packed(qkv, num_heads), scale, p)
         return out.transpose(1, 2).reshape(B, N, -1)

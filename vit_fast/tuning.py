@@ -191,7 +191,7 @@ def measure_fusions(model: nn.Module, batch_size: int, dtype: torch.dtype,
     vit = _vit(model)
     device = vit.patch_embed.proj.weight.device
     names = list(FUSIONS) if fusions is None else fusions
-    before = route_of(vit)
+    before, was_explicit = route_of(vit), vit.route_explicit
     if not _tuning.can_time(device):
         return [FusionRow(op, None, before.choices()[op], candidates_for(op)) for op in names]
     rows = []
@@ -208,7 +208,7 @@ def measure_fusions(model: nn.Module, batch_size: int, dtype: torch.dtype,
             best = min(range(len(times)), key=lambda i: (times[i], i))  # ties: the earlier (static first)
             rows.append(FusionRow(op, tuple(times), candidates[best], candidates))
     finally:
-        apply_route(vit, before, explicit=vit.route_explicit)
+        apply_route(vit, before, explicit=was_explicit)
     return rows
 
 
@@ -284,10 +284,12 @@ def _cached_rows(cache: _tuning.TuningCache, vit: nn.Module, batch_size: Optiona
         prefix = _tuning.entry_key("fusion:" + op, model_part)
         best = None
         for key, e in entries.items():
-            if not key.startswith(prefix) or e.get("source") != source or e.get("choice") not in PART_IMPLS[op]:
+            if not key.startswith(prefix) or e.get("source") != source or e.get("choice") not in candidates_for(op):
                 continue
             rest = key[len(prefix):]  # ",dtype=torch.bfloat16,training=True|batch=64"
             if dtype is not None and not rest.startswith(f",dtype={dtype},"):
+                continue
+            if f",training={vit.training}|" not in rest:
                 continue
             if batch_size is not None and not rest.endswith(f"|batch={int(batch_size)}"):
                 continue

@@ -27,7 +27,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 
 from ..model import VisionTransformer
 from .convert import hf_vit_config
-from .linked import Layout, ViTLayout, linked_model
+from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to
 
 
 class HFLinked:
@@ -44,15 +44,20 @@ class HFLinked:
 
     @property
     def vit_fast_model(self) -> VisionTransformer:
-        """The vit_fast VisionTransformer linked to this model's modules (it holds no parameters)."""
-        model = self.__dict__.get("_vit_fast_model")
-        if model is None:
-            try:
-                model = linked_model(self, self.vit_fast_config(), self.vit_fast_layout)
-            except AttributeError as e:  # raised inside a property it would read as "no vit_fast_model"
-                raise RuntimeError(f"vit_fast: {type(self).__name__}'s modules do not follow "
-                                   f"{type(self.vit_fast_layout).__name__}: {e}") from e
-            object.__setattr__(self, "_vit_fast_model", model)
+        """The vit_fast VisionTransformer linked to this model's modules (it holds no parameters); linked again
+        where this model's layers are no longer the ones it reads (a replica nn.DataParallel made of this
+        model, a layer the user replaced or removed)."""
+        old = self.__dict__.get("_vit_fast_model")
+        if old is not None and links_to(old, self):
+            return old
+        try:
+            model = linked_model(self, self.vit_fast_config(), self.vit_fast_layout)
+        except AttributeError as e:  # raised inside a property it would read as "no vit_fast_model"
+            raise RuntimeError(f"vit_fast: {type(self).__name__}'s modules do not follow "
+                               f"{type(self.vit_fast_layout).__name__}: {e}") from e
+        if old is not None:  # what was set on the previous link: backend, checkpointing, stream dtype, route
+            carry_settings(old, model)
+        object.__setattr__(self, "_vit_fast_model", model)
         return model
 
     def linked_in_mode(self) -> VisionTransformer:

@@ -9,6 +9,9 @@ transformers: the layouts only follow attribute names.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn as nn
 
@@ -69,9 +72,18 @@ class LinkedBlock(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if own_hooks(self._hf):  # e.g. FSDP2's fully_shard on the layer: its hooks must run around it
-            out = self._hf(x, None)
+            out = self._hf(x, *[None] * _mask_arguments(type(self._hf)))
             return out[0] if isinstance(out, tuple) else out
         return super().forward(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_arguments(layer_class: type) -> int:
+    """How many required arguments a transformers layer's forward takes after the hidden states (its masks:
+    attention_mask, and causal_attention_mask in transformers 4's CLIP), each passed as None."""
+    params = list(inspect.signature(layer_class.forward).parameters.values())[2:]
+    return sum(1 for p in params if p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 class LinkedAttention(Attention):
@@ -121,6 +133,26 @@ def _link(part: nn.Module, cls: type, source_module: nn.Module, layout: "Layout"
         part._modules.pop(name, None)
         part._parameters.pop(name, None)
         part.__dict__.pop(name, None)
+
+
+def links_to(model: VisionTransformer, source: nn.Module) -> bool:
+    """Whether ``model`` (a linked model) reads ``source`` and its current layers and patch embedding."""
+    layout = model._layout
+    layers = layout.layers(source)
+    return (model._hf is source and model.patch_embed._hf is layout.patch_embed(source)
+            and len(layers) == len(model.blocks) and all(b._hf is layer for b, layer in zip(model.blocks, layers)))
+
+
+def carry_settings(old: VisionTransformer, new: VisionTransformer) -> None:
+    """The switches set on a previous linked model, on its replacement."""
+    from ..route import apply_route
+
+    new.set_backend(old.backend)
+    new.set_grad_checkpointing(old.grad_checkpointing)
+    new.residual_in_fp32 = new.config.residual_in_fp32 = old.residual_in_fp32
+    apply_route(new, old.route, explicit=old.route_explicit)
+    new._route_device = old._route_device
+    new.train(old.training)
 
 
 def linked_model(source: nn.Module, config: dict, layout: "Layout") -> VisionTransformer:

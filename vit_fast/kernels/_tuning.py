@@ -352,7 +352,7 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
         raise ValueError(f"choose({op!r}): expected at least one candidate config")
     if len(candidates) == 1 or not autotune_enabled():
         return candidates[0]
-    index = _state.fast.get((op, key))  # the hot path: decided before, in this process
+    index = _state.fast.get((op, key, device.type))  # the hot path: decided before, in this process
     if index is not None and index < len(candidates):
         return candidates[index]
     ekey = entry_key(op, key)
@@ -360,10 +360,10 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
     with _lock:
         decided = _state.decisions.get(ekey)
     if decided in names:
-        _state.fast[(op, key)] = names.index(decided)
+        _state.fast[(op, key, device.type)] = names.index(decided)
         return candidates[names.index(decided)]
     if device.type not in _state.device_types:
-        _state.fast[(op, key)] = 0  # nothing is ever measured on this device: the static config, at once
+        _state.fast[(op, key, device.type)] = 0  # nothing is ever measured on this device: the static config, at once
         return candidates[0]
     if not may_use_cache():
         return candidates[0]
@@ -373,7 +373,7 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
     if entry is not None and entry.get("choice") in names:
         with _lock:
             _state.decisions[ekey] = entry["choice"]
-            _state.fast[(op, key)] = names.index(entry["choice"])
+            _state.fast[(op, key, device.type)] = names.index(entry["choice"])
         return candidates[names.index(entry["choice"])]
     if not can_time(device):
         return candidates[0]
@@ -389,7 +389,7 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
     record = TuneRecord(op, ekey, tuple(names), tuple(times), best)
     with _lock:
         _state.decisions[ekey] = names[best]
-        _state.fast[(op, key)] = best
+        _state.fast[(op, key, device.type)] = best
         _state.log.append(record)
     cache.put({ekey: {"source": source, "choice": names[best], "candidates": names,
                       "times_ms": [t if math.isfinite(t) else None for t in times]}})

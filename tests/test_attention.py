@@ -14,6 +14,7 @@ import vit_fast.kernels._utils as kutils
 from tests.numerics import DEVICE, DTYPES, assert_close, bound, dtype_id, errors
 from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 from vit_fast.kernels import attention as A
+from vit_fast.kernels.attention import interface as AI
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
 SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the "+ small atol" of the 2x rule
@@ -100,14 +101,14 @@ def test_attention_qkv_non_contiguous_vs_sdpa(dtype):
     k = torch.randn(B, H, D, N, generator=g).to(DEVICE, dtype).transpose(2, 3)  # D-major
     v = torch.randn(B, H, N, 2 * D, generator=g).to(DEVICE, dtype)[..., ::2]  # stride 2 along D
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    seen, real_fwd = [], A._launch_fwd
+    seen, real_fwd = [], AI._launch_fwd
 
     def launch_fwd(q_, k_, v_, *args):  # the kernel reads the strided tensors themselves, no copies
         seen.append((q_.stride(), k_.stride(), v_.stride()))
         return real_fwd(q_, k_, v_, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(A, "_launch_fwd", launch_fwd)
+        mp.setattr(AI, "_launch_fwd", launch_fwd)
         out, grads = check_2x_eager(A.attention_qkv, A.attention_qkv_ref, [q, k, v], ["dq", "dk", "dv"])
     assert seen == [(q.stride(), k.stride(), v.stride())]
     sdpa = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
@@ -209,7 +210,7 @@ def test_dropout_mask_depends_only_on_seed_head_and_position():
 def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
     """Forward, dK/dV and dQ regenerate one mask: the kernel equals the reference handed that mask."""
     B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
-    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     qkv = make_qkv(B, N, H, D, dtype)
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
@@ -223,9 +224,9 @@ def test_split_head_dim_tables(monkeypatch, arch, p, D):
     """SigLIP So400m's head_dim 72 and ViT-H's 80, run as 64 + 16 columns (their own tiles in attention_config)
     on the sm_80 and sm_90 tables, with and without dropout: N = 37 spans several of the smallest tiles."""
     B, N, H, seed = 1, 37, 2, 99
-    assert A._block_dims(D, True) == (64, 16) and A.attention_config(N, D, torch.float16, arch).fwd.split
-    monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    assert AI._block_dims(D, True) == (64, 16) and A.attention_config(N, D, torch.float16, arch).fwd.split
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
                    lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
@@ -240,8 +241,8 @@ def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
     steps) N = 197 leaves 5 rows / keys everywhere (the 16-wide steps), N = 211 leaves 19 (full-width masked
     steps), N = 64 none (no masked step at all), N = 208 exactly 16 and N = 209 17 (the boundary)."""
     B, H, D, seed = 1, 2, 64, 7
-    monkeypatch.setattr(A, "gpu_arch", lambda device: 90)
-    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: 90)
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     cfg = A.attention_config(N, D, torch.float16, 90, dropout=bool(p))
     assert (cfg.fwd.block_n, cfg.dkdv.block_m, cfg.dq.block_n) == (64, 32, 64)
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
@@ -255,8 +256,8 @@ def test_unpeeled_wide_16bit_heads_with_dropout(monkeypatch, arch):
     """128-wide 16-bit heads with dropout keep one masked loop (Tile.peel False: their peeled builds spill), as
     fp32 does; 16-bit D <= 64 and the D = 72 / 80 split peel."""
     B, N, H, D, p, seed = 1, 37, 2, 96, 0.25, 5
-    monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     cfg = A.attention_config(N, D, torch.float16, arch, dropout=True)
     assert not (cfg.fwd.peel or cfg.dq.peel or cfg.dkdv.peel)
     assert A.attention_config(N, 64, torch.float16, arch, dropout=True).fwd.peel
@@ -288,7 +289,7 @@ def test_dropout_quantised_rate_same_mask_and_deterministic(monkeypatch):
     bound by far); forward, dK/dV (transposed tiles) and dQ use the mask the helper draws; two runs are
     bitwise equal in the output and the gradient."""
     B, N, H, D, p, seed = 1, 50, 2, 16, 0.1, 2024
-    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     qkv = make_qkv(B, N, H, D, torch.float32, seed=3)
     mine = check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
@@ -349,12 +350,12 @@ def test_forward_allocates_only_out_and_lse(monkeypatch):
 
     B, N, H, D = 1, 257, 2, 32
     allocations, largest = [], [0]
-    real_empty = A._empty
+    real_empty = AI._empty
     def tracked_empty(shape, dtype, device):
         allocations.append((tuple(shape), dtype))
         return real_empty(shape, dtype, device)
 
-    monkeypatch.setattr(A, "_empty", tracked_empty)
+    monkeypatch.setattr(AI, "_empty", tracked_empty)
 
     class Largest(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -377,7 +378,7 @@ def test_config_table_and_aot_specs():
             for dtype in DTYPES:
                 for arch, dropout in ((80, False), (80, True), (90, False), (90, True)):
                     cfg = A.attention_config(N, D, dtype, arch, dropout=dropout)
-                    assert A._bwd_candidates(cfg)[0] == cfg  # every candidate keeps the phases' shared rows/warps
+                    assert AI._bwd_candidates(cfg)[0] == cfg  # every candidate keeps the phases' shared rows/warps
                     for tile in (cfg.fwd, cfg.dkdv, cfg.dq):  # dropout's keep tile: columns in groups of 16
                         assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
                         assert tile.block_m % 16 == 0 and tile.block_n % 16 == 0
@@ -397,10 +398,10 @@ def test_config_table_and_aot_specs():
 
 def test_tf32_only_when_allowed(monkeypatch):
     monkeypatch_setting(monkeypatch, torch.backends.cuda.matmul, "allow_tf32", False)
-    assert A.dot_input_precision(torch.float32) == "ieee"
+    assert AI.dot_input_precision(torch.float32) == "ieee"
     monkeypatch_setting(monkeypatch, torch.backends.cuda.matmul, "allow_tf32", True)
-    assert A.dot_input_precision(torch.float32) == "tf32"
-    assert A.dot_input_precision(torch.bfloat16) == "ieee"  # unused for 16-bit dots
+    assert AI.dot_input_precision(torch.float32) == "tf32"
+    assert AI.dot_input_precision(torch.bfloat16) == "ieee"  # unused for 16-bit dots
     assert A.attention_config(197, 64, torch.float32, 80) == A.attention_config(197, 64, torch.float32, 80, "tf32")
     # the tf32 tile table (larger tiles than IEEE fp32) computes the same attention; tf32 rounding on a GPU
     qkv = make_qkv(1, 70, 2, 80, torch.float32)
@@ -524,8 +525,8 @@ def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p, D, arch):
     rows past M written as zeros, dK/dV summed over M queries), and within 2x eager of float64; on the sm_80 and
     sm_90 tables (128-row dQ tiles; 57 rows leave 25 past the 32-row dK/dV steps), head_dim 72 split too."""
     B, H, seed = 2, 2, 11
-    monkeypatch.setattr(A, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
     inputs = make_linear(B, N, H, D, dtype)
     fn = lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=rows)  # noqa: E731
@@ -583,7 +584,7 @@ def test_attention_linear_under_autocast():
 def test_attention_linear_with_dropout(monkeypatch, dtype):
     """The mask regenerated in forward, dK/dV and dQ equals the reference handed the same mask."""
     B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
-    monkeypatch.setattr(A, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True),
                    lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True, dropout_mask=keep),
@@ -680,7 +681,7 @@ class _Launches:
                 log.kernels.append(self.name)
                 return self.fn[grid]
 
-        for module, name in [(A, "_attention_fwd_kernel"), (A, "_attention_bwd_kernel"), (G, "_sum_partials_kernel")]:
+        for module, name in [(AI, "_attention_fwd_kernel"), (AI, "_attention_bwd_kernel"), (G, "_sum_partials_kernel")]:
             monkeypatch.setattr(module, name, Counted(name.strip("_").replace("_kernel", ""), getattr(module, name)))
 
         class Aten(TorchDispatchMode):

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-import vit_fast.kernels.attention as A
+import vit_fast.kernels.attention.interface as A
 import vit_fast.kernels.bias_gelu as G
 from vit_fast._compat import monkeypatch_setting  # torch settings served by __getattr__
 from vit_fast.tools import check

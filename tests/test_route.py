@@ -102,7 +102,7 @@ def test_route_is_decided_once_and_handed_to_every_part():
     model(torch.randn(1, 3, 32, 32))
     assert vit_fast.route_of(model) is chosen and model.patch_embed.impl == "eager"
     assert all(b.attn.impl == "sdpa" and b.mlp.impl == "bias_gelu" and b.join_impl == "eager" for b in model.blocks)
-    with pytest.raises(ValueError, match=r"attention expected one of \['fused', 'sdpa', 'eager'\]"):
+    with pytest.raises(ValueError, match=r"attention expected one of \['fused', 'short', 'sdpa', 'eager'\]"):
         Route(attention="flash")
     with pytest.raises(ValueError, match="unknown part"):
         chosen.with_choices({"softmax": "fused"}, "x")
@@ -139,7 +139,7 @@ def test_deterministic_mode_keeps_tuning_off_the_nondeterministic_route():
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert tuning.candidates_for("attention") == ("fused", "eager")
+        assert tuning.candidates_for("attention") == ("fused", "short", "eager")
     finally:
         torch.use_deterministic_algorithms(was)
 

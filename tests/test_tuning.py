@@ -268,10 +268,10 @@ def test_tune_model_applies_the_faster_path_per_fusion_prints_the_table_and_cach
                                                "join": "fused"}
     assert all(b.attn.impl == "eager" and b.mlp.impl == "eager" and b.join_impl == "fused" for b in model.blocks)
     assert model.patch_embed.impl == "fused" and vit_fast.route_of(model).source == "vit-fast tune"
-    # every implementation of every part timed: fused | eager, fused | sdpa | eager, fused | bias_gelu | eager
-    assert len([label for label in timer.labels if label.startswith("fusion:")]) == 10
+    # every implementation of every part timed: fused | eager, fused | short | sdpa | eager, fused | bias_gelu | eager
+    assert len([label for label in timer.labels if label.startswith("fusion:")]) == 11
     rows = {r.op: r for r in result.fusions}
-    assert rows["attention"].candidates == ("fused", "sdpa", "eager")
+    assert rows["attention"].candidates == ("fused", "short", "sdpa", "eager")
     assert rows["attention"].speedup == pytest.approx(2.0) and rows["join"].speedup == pytest.approx(5.0)
     table = tuning.format_table(result)
     for text in ("fusion attention", "1.000 / 1.000 / 0.500 (fused / sdpa / eager)", "eager", "2.00x",

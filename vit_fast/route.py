@@ -5,7 +5,9 @@ least one library path with the same numerics contract (tests/test_route.py comp
 
   patch_embed  fused      the ``patch_embed`` kernel (conv as GEMM + class token + position add)
                eager      cuDNN's convolution, cat, position add
-  attention    fused      qkv GEMM (cuBLAS) + vit_fast's attention kernels, bias gradient from their partials
+  attention    fused      qkv GEMM (cuBLAS) + vit_fast's flash attention kernels, bias gradient from their partials
+               short      the same with the short-sequence kernels (a whole head on chip, S and dP once per tile
+                          pair) where the head fits (fp16/bf16, ``kernels.attention.short_supported``), else flash
                sdpa       qkv GEMM + torch's SDPA (cuDNN / flash) on strided views of the packed qkv, the three
                           gradients written into one packed d(qkv) (vit_fast/sdpa.py); not bitwise repeatable
                           on CUDA (the library backward may use atomics)
@@ -35,7 +37,7 @@ import torch.nn as nn
 
 PART_IMPLS: dict[str, tuple[str, ...]] = {  # the first implementation is the static choice
     "patch_embed": ("fused", "eager"),
-    "attention": ("fused", "sdpa", "eager"),
+    "attention": ("fused", "short", "sdpa", "eager"),
     "mlp": ("fused", "bias_gelu", "eager"),
     "join": ("fused", "eager"),
 }

@@ -33,8 +33,8 @@ from .route import NONDETERMINISTIC, PART_IMPLS, STATIC_ROUTE, apply_route, rout
 
 FUSIONS: dict[str, str] = {  # fusion -> its implementations (vit_fast/route.py)
     "patch_embed": "patch_embed kernel | conv + cat + position add",
-    "attention": "attention_linear (qkv GEMM + flash attention) | qkv GEMM + SDPA on the packed qkv | "
-                 "qkv GEMM + SDPA as timm",
+    "attention": "attention_linear (qkv GEMM + flash attention) | the same with the short-sequence kernels | "
+                 "qkv GEMM + SDPA on the packed qkv | qkv GEMM + SDPA as timm",
     "mlp": "linear_act (fc1 GEMM + bias + act epilogue, fc2 GEMM) | fc1 GEMM + bias_gelu kernel + fc2 GEMM | "
            "fc1 GEMM with bias + act + fc2 GEMM",
     "join": "add_layer_norm | bias, LayerScale, dropout, residual adds + F.layer_norm",

@@ -19,7 +19,7 @@ from .common import bias_left_to_join, linear_without_bias
 class Attention(nn.Module):
     """Multi-head self-attention with a packed qkv projection (timm's layout: [q | k | v] x heads x head_dim)."""
 
-    impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'sdpa' | 'eager'
+    impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'short' | 'sdpa' | 'eager'
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "auto"):
@@ -45,8 +45,18 @@ class Attention(nn.Module):
 
     def fused(self, x: torch.Tensor) -> bool:
         """The attention kernel runs (it has no per-head LayerNorm: with qk_norm the reference ops do)."""
-        return (self.impl == "fused" and not isinstance(self.q_norm, nn.LayerNorm)
+        return (self.impl in ("fused", "short") and not isinstance(self.q_norm, nn.LayerNorm)
                 and resolve_backend(self.backend, x) == "triton")
+
+    def kernel_family(self, x: torch.Tensor) -> str:
+        """The attention kernels' family for input x (fused paths only): 'short' on the 'short' route where the
+        head fits on chip in the dtype the qkv GEMM gives (autocast's) and this mode, else 'flash'."""
+        if self.impl != "short":
+            return "flash"
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        return attention_kernels.family_for("short", x.shape[1], self.head_dim, dtype, x.device, self.attn_drop.p,
+                                            self.training)
 
     def packed_sdpa(self, x: torch.Tensor) -> bool:
         """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""
@@ -57,7 +67,8 @@ class Attention(nn.Module):
         """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D). Fused path: the
         ``attention`` kernel reads q, k, v through strides of the packed qkv and writes (B, N, H*D)."""
         if self.fused(qkv):
-            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
+            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training,
+                                               kernel=self.kernel_family(qkv))
         if self.packed_sdpa(qkv):
             return packed_sdpa(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
         B, N, _ = qkv.shape
@@ -79,7 +90,7 @@ class Attention(nn.Module):
         if self.fused(x) and fusable_linear(self.qkv):
             out = attention_kernels.attention_linear(x, effective_weight(self.qkv), effective_bias(self.qkv),
                                                      self.num_heads, self.scale, self.attn_drop.p, self.training,
-                                                     query_rows=keep_rows)
+                                                     query_rows=keep_rows, kernel=self.kernel_family(x))
         else:
             out = self.attend(self.qkv(x))
             out = out if keep_rows is None else out[:, :keep_rows]

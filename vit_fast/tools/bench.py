@@ -1,7 +1,8 @@
 """`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (CONTRIBUTING.md 6).
 
-For every preset x batch x dtype, seven paths run in one process: timm eager, timm + torch.compile,
-vit_fast (backend='triton'), vit_fast with its attention on the SDPA route (``vit_fast_sdpa``, vit_fast/route.py),
+For every preset x batch x dtype, eight paths run in one process: timm eager, timm + torch.compile,
+vit_fast (backend='triton'), vit_fast with its attention on the SDPA route (``vit_fast_sdpa``, vit_fast/route.py)
+or on the short-sequence kernels (``vit_fast_short``),
 vit_fast + torch.compile, vit_fast with its whole step captured in a CUDA graph
 (``vit_fast_graph``; ``timm_graph`` on request), vit_fast with residual_in_fp32=False. A step is
 forward under torch.autocast (fp32 master weights; no autocast for fp32) + cross-entropy + backward +
@@ -26,8 +27,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_sdpa", "vit_fast_compile", "vit_fast_graph",
-         "vit_fast_bf16_residual")
+PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "vit_fast_compile",
+         "vit_fast_graph", "vit_fast_bf16_residual")
+# vit_fast with one part on another route than the measured default (vit_fast/route.py)
+ROUTE_PATHS = {"vit_fast_sdpa": dict(attention="sdpa"), "vit_fast_short": dict(attention="short")}
 # Paths whose whole training step is captured in a CUDA graph (vit_fast.training.graphs.CudaGraphStep).
 GRAPH_PATHS = ("timm_graph", "vit_fast_graph")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -82,8 +85,8 @@ def build(path: str, preset: str, device: str = "cuda", compile_backend: str = "
 
         model = vit_fast.create_model(preset, backend="triton", residual_in_fp32=path != "vit_fast_bf16_residual",
                                       **overrides)
-        if path == "vit_fast_sdpa":
-            vit_fast.apply_route(model, vit_fast.Route(attention="sdpa", source="bench path vit_fast_sdpa"))
+        if path in ROUTE_PATHS:
+            vit_fast.apply_route(model, vit_fast.Route(**ROUTE_PATHS[path], source=f"bench path {path}"))
     model = model.to(device).train()
     return torch.compile(model, backend=compile_backend) if path.endswith("compile") else model
 

@@ -42,6 +42,7 @@ rows in ``c.results[name]`` (a list of dicts becomes DIR/<name>.csv) and returns
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -72,7 +73,9 @@ DRY_TESTS = ["tests/test_backend.py::test_resolve_rules"]
 MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256), ("L/16", "vit_large_patch16_224", 256)]
 THROUGHPUT_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224"]
 THROUGHPUT_BATCHES = [128, 256]
-THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_sdpa", "vit_fast_compile", "vit_fast_graph")
+# the issue's headline paths first; the route candidates (vit_fast/route.py) last, where a short budget cuts first
+THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_graph", "vit_fast_sdpa",
+                    "vit_fast_short")
 QUICK_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224"]
 QUICK_BATCHES = [256]
 # Each throughput row runs in its own process under this timeout (seconds, before --budget scaling): a path that
@@ -80,7 +83,8 @@ QUICK_BATCHES = [256]
 # (faulthandler, dumped at two thirds of the timeout) in DIR/hangs.log.
 ROW_TIMEOUT_S = {"eager": 60.0, "graph": 60.0, "compile": 150.0}
 MICRO_CASE_TIMEOUT_S = 60.0  # each micro case (fused op, eager, torch.compile of eager), before --budget scaling
-PROFILE_PATHS = ("timm_eager", "vit_fast", "vit_fast_sdpa", "timm_compile")  # compiled last: the longest
+# compiled last: the longest
+PROFILE_PATHS = ("timm_eager", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "timm_compile")
 SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
 DRY_RUN_NOTE = "DRY RUN: CPU, tiny shapes, figures meaningless"
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
@@ -266,7 +270,14 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
     from bench.bench_linear_act import eager_mlp
     from bench.bench_norm_gelu import cases as norm_gelu_cases
     from bench.bench_patch_embed import eager_stack
-    from vit_fast.kernels.attention import attention, attention_linear, attention_linear_ref, attention_ref
+    from vit_fast.kernels._utils import gpu_arch
+    from vit_fast.kernels.attention import (
+        attention,
+        attention_linear,
+        attention_linear_ref,
+        attention_ref,
+        short_supported,
+    )
     from vit_fast.kernels.linear_act import linear_act
     from vit_fast.kernels.patch_embed import patch_embed
 
@@ -300,6 +311,11 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
     cases.append(MicroCase("attention", f"{batch}x{N}x{3 * C} h{H}", lambda: dict(qkv=act(batch, N, 3 * C),
                                                                                num_heads=H),
                            attention, {"eager": attention_ref, "sdpa": sdpa}, attn_flops))
+    if short_supported(N, D, bf16, gpu_arch(torch.device(device))):  # the short-sequence family (issue 32)
+        cases.append(MicroCase("attention_short", f"{batch}x{N}x{3 * C} h{H}",
+                               lambda: dict(qkv=act(batch, N, 3 * C), num_heads=H),
+                               functools.partial(attention, kernel="short"), {"eager": attention_ref, "sdpa": sdpa},
+                               attn_flops))
     qkv_gemm = 2.0 * rows * C * 3 * C
     cases.append(MicroCase(
         "attention_linear", f"{batch}x{N}x{C} h{H}",
@@ -656,18 +672,18 @@ def stage_tune(c: Campaign) -> dict:
 STAGES: list[Stage] = [
     Stage("env", stage_env, 20),
     Stage("headline", stage_headline, 200),
-    Stage("profile", stage_profile, 50),
+    Stage("profile", stage_profile, 60),
     Stage("micro", stage_micro, 90),
     Stage("tune", stage_tune, 40),
     Stage("check", stage_check, 40),
     Stage("tests", stage_tests, 70),
-    Stage("throughput", stage_throughput, 30),
+    Stage("throughput", stage_throughput, 20),
 ]
 
 
 # --quick: the headline (ViT-B/16 and S/16, batch 256, every throughput path), its profile and the fused ops, <= 5 min
 QUICK_STAGES = ["env", "headline", "profile", "micro"]
-QUICK_BUDGET_S = {"env": 15, "headline": 190, "profile": 45, "micro": 50}
+QUICK_BUDGET_S = {"env": 15, "headline": 185, "profile": 55, "micro": 45}
 
 
 def register_stage(stage: Stage, after: str | None = None) -> None:

@@ -393,6 +393,12 @@ def run_report(presets, dtypes=tuple(DTYPES), archs=ARCHS, workers: int = 2, use
     entries = collect_specs(presets, dtypes, archs, pure)
     if tensor_core_only:  # the configs the instruction-cost analysis covers
         entries = {key: entry for key, entry in entries.items() if entry[0].has_dot}
+    return compile_entries(entries, workers, use_cache, progress)
+
+
+def compile_entries(entries: dict, workers: int = 2, use_cache: bool = True, progress=None) -> list[Row]:
+    """Rows of ``collect_specs``-shaped entries ({spec_key: (spec, arch, dtype name, [uses])}), from the cache or
+    compiled in worker processes."""
     rows: dict[str, Row] = {}
     todo = []
     os.makedirs(cache_dir(), exist_ok=True)

@@ -1,0 +1,177 @@
+"""Tests of the short-sequence attention kernels (kernels/attention/short_fwd.py, short_bwd.py), in the Triton
+interpreter on CPU and compiled on a GPU: against float64 (forward and every gradient, within the dtype bound and
+2x eager's error), poisoned allocations, the ViT token counts the issue names (N = 1, 17, 50, 197, 257), awkward
+head dims, query_rows, the qkv bias's gradient, dropout with the flash kernels' mask, bitwise repeatability, clear
+refusals, the route that picks them, torch.compile, and 0 spills in their ahead-of-time builds."""
+import copy
+
+import pytest
+import torch
+
+import vit_fast
+from tests.numerics import DEVICE, assert_close, bound
+from tests.test_attention import check_2x_eager, make_linear, make_qkv, run
+from vit_fast.kernels import attention as A
+from vit_fast.kernels.attention import config as AC
+from vit_fast.kernels.attention import interface as AI
+
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
+DTYPES16 = (torch.float16, torch.bfloat16)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Which family's launchers ran: {'short_fwd': n, 'short_bwd': n, 'flash_fwd': n, 'flash_bwd': n}."""
+    counts = dict.fromkeys(("short_fwd", "short_bwd", "flash_fwd", "flash_bwd"), 0)
+    for key, name in (("short_fwd", "_launch_short_fwd"), ("short_bwd", "_launch_short_bwd"),
+                      ("flash_fwd", "_launch_fwd"), ("flash_bwd", "_launch_bwd")):
+        def counted(*args, _real=getattr(AI, name), _key=key):
+            counts[_key] += 1
+            return _real(*args)
+        monkeypatch.setattr(AI, name, counted)
+    return counts
+
+
+def test_segments_pad_to_16_rows_in_at_most_three_powers_of_two():
+    assert AC.short_segments(197) == (128, 64, 16)  # ViT-B/16 at 224: 208 rows, not 256
+    assert AC.short_segments(257) == (256, 16)  # ViT-L/14, DINOv2 at 224
+    assert AC.short_segments(50) == (64,)
+    assert AC.short_segments(1) == (16,)
+    assert AC.short_segments(17) == (32,)
+    assert AC.short_segments(240) == (128, 64, 64)  # a fourth segment is rounded into the third
+    for n in range(1, 400):
+        segments = AC.short_segments(n)
+        assert sum(segments) >= n and sum(segments) - n < 64 and len(segments) <= 3
+        assert all(s >= 16 and s & (s - 1) == 0 for s in segments)
+
+
+def test_supported_table():
+    bf16 = torch.bfloat16
+    assert AC.short_supported(197, 64, bf16, 80) and AC.short_supported(197, 64, bf16, 90)
+    assert not AC.short_supported(257, 64, bf16, 80) and AC.short_supported(257, 64, bf16, 90)
+    assert not AC.short_supported(197, 64, bf16, 90, dropout=True) and AC.short_supported(129, 64, bf16, 90, True)
+    assert not AC.short_supported(17, 64, torch.float32, 90)  # fp32 runs the flash kernels
+    assert not AC.short_supported(577, 64, bf16, 90)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("B, N, H, D, arch", [
+    (1, 197, 1, 64, 80),  # ViT-B/16: segments 128 + 64 + 16, 16 keys per backward step
+    (1, 257, 1, 64, 90),  # ViT-L/14 on the sm_90 table: 256 + 16
+    (2, 50, 3, 72, 80),  # SigLIP So400m's head_dim, padded to 128 columns
+    (2, 17, 2, 32, 80),  # 32 keys per backward step, one segment
+    (1, 1, 2, 64, 80),  # one token
+    (1, 80, 1, 128, 80),  # the widest head
+])
+def test_matches_float64(dtype, B, N, H, D, arch, monkeypatch, launches):
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
+    qkv = make_qkv(B, N, H, D, dtype, seed=N)
+    check_2x_eager(lambda x: A.attention(x, H, kernel="short"), lambda x: A.attention_ref(x, H), [qkv], ["dqkv"])
+    assert launches["short_fwd"] == launches["short_bwd"] == 1 and launches["flash_fwd"] == 0
+
+
+@pytest.mark.parametrize("query_rows", [None, 1, 100])
+def test_attention_linear_query_rows_and_bias_gradient(query_rows, launches):
+    """The qkv Linear with a large bias, every query or the first M (class-token pooling): output, d(x), d(W) and
+    d(bias) from the short backward's one partial row per head."""
+    H = 2
+    x, w, b = make_linear(2, 197, H, 64, torch.bfloat16)
+    check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, query_rows=query_rows, kernel="short"),
+                   lambda x, w, b: A.attention_linear_ref(x, w, b, H, query_rows=query_rows), [x, w, b],
+                   ["dx", "dweight", "dbias"])
+    assert launches["short_bwd"] == 1 and launches["flash_bwd"] == 0
+
+
+@pytest.mark.parametrize("N, arch", [(37, 80), (129, 90)])
+def test_dropout_draws_the_flash_kernels_mask(N, arch, monkeypatch):
+    """Forward and backward regenerate the mask ``attention_dropout_mask`` draws (the flash kernels' bits)."""
+    B, H, D, p, seed = 2, 2, 64, 0.25, 4321
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
+    check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True, kernel="short"),
+                   lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
+                   [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
+
+
+def test_lse_and_attention_maps_agree_with_the_flash_kernels():
+    qkv = make_qkv(2, 197, 2, 64, torch.bfloat16, seed=3)
+    out_s, lse_s = A.attention_with_lse(qkv, 2, kernel="short")
+    out_f, lse_f = A.attention_with_lse(qkv, 2)
+    assert_close(lse_s, lse_f, 1e-6, "lse")  # fp32 from the same bf16 scores
+    assert_close(out_s, out_f, bound(torch.bfloat16, "dot"), "out")
+    maps = A.attention_probs(qkv, lse_s, 2, rows=[0, 196])
+    assert_close(maps.sum(-1), torch.ones_like(maps.sum(-1)), 1e-5, "rows of the attention maps")
+
+
+def test_bitwise_repeatable():
+    x, w, b = make_linear(1, 197, 2, 64, torch.bfloat16)
+    grad = torch.randn(1, 197, 128).to(DEVICE, torch.bfloat16)
+    fn = lambda x, w, b: A.attention_linear(x, w, b, 2, kernel="short")  # noqa: E731
+    first, second = run(fn, [x, w, b], grad), run(fn, [x, w, b], grad)
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(g1, g2) for g1, g2 in zip(first[1], second[1]))
+
+
+def test_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="expected fp16 or bf16 inputs"):
+        A.attention(make_qkv(1, 17, 2, 32, torch.float32), 2, kernel="short")
+    with pytest.raises(ValueError, match=r"at most 208 rows.*at most 13312 on sm_80.*N=577.*kernel='flash'"):
+        A.attention(make_qkv(1, 577, 1, 64, torch.bfloat16), 1, kernel="short")
+    with pytest.raises(ValueError, match="with dropout"):
+        A.attention(make_qkv(1, 197, 1, 64, torch.bfloat16), 1, dropout_p=0.1, training=True, kernel="short")
+    with pytest.raises(ValueError, match=r"expected kernel one of \['flash', 'short'\], got 'fast'"):
+        A.attention(make_qkv(1, 17, 2, 32, torch.bfloat16), 2, kernel="fast")
+
+
+def test_short_route_runs_the_short_kernels_where_they_fit(launches):
+    """The model's 'short' route: under bf16 autocast every block's attention runs the short kernels (logits and
+    every gradient within the bf16 bound of float64); in fp32 the same route runs the flash kernels."""
+    from tests.test_tuning import tiny_model
+
+    model = tiny_model()
+    ref = copy.deepcopy(model).set_backend("torch").double()
+    vit_fast.apply_route(model, vit_fast.Route(attention="short", source="test"))
+    x = torch.randn(2, 3, 32, 32, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = model(x)
+    out.square().mean().backward()
+    out_ref = ref(x.double())
+    out_ref.square().mean().backward()
+    depth = len(model.blocks)
+    assert launches["short_fwd"] == launches["short_bwd"] == depth and launches["flash_fwd"] == 0
+    rtol = bound(torch.bfloat16, "dot")
+    assert_close(out, out_ref, rtol, "logits")
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, rtol, name)
+    model(x)  # fp32: the short kernels take 16-bit inputs only
+    assert launches["flash_fwd"] == 1 * depth and launches["short_fwd"] == depth
+
+
+def test_compiles_with_fullgraph():
+    x, w, b = make_linear(1, 50, 2, 32, torch.bfloat16)
+    grad = torch.randn(1, 50, 64).to(DEVICE, torch.bfloat16)
+    fn = lambda x, w, b: A.attention_linear(x, w, b, 2, kernel="short")  # noqa: E731
+    torch._dynamo.reset()
+    compiled = run(torch.compile(fn, fullgraph=True, backend="aot_eager"), [x, w, b], grad)
+    eager = run(fn, [x, w, b], grad)
+    assert torch.equal(compiled[0], eager[0])
+    assert all(torch.equal(c, e) for c, e in zip(compiled[1], eager[1]))
+
+
+@pytest.mark.slow
+def test_ahead_of_time_builds_do_not_spill():
+    """The short table's largest heads per (arch, dropout), and small ones, compile for sm_80 and sm_90 with no
+    spill and tensor cores on every dot (the bar `vit-fast report` holds every launch to)."""
+    from vit_fast.tools import report
+
+    cases = [(197, 64, 12), (257, 64, 16), (129, 64, 4), (145, 64, 4), (197, 32, 6), (50, 64, 6), (80, 128, 2)]
+    entries = {}
+    for tokens, D, H in cases:
+        for arch in report.ARCHS:
+            for spec in AI._short_aot_specs(tokens, D, torch.bfloat16, arch, AI._launch_values(tokens, H, D)):
+                entries[report.spec_key(spec, arch)] = [spec, arch, "bf16", [f"N={tokens} D={D}"]]
+    assert {entry[0].name for entry in entries.values()} == {"attention_short_fwd", "attention_short_bwd"}
+    rows = report.compile_entries(entries, workers=2)
+    bad = [f"{r.kernel} [{r.config}] sm_{r.arch}: {'; '.join(r.problems())}" for r in rows if r.problems()]
+    assert not bad, "\n".join(bad)

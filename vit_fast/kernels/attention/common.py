@@ -1,0 +1,67 @@
+"""What every attention kernel shares: the limits, the (batch x heads x tiles) program map and the strided
+tile loads of one head (jit helpers; no kernel here)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 128
+# The loops' last, partial step runs 16 wide when at most 16 keys / rows are left: a multiple of 16, as the MMA
+# k-step and dropout_keep_tile (one Philox call per 16 columns) need.
+LAST_STEP = 16
+MAX_GRID = 2**31 - 1
+
+
+@triton.jit
+def _program_tile(seq_len, BLOCK: tl.constexpr):
+    """(batch * head index, the program's row indices) of a 1-D grid of B * H * cdiv(N, BLOCK)."""
+    num_tiles = tl.cdiv(seq_len, BLOCK)
+    pid = tl.program_id(0)
+    return pid // num_tiles, (pid % num_tiles) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def _head(X, bh, num_heads, stride_b, stride_h, ALIGN: tl.constexpr):
+    """Pointer to head (b, h) = divmod(bh, H) of a (B, H, N, D)-strided tensor (int64 offset). ``ALIGN``: the
+    launcher's promise that the offset is a multiple of it (the packed layout's head stride is D: 72 = 8 x 9
+    elements is 16-byte aligned, which Triton, knowing only multiples of 16, cannot see; without the hint
+    every load of a D = 72 head is one element wide)."""
+    offset = (bh // num_heads).to(tl.int64) * stride_b + (bh % num_heads).to(tl.int64) * stride_h
+    return X + tl.multiple_of(offset, ALIGN)
+
+
+@triton.jit
+def _tile(rows, offs_d, stride_n, stride_d, TRANS: tl.constexpr):
+    """Element offsets of a (rows x D) tile of one head, or of its transpose (D x rows)."""
+    if TRANS:
+        off = rows[None, :].to(tl.int64) * stride_n + offs_d[:, None] * stride_d
+    else:
+        off = rows[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d
+    return off
+
+
+@triton.jit
+def _tile_mask(row_ok, d_ok, TRANS: tl.constexpr):
+    """The (rows x D) tile's mask, or its transpose's; ``row_ok`` None: every row is inside N (full tiles)."""
+    if row_ok is None:
+        mask = d_ok[:, None] if TRANS else d_ok[None, :]
+    elif TRANS:
+        mask = row_ok[None, :] & d_ok[:, None]
+    else:
+        mask = row_ok[:, None] & d_ok[None, :]
+    return mask
+
+
+@triton.jit
+def _load(X, rows, row_ok, offs_d, d_ok, stride_n, stride_d, TRANS: tl.constexpr):
+    """A (rows x D) tile (or its transpose) of one head; zeros outside N and D (masked, no padding)."""
+    return tl.load(X + _tile(rows, offs_d, stride_n, stride_d, TRANS), mask=_tile_mask(row_ok, d_ok, TRANS), other=0.0)
+
+
+@triton.jit
+def _store_column_sums(P, x, row_ok, offs_d, d_ok, partial_row, head_dim):
+    """Bias-gradient partial: the column sums of a program's fp32 (rows x D) tile x over its valid
+    rows, stored at row ``partial_row`` of a (G * H, D) fp32 buffer (row (b * tiles + tile) * H + h).
+    Every (row, column) has exactly one writer: no atomics, and the second stage sums rows in a fixed
+    order."""
+    tl.store(P + partial_row * head_dim + offs_d, tl.sum(tl.where(row_ok[:, None], x, 0.0), 0), mask=d_ok)

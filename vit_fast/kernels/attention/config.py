@@ -1,0 +1,255 @@
+"""Block sizes of the attention kernels: the flash family's ``AttentionConfig`` (forward tile, backward phases)
+and the short-sequence family's ``ShortConfig``, each picked by one function from a small explicit table."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from .._utils import cdiv, next_power_of_2
+from .._utils import input_precision as dot_input_precision
+from .common import MAX_GRID
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int  # q rows (per program, or per loop step in dK/dV)
+    block_n: int  # k/v rows (per loop step, or per program in dK/dV)
+    num_warps: int
+    num_stages: int
+    split: bool = False  # head_dim 65..79, not a multiple of 16: 64 columns + a 16-wide tail (``_block_dims``)
+    # Loops run their full tiles without masks, then the last, partial one (16 wide when it fits); False: every
+    # tile through the masked step, where the peeled build spills (fp32; 128-wide 16-bit heads with dropout)
+    peel: bool = True
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    fwd: Tile
+    dkdv: Tile  # backward phase 1: block_n k/v rows owned, block_m q rows per loop step
+    dq: Tile  # backward phase 2: block_m q rows owned, block_n k/v rows per loop step
+
+    def __post_init__(self):
+        dkdv, dq = self.dkdv, self.dq
+        if (dkdv.block_n, dkdv.num_warps, dkdv.num_stages, dkdv.split, dkdv.peel) != (
+                dq.block_m, dq.num_warps, dq.num_stages, dq.split, dq.peel):
+            raise ValueError(f"attention_config: the dK/dV and dQ phases run in one kernel, each program owning "
+                             f"the same rows in both, so they need one row count, num_warps, num_stages, "
+                             f"head_dim split and peel; "
+                             f"got {dkdv} and {dq}")
+
+
+def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
+                     input_precision: str | None = None, dropout: bool = False) -> AttentionConfig:
+    """Block sizes per (N, D, dtype, arch, dropout on or off): a small explicit table, no autotuning.
+
+    ``vit-fast report`` compiles every entry for sm_80 and sm_90, with and without dropout and the
+    qkv bias's gradient partials, and prints its registers and spills. The tiles were sized when the
+    kernels still added the qkv bias themselves (the notes below are from then); they now hold fewer
+    live values, and larger tiles are worth timing on a GPU before any change. fp32 depends on the dot
+    precision (default: the torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller
+    tiles than tf32 ones. The backward's two phases share one launch, hence one warp count.
+    Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
+    register use.
+
+    16-bit backward on sm_90, head_dim <= 64: each program owns 128 rows (two warpgroups, 8 warps, 2 stages)
+    and steps over 32 q rows in dK/dV and 64 keys in dQ, so every dot is a wgmma of N >= 32 (the former
+    64 rows owned with 16-row steps gave 64x16 wgmma tiles; its main loops read 53-56% in ``vit-fast
+    report``'s SASS ceiling, these 86-92% without dropout and 44-46% with it, no spills at 173-246
+    registers; with the full tiles unmasked, 100% and 50-59%). 64x64 steps at 4 warps spill with the bias
+    partials, at 8 warps they split into 64x32
+    wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads keep the small tiles: 64-row steps
+    with a 128-wide head spill hundreds of bytes.
+
+    Dropout's keep tile (16 bytes per Philox call, spread over the score tile) holds registers of its own, so
+    a few entries shrink when ``dropout`` is on, where the no-dropout tile would spill: the wide 16-bit forward
+    (sm_80 64x32 at 4 warps, sm_90 128x32) and the IEEE fp32 backward on sm_80.
+
+    Head dims that are not a multiple of 16 (SigLIP So400m's 72; 88) pad to BLOCK_D = 128 with the padded
+    columns masked inside the dots' 16-wide k-steps, which holds registers the 80- and 128-wide heads do not
+    need; ``ragged`` picks their own tiles where the wide ones spill (checked at N = 256 and 257, whose
+    seq_len divisibility gives different builds): the sm_80 IEEE forward 32x32 at 8 warps, the sm_80 16-bit
+    forward with dropout 64x16, and on sm_90 the 16-bit forward 128x32, the 16-bit backward 32 rows owned at
+    1 stage (16 rows with dropout) and the IEEE backward with dropout at 2 stages. The sm_90 16-bit backward
+    pays for it in its ceiling (``vit-fast report``; docs/gpu-readiness.md, Performance).
+
+    16-bit head dims in 65..80 (D = 72; D = 80, which padded to 128 measured 8.6x slower on an H200, torch 2.11,
+    triton 3.6, 2026-11-26) instead split the head (``Tile.split``, ``_block_dims``): 64 columns plus a 16-wide
+    tail, two dots summed for q k^T and dO v^T and two accumulators for out, dq, dk, dv, so the tiles carry 80
+    columns, not 128. With head_dim a constant and the head offsets known to be 16-byte aligned (HEAD_ALIGN 8:
+    72 = 8 x 9) every load is vectorised, and the split takes the D <= 64 tiles (checked at N = 256 and 257,
+    bf16 and fp16, with and without the bias partials, 0 spills; SASS
+    ceilings, dropout in brackets): forward sm_80 128x32 100% (64x32 on 8 warps: 66%), sm_90 128x64 90% (43%);
+    backward sm_80 16 q rows per step, 32 rows owned, 100% (16 rows owned on 4 warps: 74%; 8 warps spill 8 B),
+    sm_90 as D <= 64 (128 rows owned, 32-row / 64-key steps) 100% (55%), 202-254 regs. (Before the alignment hint
+    every D = 72 load was one element wide: sm_90 forward 38-51%, backward 32-34% at 32 rows owned, 1 stage.)
+    fp32 keeps the padded builds (not measured split).
+    """
+    if dtype == torch.float32 and input_precision is None:  # the torch tf32 flag, read now: not cached
+        input_precision = dot_input_precision(dtype)
+    return _attention_config(seq_len, head_dim, dtype, arch, input_precision, dropout)
+
+
+@functools.lru_cache(maxsize=None)  # a pure table lookup asked on every launch: built once per shape
+def _attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, input_precision: str | None,
+                      dropout: bool) -> AttentionConfig:
+    wide = next_power_of_2(head_dim) > 64  # D in 65..128: twice the registers per row
+    # D = 72, 88 (SigLIP So400m: 72): not a multiple of the 16-wide MMA k-step, so the padded columns are
+    # masked inside the dots' tiles, which costs registers of their own; checked at N = 256 and 257
+    ragged = head_dim % 16 != 0
+    stages = 3 if arch >= 90 else 2
+    warps = 8 if wide else 4
+    # Backward tiles: (dK/dV: q rows per step, k/v rows owned), (dQ: q rows owned, k/v rows per step).
+    # The merged kernel holds the larger of the two phases' live sets plus an out tile per dK/dV step
+    # (delta), so its tiles are smaller than separate kernels' would be.
+    if dtype == torch.float32 and (input_precision or dot_input_precision(dtype)) == "ieee":
+        # backward at 2 stages: at 3 on sm_90 ptxas caps it at 80 registers, 8-24 B spills (D = 64 with dropout,
+        # D = 72 with dropout, D = 80)
+        fwd, dkdv, dq = Tile(32, 32, 8, stages), Tile(16, 32, 8, 2), Tile(32, 16, 8, 2)
+        if not wide and arch < 90:  # at 8 warps ptxas caps the bias-gradient builds at 64 regs: 8-16 B spills
+            dkdv, dq = Tile(16, 32, 4, stages), Tile(32, 16, 4, stages)  # 144-150 regs, no spills
+        if wide and arch < 90 and not ragged:  # 32x32 at 8 warps: 24 B stack with bias + dropout; this one
+            fwd = Tile(32, 16, 4, stages)  # 120-152 regs (D = 72: 24-176 B spills; 32x32 at 8 warps 105-174 regs)
+        if dropout and arch < 90:  # the tiles above spill 8-104 B with the keep tile
+            dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
+                (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages))
+        elif dropout and not wide:  # sm_90, D <= 64: 16 x 32 spills 8-16 B on triton 3.6
+            dkdv, dq = Tile(16, 16, 8, 2), Tile(16, 16, 8, 2)
+    elif dtype == torch.float32:  # tf32 tensor cores; fp32 tiles take twice the registers of 16-bit ones
+        fwd = Tile(64, 32, warps, stages)
+        # wide 16x32 / 32x16: 48 B spills on sm_90 with bias + dropout
+        dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if wide else \
+            (Tile(32, 32, 8, stages), Tile(32, 32, 8, stages))
+    else:
+        fwd = Tile(128, 64, 8, stages)
+        # narrow 32x64 / 64x32 at 4 warps: 8-40 B spills on sm_80 (at 8 warps: 48 B without bias)
+        dkdv, dq = (Tile(16, 32, 8, stages), Tile(32, 16, 8, stages)) if wide else \
+            (Tile(16, 64, 4, stages), Tile(64, 16, 4, stages))
+        if not wide and arch >= 90:  # wgmma tiles of N >= 32: 128 rows owned, 32 q rows per dK/dV step
+            dkdv, dq = Tile(32, 128, 8, 2), Tile(128, 64, 8, 2)
+        if wide and arch < 90:  # 128x64: 48-64 B spills with bias; 128x32 with 3 stages: 183-194 regs
+            fwd = Tile(128, 32, 8, 3)
+        if wide and dropout:  # with the keep tile 128x32 spills 8 B on sm_80, 128x64 32-40 B on sm_90 (D = 72)
+            fwd = Tile(128, 32, 8, stages)
+            if arch < 90:  # D = 72: 8-16 B spills at 128x16, 256 B at 64x32 on 4 warps; 64x16 on 8: 175-180 regs
+                fwd = Tile(64, 16, 8, 3) if ragged else Tile(64, 32, 4, 3)
+        if ragged and arch >= 90:  # D = 72, N = 257: 128x64 spills 8 B; the backward 8-32 B at 32 rows owned and
+            fwd = Tile(128, 32, 8, stages)  # 3 stages (16 B with bias at 2), 24-48 B with dropout at 1 or 2
+            dkdv, dq = (Tile(16, 16, 8, stages), Tile(16, 16, 8, stages)) if dropout else \
+                (Tile(16, 32, 8, 1), Tile(32, 16, 8, 1))  # 217 / 172-204 regs
+    if _block_dims(head_dim, True)[1] and dtype != torch.float32:  # D = 72, 80 as 64 + 16 columns, 16-bit only
+        fwd = Tile(128, 64, 8, 3, True) if arch >= 90 else Tile(64, 32, 8, 3, True) if dropout else \
+            Tile(128, 32, 8, 3, True)
+        if arch >= 90:  # the D <= 64 tiles, with dropout too
+            dkdv, dq = Tile(32, 128, 8, 2, True), Tile(128, 64, 8, 2, True)
+        elif dropout:  # 16 rows owned on 4 warps, 1 stage (8 warps, or 2 stages on triton 3.6: 8 B spills)
+            dkdv, dq = Tile(16, 16, 4, 1, True), Tile(16, 16, 4, 1, True)
+        else:
+            dkdv, dq = Tile(16, 32, 8, 2, True), Tile(32, 16, 8, 2, True)
+    # One masked loop where the peeled build spills: fp32 (FMA dots hold whole tiles; 120-496 B at ViT-B) and the
+    # 128-wide 16-bit heads with dropout (D = 80: 216 B in the sm_80 forward, 16 B in the backward)
+    fwd, dkdv, dq = (replace(t, peel=False) if dtype == torch.float32 or (wide and dropout and not t.split) else t
+                     for t in (fwd, dkdv, dq))
+    cap = max(16, next_power_of_2(seq_len))
+    clamp = lambda t: replace(t, block_m=min(t.block_m, cap), block_n=min(t.block_n, cap))  # noqa: E731
+    return AttentionConfig(fwd=clamp(fwd), dkdv=clamp(dkdv), dq=clamp(dq))
+
+
+def attention_grid(batch_heads: int, seq_len: int, block: int) -> tuple[int]:
+    """1-D grid: (batch * heads) x tiles folded onto axis 0 (limit 2^31 - 1, not 65535)."""
+    programs = batch_heads * cdiv(seq_len, block)
+    if programs > MAX_GRID:
+        raise ValueError(f"attention: {programs} programs exceed the CUDA grid limit {MAX_GRID}; "
+                         f"split the batch (batch*heads={batch_heads}, seq_len={seq_len})")
+    return (programs,)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, next_power_of_2(head_dim))
+
+
+def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_D_TAIL) of a forward or backward launch: with ``split`` (the config's Tile), a head_dim in
+    65..80 (SigLIP So400m's 72, ViT-H's 80) runs as 64 columns plus a 16-wide tail (80 wide, not 128); every
+    other launch as one power-of-two part (tail 0, the kernels' single-part path). Measured on an H200
+    (2026-11-26, docs/measured/): D = 80 padded to 128 took 8.77 ms forward + backward at 128 x 257 x 16 heads,
+    where the split D = 72 took 1.02 ms at 128 x 256 x 16."""
+    if split and 64 < head_dim <= 80:
+        return 64, 16
+    return _block_d(head_dim), 0
+
+
+# ---------------------------------------------------------------------------- short-sequence family
+# What one program of the short kernels holds, per (sm_90 or later, attention dropout): at most this many padded
+# rows (``short_segments``) and rows x BLOCK_D elements (q, dO and the fp32 dQ of the whole head in the backward;
+# the per-row scores of every segment grow with the rows alone). The largest held without spilling a byte in either
+# kernel, with and without the bias partials (ahead-of-time builds, triton 3.6 and 3.8): ViT-B/16's 197 tokens pad
+# to 208 rows, ViT-L/14's 257 to 272; dropout's keep tiles take registers of their own.
+SHORT_CAPACITY = {(False, False): (208, 208 * 64), (True, False): (272, 272 * 64),
+                  (False, True): (144, 144 * 64), (True, True): (144, 144 * 64)}
+SHORT_DTYPES = (torch.float16, torch.bfloat16)  # fp32 tiles take twice the registers: the flash kernels run them
+
+
+@dataclass(frozen=True)
+class ShortConfig:
+    segments: tuple[int, ...]  # 1 to 3 powers of two (>= 16) covering N: keys in the forward, q rows in the backward
+    fwd_rows: int  # forward: q rows per program
+    fwd_warps: int
+    bwd_keys: int  # backward: keys per step (one program per (image, head))
+    bwd_warps: int
+    bwd_stages: int
+
+    def padded(self, kind: str) -> dict[str, int]:
+        """The segments as the kernels' constexprs: KEYS0..2 (forward) or ROWS0..2 (backward), 0 where absent."""
+        segments = self.segments + (0,) * (3 - len(self.segments))
+        return {f"{kind}{i}": s for i, s in enumerate(segments)}
+
+
+def short_segments(seq_len: int) -> tuple[int, ...]:
+    """N rounded up to 16, as at most three powers of two, largest first: 197 -> (128, 64, 16), 257 -> (256, 16),
+    50 -> (64,); a remainder that would need a fourth is rounded up (240 -> (128, 64, 64))."""
+    rest, segments = cdiv(seq_len, 16) * 16, []
+    while rest and len(segments) < 2:
+        segment = 1 << (rest.bit_length() - 1)
+        segments.append(segment)
+        rest -= segment
+    if rest:
+        segments.append(next_power_of_2(rest))
+    return tuple(segments)
+
+
+def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> bool:
+    """Whether the short kernels run this attention: 16-bit inputs and a head that fits one program
+    (``SHORT_CAPACITY``). Elsewhere the flash kernels run."""
+    rows, elements = SHORT_CAPACITY[arch >= 90, bool(dropout)]
+    held = sum(short_segments(seq_len))
+    return dtype in SHORT_DTYPES and held <= rows and held * _block_d(head_dim) <= elements
+
+
+def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> str:
+    """Why the short kernels cannot run this attention ('' where ``short_supported``): what they expected."""
+    if short_supported(seq_len, head_dim, dtype, arch, dropout):
+        return ""
+    rows, elements = SHORT_CAPACITY[arch >= 90, bool(dropout)]
+    return (f"attention: the short-sequence kernels hold a whole head on chip: expected fp16 or bf16 inputs, N "
+            f"rounded up to 16 in power-of-two segments at most {rows} rows, and those rows times head_dim rounded "
+            f"up to a power of two at most {elements} on sm_{arch}{' with dropout' if dropout else ''}; got "
+            f"N={seq_len} ({sum(short_segments(seq_len))} rows), head_dim={head_dim} ({_block_d(head_dim)}), "
+            f"{dtype}. The flash kernels (kernel='flash') run any N")
+
+
+@functools.lru_cache(maxsize=None)
+def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> ShortConfig:
+    """Static sizes of the short kernels (``vit-fast report`` compiles them for sm_80 and sm_90; not yet timed on
+    a GPU). Raises ValueError outside ``short_supported``. A program of 8 warps owns a whole head in the
+    backward; up to 128 rows it steps over 32 keys at a time, beyond (and with dropout) over 16, with the next
+    k/v tile prefetched (2 stages) up to ViT-B/16's 208 rows x 64."""
+    refusal = short_refusal(seq_len, head_dim, dtype, arch, dropout)
+    if refusal:
+        raise ValueError(refusal)
+    rows = sum(short_segments(seq_len))
+    held = rows * _block_d(head_dim)
+    return ShortConfig(segments=short_segments(seq_len), fwd_rows=64, fwd_warps=4 if held <= 128 * 64 else 8,
+                       bwd_keys=32 if rows <= 128 and not dropout else 16, bwd_warps=8,
+                       bwd_stages=2 if held <= 208 * 64 and not dropout else 1)

@@ -1,0 +1,313 @@
+"""The flash backward: one launch, each program writing dK, dV of its k/v rows (looping over q tiles), then dQ
+of the same q rows (looping over k/v tiles). S and dP are computed in both phases; delta per q tile. Math:
+the package docstring."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .._math import LOG2E
+from .._utils import dropout_keep_tile
+from .common import _head, _load, _store_column_sums, _tile, _tile_mask
+
+
+@triton.jit
+def _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs, ok, stride_qn, stride_qd, stride_on, stride_od,
+                 stride_gn, stride_gd, TRANS_Q: tl.constexpr):
+    """q (transposed with ``TRANS_Q``) and dO of some q rows and columns, and those columns' share of
+    delta_i = rowsum(dO_i * out_i): what both backward phases load per q tile, main part and head_dim tail."""
+    q = _load(q_head, rows, row_ok, offs, ok, stride_qn, stride_qd, TRANS_Q)
+    do = _load(do_head, rows, row_ok, offs, ok, stride_gn, stride_gd, False)
+    o = _load(o_head, rows, row_ok, offs, ok, stride_on, stride_od, False)
+    return q, do, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh, tile, start_m,
+    stride_qn, stride_qd, stride_on, stride_od, stride_gn, stride_gd,
+    q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
+    MASK_ROWS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """One q tile (rows start_m.. start_m + BLOCK_M) of phase 1; returns the updated (dk, dv, dk_t, dv_t).
+    Only the last tile (``MASK_ROWS``) can run past q_len. delta_i = rowsum(dO_i * out_i) is recomputed
+    here from out and dO (no pre-pass)."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    row_ok = rows < q_len if MASK_ROWS else None
+    qT, do, delta = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd,
+                                 stride_on, stride_od, stride_gn, stride_gd, True)
+    if MASK_ROWS:  # padded q rows get lse = +inf, hence probability exactly 0
+        lse2 = tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E
+    else:
+        lse2 = tl.load(lse_head + rows) * LOG2E
+    sT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
+    dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (dO v^T)^T
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        qT_t, do_t, delta_t = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_t, t_ok, stride_qn,
+                                           stride_qd, stride_on, stride_od, stride_gn, stride_gd, True)
+        delta += delta_t
+        sT = tl.dot(k_t, qT_t, sT, input_precision=INPUT_PRECISION)
+        dpT = tl.dot(v_t, tl.trans(do_t), dpT, input_precision=INPUT_PRECISION)
+    pT = tl.exp2(sT * qk_scale - lse2[None, :])
+    if DROPOUT:
+        # drawn as the (q rows x k/v rows) tile the forward and dQ draw, then transposed: the same bits
+        keep = tl.trans(dropout_keep_tile(seed, bh, rows, tile * BLOCK_N, drop_threshold, BLOCK_N))
+        pT_drop = tl.where(keep, pT * inv_keep, 0.0).to(do.dtype)
+        dv += tl.dot(pT_drop, do, input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            dv_t += tl.dot(pT_drop, do_t, input_precision=INPUT_PRECISION)
+        dpT = tl.where(keep, dpT * inv_keep, 0.0)
+    else:
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=INPUT_PRECISION)
+        if BLOCK_D_TAIL:
+            dv_t += tl.dot(pT.to(do_t.dtype), do_t, input_precision=INPUT_PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        dk_t += tl.dot(dsT.to(qT_t.dtype), tl.trans(qT_t), input_precision=INPUT_PRECISION)
+    return dk, dv, dk_t, dv_t
+
+
+@triton.jit
+def _bwd_dkdv(
+    dk_head, dv_head, PK, PV, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+    stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr, PEEL: tl.constexpr,
+):
+    """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles: full ones
+    without a row mask, then the rest as one masked step, TAIL_M rows wide when it fits (as the forward's keys).
+    ``*_head`` point at head (b, h) of each tensor; the strides are its row and column strides.
+    With BLOCK_D_TAIL every (rows x D) tile is two: columns 0..BLOCK_D and the tail (``_t``)."""
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = cols < seq_len
+    d_ok = offs_d < head_dim
+    k = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
+    v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
+    lse_head = Lse + bh.to(tl.int64) * q_len
+
+    qk_scale = scale * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    k_t, v_t, dk_t, dv_t = k, v, 0.0, 0.0  # the head_dim tail's tiles (BLOCK_D_TAIL), placeholders without it
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        k_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, False)
+        v_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, False)
+        dk_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
+        dv_t = tl.zeros([BLOCK_N, BLOCK_D_TAIL], tl.float32)
+    if PEEL:
+        full_end = q_len - q_len % BLOCK_M  # over the q_len query rows: the others have zero gradient
+        for start_m in range(0, full_end, BLOCK_M):
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+        rest = q_len - full_end  # < BLOCK_M
+        if rest > TAIL_M:
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+        elif rest > 0:
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            TAIL_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    else:  # every q tile through the masked step (Tile.peel)
+        for start_m in range(0, q_len, BLOCK_M):
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
+                                            tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+
+    offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
+    mask = _tile_mask(col_ok, d_ok, False)
+    dk = dk * scale
+    tl.store(dk_head + offsets, dk.to(dk_head.dtype.element_ty), mask=mask)
+    tl.store(dv_head + offsets, dv.to(dv_head.dtype.element_ty), mask=mask)
+    if BIAS_GRAD:  # padded k/v rows hold junk (p of a zero key), hence the row mask
+        _store_column_sums(PK, dk, col_ok, offs_d, d_ok, partial_row, head_dim)
+        _store_column_sums(PV, dv, col_ok, offs_d, d_ok, partial_row, head_dim)
+    if BLOCK_D_TAIL:
+        offsets_t = _tile(cols, offs_t, stride_dn, stride_dd, False)
+        mask_t = _tile_mask(col_ok, t_ok, False)
+        dk_t = dk_t * scale
+        tl.store(dk_head + offsets_t, dk_t.to(dk_head.dtype.element_ty), mask=mask_t)
+        tl.store(dv_head + offsets_t, dv_t.to(dv_head.dtype.element_ty), mask=mask_t)
+        if BIAS_GRAD:
+            _store_column_sums(PK, dk_t, col_ok, offs_t, t_ok, partial_row, head_dim)
+            _store_column_sums(PV, dv_t, col_ok, offs_t, t_ok, partial_row, head_dim)
+
+
+@triton.jit
+def _dq_step(
+    dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
+    MASK_KEYS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """One k/v tile (keys start_n.. start_n + BLOCK_N) of phase 2; returns the updated (dq, dq_t). Only the
+    last tile (``MASK_KEYS``) can run past seq_len."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    col_ok = cols < seq_len if MASK_KEYS else None
+    kT = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, True)
+    vT = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, True)
+    s = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+    dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        kT_t = _load(k_head, cols, col_ok, offs_t, t_ok, stride_kn, stride_kd, True)
+        vT_t = _load(v_head, cols, col_ok, offs_t, t_ok, stride_vn, stride_vd, True)
+        s = tl.dot(q_t, kT_t, s, input_precision=INPUT_PRECISION)
+        dp = tl.dot(do_t, vT_t, dp, input_precision=INPUT_PRECISION)
+    p = tl.exp2(s * qk_scale - lse2[:, None])
+    if MASK_KEYS:
+        # Padded keys (k loaded as 0) must get p = 0: exp(0 - lse) overflows when every real score of
+        # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
+        p = tl.where(col_ok[None, :], p, 0.0)
+    if DROPOUT:
+        dp = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), dp * inv_keep, 0.0)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        dq_t += tl.dot(ds.to(kT_t.dtype), tl.trans(kT_t), input_precision=INPUT_PRECISION)
+    return dq, dq_t
+
+
+@triton.jit
+def _bwd_dq(
+    dq_head, PQ, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+    stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr, TAIL_N: tl.constexpr, PEEL: tl.constexpr,
+):
+    """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles as the forward
+    does (full tiles unmasked, then one masked step, TAIL_N wide when it fits; with BLOCK_D_TAIL, each
+    (rows x D) tile as its main part and its tail ``_t``, as in ``_bwd_dkdv``)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < q_len  # rows q_len.. N: q, dO, out load as 0 and lse as +inf, so their dq is exactly 0
+    d_ok = offs_d < head_dim
+    q, do, delta = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd,
+                                stride_on, stride_od, stride_gn, stride_gd, False)
+    q_t, do_t, dq_t = q, do, 0.0  # the head_dim tail's tiles (BLOCK_D_TAIL), placeholders without it
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        t_ok = offs_t < head_dim
+        q_t, do_t, delta_t = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_t, t_ok, stride_qn, stride_qd,
+                                          stride_on, stride_od, stride_gn, stride_gd, False)
+        delta += delta_t
+        dq_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32)
+    lse2 = tl.load(Lse + bh.to(tl.int64) * q_len + rows, mask=row_ok, other=float("inf")) * LOG2E
+
+    qk_scale = scale * LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    keys = tl.where(tile * BLOCK_M < q_len, seq_len, 0)  # a tile past q_len skips the loop: its dq is 0
+    if PEEL:
+        full_end = keys - keys % BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+        rest = keys - full_end  # < BLOCK_N
+        if rest > TAIL_N:
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+        elif rest > 0:
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+    else:  # every k/v tile through the masked step (Tile.peel)
+        for start_n in range(0, keys, BLOCK_N):
+            dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
+                                stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
+                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+
+    dq = dq * scale
+    store_ok = rows < seq_len  # every q row of the gradient is written, the rows past q_len as zeros
+    tl.store(dq_head + _tile(rows, offs_d, stride_dn, stride_dd, False), dq.to(dq_head.dtype.element_ty),
+             mask=_tile_mask(store_ok, d_ok, False))
+    if BIAS_GRAD:
+        _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, partial_row, head_dim)
+    if BLOCK_D_TAIL:
+        dq_t = dq_t * scale
+        tl.store(dq_head + _tile(rows, offs_t, stride_dn, stride_dd, False), dq_t.to(dq_head.dtype.element_ty),
+                 mask=_tile_mask(store_ok, t_ok, False))
+        if BIAS_GRAD:
+            _store_column_sums(PQ, dq_t, row_ok, offs_t, t_ok, partial_row, head_dim)
+
+
+@triton.jit
+def _attention_bwd_kernel(
+    DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
+    PQ, PK, PV,  # BIAS_GRAD outputs: (B * tiles * H, D) fp32 column partials of dq, dk, dv, else None
+    Q, K, V, O, DO,  # inputs through strides; dO may be non-contiguous
+    Lse,  # (B * H, q_len) fp32
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,  # out
+    stride_gb, stride_gh, stride_gn, stride_gd,  # dO
+    stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
+    num_heads, seq_len, head_dim: tl.constexpr,  # a constant: the d masks fold, loads vectorise at D = 72
+    q_len,  # query rows of out, dO and lse (the forward's q_len): the other q rows get zero gradient
+    scale, drop_threshold, inv_keep, seed,
+    BLOCK: tl.constexpr,  # rows owned: k/v rows in the dK/dV phase, q rows in the dQ phase
+    KV_BLOCK_M: tl.constexpr,  # dK/dV phase: q rows per loop step
+    Q_BLOCK_N: tl.constexpr,  # dQ phase: k/v rows per loop step
+    BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,  # also write column partials of dq, dk, dv (the qkv bias's gradient)
+    BLOCK_D_TAIL: tl.constexpr = 0,  # 16: head_dim as BLOCK_D + a 16-wide tail (see the forward)
+    TAIL: tl.constexpr = 16,  # the last, partial q step (dK/dV) or k/v step (dQ) runs this wide when it fits
+    HEAD_ALIGN: tl.constexpr = 1,  # every head's offset is a multiple of this many elements (_head_align)
+    PEEL: tl.constexpr = True,  # as the forward's, for both phases' loops
+):
+    """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
+    pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
+    num_tiles = tl.cdiv(seq_len, BLOCK)
+    pid = tl.program_id(0)
+    bh, tile = pid // num_tiles, pid % num_tiles
+    partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
+    # Each phase gets its heads' pointers computed at its call (not kept live across phase 1).
+    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
+              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PK, PV,
+              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
+              _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
+              _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
+              stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)
+    _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PQ,
+            _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
+            _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+            _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
+            _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+            _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
+            stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+            seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)

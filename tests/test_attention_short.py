@@ -48,16 +48,22 @@ def test_segments_pad_to_16_rows_in_at_most_three_powers_of_two():
 def test_supported_table():
     bf16 = torch.bfloat16
     assert AC.short_supported(197, 64, bf16, 80) and AC.short_supported(197, 64, bf16, 90)
-    assert not AC.short_supported(257, 64, bf16, 80) and AC.short_supported(257, 64, bf16, 90)
+    assert AC.short_supported(208, 64, bf16, 90) and not AC.short_supported(209, 64, bf16, 90)
+    assert not AC.short_supported(257, 64, bf16, 90)  # ViT-L/14: the sm_90 forward spills at 272 rows
     assert not AC.short_supported(197, 64, bf16, 90, dropout=True) and AC.short_supported(129, 64, bf16, 90, True)
     assert not AC.short_supported(17, 64, torch.float32, 90)  # fp32 runs the flash kernels
     assert not AC.short_supported(577, 64, bf16, 90)
+    for n in range(1, 209):  # every tile a power of two, whatever N
+        for arch in (80, 90):
+            if AC.short_supported(n, 64, bf16, arch):
+                cfg = AC.short_config(n, 64, bf16, arch)
+                assert all(x >= 16 and x & (x - 1) == 0 for x in (cfg.fwd_rows, cfg.bwd_keys, *cfg.segments)), cfg
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
 @pytest.mark.parametrize("B, N, H, D, arch", [
     (1, 197, 1, 64, 80),  # ViT-B/16: segments 128 + 64 + 16, 16 keys per backward step
-    (1, 257, 1, 64, 90),  # ViT-L/14 on the sm_90 table: 256 + 16
+    (1, 208, 1, 64, 90),  # the most rows, on the sm_90 table (one stage, 16 keys per step)
     (2, 50, 3, 72, 80),  # SigLIP So400m's head_dim, padded to 128 columns
     (2, 17, 2, 32, 80),  # 32 keys per backward step, one segment
     (1, 1, 2, 64, 80),  # one token
@@ -165,7 +171,7 @@ def test_ahead_of_time_builds_do_not_spill():
     spill and tensor cores on every dot (the bar `vit-fast report` holds every launch to)."""
     from vit_fast.tools import report
 
-    cases = [(197, 64, 12), (257, 64, 16), (129, 64, 4), (145, 64, 4), (197, 32, 6), (50, 64, 6), (80, 128, 2)]
+    cases = [(197, 64, 12), (208, 64, 16), (129, 64, 4), (145, 64, 4), (197, 32, 6), (50, 64, 6), (80, 128, 2)]
     entries = {}
     for tokens, D, H in cases:
         for arch in report.ARCHS:
@@ -175,3 +181,26 @@ def test_ahead_of_time_builds_do_not_spill():
     rows = report.compile_entries(entries, workers=2)
     bad = [f"{r.kernel} [{r.config}] sm_{r.arch}: {'; '.join(r.problems())}" for r in rows if r.problems()]
     assert not bad, "\n".join(bad)
+
+
+def test_bytes_backward_touches_every_element_once_forward_rereads_only_k_and_v(traffic):
+    """Counted in the interpreter (masked lanes excluded), ViT-B/16's 197 tokens: the backward reads qkv, out,
+    dO and lse once and writes d(qkv) once, the minimum (one launch, no delta pre-pass, nothing recomputed from
+    DRAM); the forward reads q once and k, v once per 64-row q tile (4 per head: L2 hits on a GPU), writes out and
+    lse once."""
+    B, N, H, D = 1, 197, 2, 64
+    qkv = make_qkv(B, N, H, D, torch.bfloat16).requires_grad_()
+    traffic.clear()
+    out, lse = A.attention_with_lse(qkv, H, kernel="short")
+    assert traffic.launches == ["_attention_short_fwd_kernel"]
+    e, third = qkv.element_size(), qkv.numel() // 3
+    assert traffic.bytes("read", qkv) == (third + 2 * third * 4) * e
+    assert traffic.bytes("write", out) == out.numel() * e and traffic.bytes("write", lse) == lse.numel() * 4
+    grad = torch.randn(out.shape).to(DEVICE, torch.bfloat16)
+    traffic.clear()
+    out.backward(grad)
+    assert traffic.launches == ["_attention_short_bwd_kernel"]
+    assert traffic.bytes("read", qkv) == qkv.numel() * e
+    assert traffic.bytes("read", out) == out.numel() * e and traffic.bytes("read", grad) == grad.numel() * e
+    assert traffic.bytes("read", lse) == lse.numel() * 4
+    assert traffic.bytes("write", qkv.grad) == qkv.numel() * e

@@ -26,8 +26,10 @@ def test_cli_passes_in_a_fresh_process():
         assert "Triton interpreter on CPU, reduced size" in out
     rows = ROW.findall(out)
     ops = {name.split(" ")[0] for name, *_ in rows}
-    assert ops == {"layer_norm", "add_layer_norm", "bias_gelu", "linear_act", "bias_dropout_add", "attention",
-                   "attention_linear", "patch_embed", "model"}, out
+    assert ops - {"attention_short"} == {"layer_norm", "add_layer_norm", "bias_gelu", "linear_act",
+                                         "bias_dropout_add", "attention", "attention_linear", "patch_embed",
+                                         "model"}, out
+    assert ("attention_short" in ops) == torch.cuda.is_available(), out  # 16-bit only: bf16 on CUDA, fp32 here
     assert all(r[-1] == "PASS" for r in rows) and "FAIL" not in out
     assert any(name == "model logits" for name, *_ in rows)
     assert any(name.startswith("model dblocks.*.") for name, *_ in rows)
@@ -77,3 +79,10 @@ def test_check_leaves_the_tf32_flags_as_it_found_them(monkeypatch):
     monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", True)
     assert check.main([*TINY, "--ops", "layer_norm"]) == 0
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+def test_bf16_check_covers_the_short_attention_kernels(capsys):
+    """In 16 bits the short-sequence attention family is checked too, forward and gradient."""
+    assert check.main([*TINY, "--dtype", "bf16", "--ops", "attention"]) == 0
+    rows = {name: result for name, *_, result in ROW.findall(capsys.readouterr().out)}
+    assert rows["attention_short out"] == rows["attention_short dqkv"] == "PASS", rows

@@ -242,20 +242,28 @@ def _covers(spec: AotSpec, fn, values: dict, warps: int, stages: int) -> bool:
                           global_pool="avg")),
     (torch.float32, dict(init_values=0.1, drop_path_rate=0.2)),
     ("pure_bf16", dict(init_values=0.1)),
-], ids=["bf16", "bf16_stream", "bf16_layerscale_dropout_avg", "fp32_layerscale", "pure_bf16"])
+    (torch.bfloat16, dict(route=dict(attention="short"))),
+    (torch.bfloat16, dict(attn_drop_rate=0.1, route=dict(attention="short"))),
+], ids=["bf16", "bf16_stream", "bf16_layerscale_dropout_avg", "fp32_layerscale", "pure_bf16", "bf16_short",
+        "bf16_short_dropout"])
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
 def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype, overrides, arch):
     """The report compiles what the model launches: every Triton launch of a fused training step (forward,
     backward) matches an aot_specs entry of the model's shape: kernel, constexprs, num_warps, num_stages
     and the dtype of every tensor argument. The launchers pick their tables for sm_90 too (gpu_arch
     patched): the interpreter runs whatever tiles an H100 would."""
-    from vit_fast.kernels import attention, layer_norm, linear_act, patch_embed
+    from vit_fast.kernels import layer_norm, linear_act, patch_embed
+    from vit_fast.kernels.attention import interface as attention
 
     for module in (attention, layer_norm, linear_act, patch_embed):  # the launchers that read the device's arch
         monkeypatch.setattr(module, "gpu_arch", lambda device: arch)
     torch.manual_seed(0)
+    overrides = dict(overrides)
+    route = overrides.pop("route", None)
     model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=64, num_heads=2,
                                   depth=2, num_classes=10, backend="triton", **overrides).train()
+    if route:
+        vit_fast.apply_route(model, vit_fast.Route(**route, source="test"))
     x = torch.randn(2, 3, 32, 32)
     pure = dtype == "pure_bf16"  # parameters, images and activations all bf16, no autocast
     if pure:

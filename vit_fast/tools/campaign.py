@@ -70,7 +70,11 @@ GPU_TESTS = ["tests/test_attention.py", "tests/test_layer_norm.py", "tests/test_
 DRY_TESTS = ["tests/test_backend.py::test_resolve_rules"]
 
 # (name, preset, batch, heads) of the micro-benchmark shapes
-MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256), ("L/16", "vit_large_patch16_224", 256)]
+# (name, preset, batch, the ops measured there or None for every case)
+MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256, None), ("L/16", "vit_large_patch16_224", 256, None),
+                # attention where the short-sequence kernels stop (257 tokens: flash) and at 577 (issue 32)
+                ("L/14", "vit_large_patch14_clip_224", 128, ("attention", "attention_short")),
+                ("B/16@384", "vit_base_patch16_384", 64, ("attention", "attention_short"))]
 THROUGHPUT_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224"]
 THROUGHPUT_BATCHES = [128, 256]
 # the issue's headline paths first; the route candidates (vit_fast/route.py) last, where a short budget cuts first
@@ -402,6 +406,7 @@ def micro_child(spec: dict) -> None:
 
         install_bf16_shims()
     cases = micro_cases(spec["shape"], spec["preset"], spec["batch"], spec["device"], spec["dry_run"])
+    cases = [case for case in cases if spec.get("only") is None or case.op in spec["only"]]
     print(f"CASES {len(cases)}", flush=True)
     for i, case in enumerate(cases[spec["start"]:], start=spec["start"]):
         faulthandler.cancel_dump_traceback_later()
@@ -468,7 +473,7 @@ def stage_micro(c: Campaign) -> dict:
     rows = c.results.setdefault("micro", [])
     timeout = MICRO_CASE_TIMEOUT_S * max(c.scale, 0.25)
     hung, failed, not_reached = [], [], 0
-    for shape_name, preset, batch in MICRO_SHAPES[:1] if c.dry_run else MICRO_SHAPES:
+    for shape_name, preset, batch, only in MICRO_SHAPES[:1] if c.dry_run else MICRO_SHAPES:
         state = dict(start=0, cases=0, current=None, completed=0, hung=0)
 
         def on_line(line: str, state=state) -> None:
@@ -486,7 +491,7 @@ def stage_micro(c: Campaign) -> dict:
                                f"{row['speedup_vs_eager']:.2f}x eager, {row['speedup_vs_compiled']:.2f}x compiled")
 
         while c.left() > 1.0:
-            spec = dict(shape=shape_name, preset=preset, batch=batch, device=c.device, dry_run=c.dry_run,
+            spec = dict(shape=shape_name, preset=preset, batch=batch, only=only, device=c.device, dry_run=c.dry_run,
                         peaks=c.peaks, start=state["start"], backend="eager" if c.dry_run else "inductor",
                         dump_after_s=timeout * 2 / 3)
             state["current"] = None

@@ -15,7 +15,9 @@ loop, with ``W`` warps in the block:
 The ceiling is an upper bound on the fraction of tensor peak the loop can reach: latency, memory stalls and
 small wgmma tiles only lower it. It separates issue-bound loops from healthy ones; it is not a speed prediction
 (Triton's tutorial GEMM reads 100% here and is measured at 53-86% of peak, see sass_reference.py).
-A kernel's ceiling is its worst MMA loop's. Straight-line code outside loops (prologue, epilogue) is not counted.
+A kernel's ceiling is its worst MMA loop's. Straight-line code outside loops (prologue, epilogue) is not counted,
+except in a kernel whose tensor-core instructions sit in no loop at all (the short-sequence attention forward
+scores every key at once): there the whole function is costed as one pass, prologue and epilogue included.
 """
 from __future__ import annotations
 
@@ -194,6 +196,9 @@ def analyze(sass: str, arch: int, num_warps: int) -> SassCost:
             if any(s2 >= start and e2 <= end and (s2, e2) != (start, end) for s2, e2, _ in with_mma):
                 continue  # an inner loop holds the MMAs: that one is the main loop
             cost.loops.append(_loop_cost(start, end, body, arch, num_warps))
+        if not with_mma and instructions and any(mma_flops(i.text) for i in instructions):  # straight-line MMAs
+            cost.loops.append(_loop_cost(instructions[0].address, instructions[-1].address, instructions, arch,
+                                         num_warps))
     cost.loops.sort(key=lambda loop: loop.ceiling)
     return cost
 

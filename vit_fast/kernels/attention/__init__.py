@@ -83,6 +83,15 @@ Files (split by pass, as FlashAttention-4's flash_fwd / flash_bwd / interface):
     interface.py  validation, launchers, custom ops, autograd Functions, functionals, references, aot_specs
 The functionals take ``kernel="flash"`` (default) or ``kernel="short"``; the attention part's route
 (vit_fast/route.py) picks the family per model.
+
+The short-sequence family (ViT's 197 tokens; fp16/bf16 where a head fits one program, ``short_supported``): the
+forward holds every key of its head in up to three power-of-two segments (197 -> 128 + 64 + 16 rows) and takes a
+plain softmax; the backward runs one program per (image, head): q, dO, lse and delta of every row loaded once, dQ
+of the whole head kept in fp32, the keys stepped over with S and dP computed once per tile pair (the flash backward
+computes them in both of its phases). Counted bytes: the backward reads qkv, out, dO and lse once and writes
+d(qkv) once (8C e + 4H per token, with no re-reads of a head across programs); the forward re-reads k and v once
+per 64-row q tile. Same dropout bits and lse as the flash kernels; no atomics; one launch per pass (plus
+``sum_partials`` for the qkv bias's gradient, one partial row per head).
 """
 from .config import AttentionConfig, ShortConfig, Tile, attention_config, attention_grid, short_config, short_supported
 from .interface import (

@@ -181,20 +181,20 @@ def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------- short-sequence family
-# What one program of the short kernels holds, per (sm_90 or later, attention dropout): at most this many padded
-# rows (``short_segments``) and rows x BLOCK_D elements (q, dO and the fp32 dQ of the whole head in the backward;
-# the per-row scores of every segment grow with the rows alone). The largest held without spilling a byte in either
-# kernel, with and without the bias partials (ahead-of-time builds, triton 3.6 and 3.8): ViT-B/16's 197 tokens pad
-# to 208 rows, ViT-L/14's 257 to 272; dropout's keep tiles take registers of their own.
-SHORT_CAPACITY = {(False, False): (208, 208 * 64), (True, False): (272, 272 * 64),
-                  (False, True): (144, 144 * 64), (True, True): (144, 144 * 64)}
+# What one program of the short kernels holds, without and with attention dropout: at most this many padded rows
+# (``short_segments``) and rows x BLOCK_D elements (q, dO and the fp32 dQ of the whole head in the backward; the
+# per-row scores of every segment grow with the rows alone). The largest held without spilling a byte in either
+# kernel on sm_80 and sm_90, with and without the bias partials (ahead-of-time builds, triton 3.6 and 3.8):
+# ViT-B/16's 197 tokens pad to 208 rows. (ViT-L/14's 257 pad to 272: the sm_90 backward holds them, the forward
+# spills 56-168 B at every tile tried; dropout's keep tiles take registers of their own.)
+SHORT_CAPACITY = {False: (208, 208 * 64), True: (144, 144 * 64)}
 SHORT_DTYPES = (torch.float16, torch.bfloat16)  # fp32 tiles take twice the registers: the flash kernels run them
 
 
 @dataclass(frozen=True)
 class ShortConfig:
     segments: tuple[int, ...]  # 1 to 3 powers of two (>= 16) covering N: keys in the forward, q rows in the backward
-    fwd_rows: int  # forward: q rows per program
+    fwd_rows: int  # forward: q rows per program (64, or fewer for fewer tokens)
     fwd_warps: int
     bwd_keys: int  # backward: keys per step (one program per (image, head))
     bwd_warps: int
@@ -222,7 +222,7 @@ def short_segments(seq_len: int) -> tuple[int, ...]:
 def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> bool:
     """Whether the short kernels run this attention: 16-bit inputs and a head that fits one program
     (``SHORT_CAPACITY``). Elsewhere the flash kernels run."""
-    rows, elements = SHORT_CAPACITY[arch >= 90, bool(dropout)]
+    rows, elements = SHORT_CAPACITY[bool(dropout)]
     held = sum(short_segments(seq_len))
     return dtype in SHORT_DTYPES and held <= rows and held * _block_d(head_dim) <= elements
 
@@ -231,7 +231,7 @@ def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dr
     """Why the short kernels cannot run this attention ('' where ``short_supported``): what they expected."""
     if short_supported(seq_len, head_dim, dtype, arch, dropout):
         return ""
-    rows, elements = SHORT_CAPACITY[arch >= 90, bool(dropout)]
+    rows, elements = SHORT_CAPACITY[bool(dropout)]
     return (f"attention: the short-sequence kernels hold a whole head on chip: expected fp16 or bf16 inputs, N "
             f"rounded up to 16 in power-of-two segments at most {rows} rows, and those rows times head_dim rounded "
             f"up to a power of two at most {elements} on sm_{arch}{' with dropout' if dropout else ''}; got "
@@ -243,13 +243,15 @@ def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dr
 def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> ShortConfig:
     """Static sizes of the short kernels (``vit-fast report`` compiles them for sm_80 and sm_90; not yet timed on
     a GPU). Raises ValueError outside ``short_supported``. A program of 8 warps owns a whole head in the
-    backward; up to 128 rows it steps over 32 keys at a time, beyond (and with dropout) over 16, with the next
-    k/v tile prefetched (2 stages) up to ViT-B/16's 208 rows x 64."""
+    backward and steps over 32 keys at a time; 16 with dropout, and on sm_90 beyond 128 rows (32 spill there at
+    208 x 64). sm_80 prefetches the next k/v tile (2 stages); on sm_90 one stage reads 61-67% in the SASS
+    ceiling at ViT-B/16, two 59-65% (not timed: a GPU decides)."""
     refusal = short_refusal(seq_len, head_dim, dtype, arch, dropout)
     if refusal:
         raise ValueError(refusal)
     rows = sum(short_segments(seq_len))
     held = rows * _block_d(head_dim)
-    return ShortConfig(segments=short_segments(seq_len), fwd_rows=64, fwd_warps=4 if held <= 128 * 64 else 8,
-                       bwd_keys=32 if rows <= 128 and not dropout else 16, bwd_warps=8,
-                       bwd_stages=2 if held <= 208 * 64 and not dropout else 1)
+    return ShortConfig(segments=short_segments(seq_len), fwd_rows=min(64, next_power_of_2(rows)),
+                       fwd_warps=4 if held <= 128 * 64 else 8,
+                       bwd_keys=32 if not dropout and (rows <= 128 or arch < 90) else 16, bwd_warps=8,
+                       bwd_stages=2 if not dropout and arch < 90 else 1)

@@ -230,11 +230,10 @@ def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: i
     q_len = out.shape[2]
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     cfg = short_config(N, D, q.dtype, gpu_arch(q.device), dropout)
-    block_m = min(cfg.fwd_rows, max(16, next_power_of_2(q_len)))
-    _attention_short_fwd_kernel[attention_grid(B * H, q_len, block_m)](
+    _attention_short_fwd_kernel[attention_grid(B * H, q_len, cfg.fwd_rows)](
         out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, q_len, scale, threshold, inv_keep, seed,
-        BLOCK_M=block_m, **cfg.padded("KEYS"), BLOCK_D=_block_d(D), DROPOUT=dropout,
+        BLOCK_M=cfg.fwd_rows, **cfg.padded("KEYS"), BLOCK_D=_block_d(D), DROPOUT=dropout,
         INPUT_PRECISION=dot_input_precision(q.dtype), HEAD_ALIGN=_head_align(q, k, v, out),
         num_warps=cfg.fwd_warps, num_stages=1)
 

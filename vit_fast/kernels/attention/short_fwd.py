@@ -1,11 +1,11 @@
-"""The short-sequence forward: each program holds one head's whole K and V (N up to ``config.SHORT_MAX_ROWS``)
+"""The short-sequence forward: each program holds one head's whole K and V (up to ``config.SHORT_CAPACITY`` rows)
 and a tile of queries, scores every key in one go and takes a plain softmax: no online rescaling, no loop.
 
-The keys are held as up to three segments of power-of-two rows (``ShortConfig.segments``: 197 tokens as
-128 + 64 + 16 = 208 rows, 257 as 256 + 16), so the padding is at most 15 rows where one power-of-two tile
-would pad 197 to 256. Padded keys get exactly zero probability (-inf scores). Same math, dropout bits, lse and
-output layout as the flash forward (the package docstring), so the flash backward can run on its output and the
-short backward on the flash forward's.
+The keys are held as up to three segments of power-of-two rows (``config.short_segments``: ViT-B/16's 197 tokens
+as 128 + 64 + 16 = 208 rows), so the padding is at most 15 rows where one power-of-two tile would pad 197 to 256.
+Padded keys get exactly zero probability (-inf scores; only the last segment can hold any). Same math, dropout
+bits, lse and output layout as the flash forward (the package docstring), so either backward can run on either
+forward's output.
 """
 from __future__ import annotations
 
@@ -19,20 +19,23 @@ from .common import _head, _load, _program_tile, _tile, _tile_mask
 
 @triton.jit
 def _segment_scores(q, k_head, start, seq_len, head_dim, stride_kn, stride_kd,
-                    KEYS: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Raw scores q k^T of keys start .. start + KEYS (-inf past seq_len)."""
+                    KEYS: tl.constexpr, BLOCK_D: tl.constexpr, LAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Raw scores q k^T of keys start .. start + KEYS, -inf past seq_len: only the ``LAST`` segment can reach
+    past it (the others end at least 16 rows before N rounded up to 16), so only it is masked."""
     cols = start + tl.arange(0, KEYS)
-    col_ok = cols < seq_len
+    col_ok = cols < seq_len if LAST else None
     offs_d = tl.arange(0, BLOCK_D)
     kT = _load(k_head, cols, col_ok, offs_d, offs_d < head_dim, stride_kn, stride_kd, True)
     s = tl.dot(q, kT, input_precision=INPUT_PRECISION)
-    return tl.where(col_ok[None, :], s, float("-inf"))
+    if LAST:
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+    return s
 
 
 @triton.jit
 def _segment_pv(acc, s, m2, qk_scale, v_head, bh, rows, start, seq_len, head_dim, stride_vn, stride_vd,
-                drop_threshold, seed, KEYS: tl.constexpr, BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr):
+                drop_threshold, seed, KEYS: tl.constexpr, BLOCK_D: tl.constexpr, LAST: tl.constexpr,
+                DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """(acc + P v over keys start .. start + KEYS, the row sums of P before dropout), P = exp2(s * qk_scale - m2)."""
     p = tl.exp2(s * qk_scale - m2[:, None])
     row_sum = tl.sum(p, 1)
@@ -40,7 +43,7 @@ def _segment_pv(acc, s, m2, qk_scale, v_head, bh, rows, start, seq_len, head_dim
         p = tl.where(dropout_keep_tile(seed, bh, rows, start, drop_threshold, KEYS), p, 0.0)
     cols = start + tl.arange(0, KEYS)
     offs_d = tl.arange(0, BLOCK_D)
-    v = _load(v_head, cols, cols < seq_len, offs_d, offs_d < head_dim, stride_vn, stride_vd, False)
+    v = _load(v_head, cols, cols < seq_len if LAST else None, offs_d, offs_d < head_dim, stride_vn, stride_vd, False)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION), row_sum
 
 
@@ -74,29 +77,30 @@ def _attention_short_fwd_kernel(
     v_head = _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN)
 
     # Every score of the row first (segment 0 holds key 0, so the max is finite), then one exp each.
-    s0 = _segment_scores(q, k_head, 0, seq_len, head_dim, stride_kn, stride_kd, KEYS0, BLOCK_D, INPUT_PRECISION)
+    s0 = _segment_scores(q, k_head, 0, seq_len, head_dim, stride_kn, stride_kd, KEYS0, BLOCK_D, KEYS1 == 0,
+                         INPUT_PRECISION)
     m = tl.max(s0, 1)
     s1, s2 = s0, s0  # placeholders where a segment is absent
     if KEYS1:
-        s1 = _segment_scores(q, k_head, KEYS0, seq_len, head_dim, stride_kn, stride_kd, KEYS1, BLOCK_D,
+        s1 = _segment_scores(q, k_head, KEYS0, seq_len, head_dim, stride_kn, stride_kd, KEYS1, BLOCK_D, KEYS2 == 0,
                              INPUT_PRECISION)
         m = tl.maximum(m, tl.max(s1, 1))
     if KEYS2:
-        s2 = _segment_scores(q, k_head, KEYS0 + KEYS1, seq_len, head_dim, stride_kn, stride_kd, KEYS2, BLOCK_D,
+        s2 = _segment_scores(q, k_head, KEYS0 + KEYS1, seq_len, head_dim, stride_kn, stride_kd, KEYS2, BLOCK_D, True,
                              INPUT_PRECISION)
         m = tl.maximum(m, tl.max(s2, 1))
     qk_scale = scale * LOG2E  # softmax in base 2, the scale inside the exponent's FFMA (qk_scale > 0)
     m2 = m * qk_scale
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i = _segment_pv(acc, s0, m2, qk_scale, v_head, bh, rows, 0, seq_len, head_dim, stride_vn, stride_vd,
-                           drop_threshold, seed, KEYS0, BLOCK_D, DROPOUT, INPUT_PRECISION)
+                           drop_threshold, seed, KEYS0, BLOCK_D, KEYS1 == 0, DROPOUT, INPUT_PRECISION)
     if KEYS1:
         acc, l1 = _segment_pv(acc, s1, m2, qk_scale, v_head, bh, rows, KEYS0, seq_len, head_dim, stride_vn,
-                              stride_vd, drop_threshold, seed, KEYS1, BLOCK_D, DROPOUT, INPUT_PRECISION)
+                              stride_vd, drop_threshold, seed, KEYS1, BLOCK_D, KEYS2 == 0, DROPOUT, INPUT_PRECISION)
         l_i += l1
     if KEYS2:
         acc, l2 = _segment_pv(acc, s2, m2, qk_scale, v_head, bh, rows, KEYS0 + KEYS1, seq_len, head_dim, stride_vn,
-                              stride_vd, drop_threshold, seed, KEYS2, BLOCK_D, DROPOUT, INPUT_PRECISION)
+                              stride_vd, drop_threshold, seed, KEYS2, BLOCK_D, True, DROPOUT, INPUT_PRECISION)
         l_i += l2
     if DROPOUT:
         acc = acc * inv_keep

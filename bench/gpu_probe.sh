@@ -31,7 +31,7 @@ item env 40 env
 wait
 grep -h "ROW\|rc=" "$OUT"/hang?.log
 for preset in vit_small_patch16_224 vit_base_patch16_224; do
-  for path in timm_eager vit_fast timm_graph vit_fast_graph; do
+  for path in timm_eager vit_fast vit_fast_short timm_graph vit_fast_graph; do
     item "step $preset $path" 60 step --preset $preset --path $path
   done
 done

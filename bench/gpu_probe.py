@@ -147,7 +147,6 @@ ATTN_SHAPES = [  # (batch, tokens, heads, head_dim): ViT-B/16 224, B/14 224, B/1
 def item_attn(args) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from vit_fast.kernels._utils import gpu_arch
     from vit_fast.kernels.attention import attention, short_supported
 
     shapes = [(2, 17, 2, 64)] if args.tiny else ATTN_SHAPES
@@ -171,7 +170,7 @@ def item_attn(args) -> None:
 
         providers = {f"sdpa_{name}": (lambda b=b: sdpa(b)) for name, b in backends.items()}
         providers["vit_fast"] = lambda: attention(qkv, H)
-        if short_supported(N, D, qkv.dtype, gpu_arch(qkv.device)):  # the short-sequence family where it runs
+        if short_supported(N, D, qkv.dtype):  # the short-sequence family where it runs
             providers["vit_fast_short"] = lambda: attention(qkv, H, kernel="short")
         for name, fwd in providers.items():
             def measure(name=name, fwd=fwd):

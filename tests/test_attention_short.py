@@ -47,17 +47,18 @@ def test_segments_pad_to_16_rows_in_at_most_three_powers_of_two():
 
 def test_supported_table():
     bf16 = torch.bfloat16
-    assert AC.short_supported(197, 64, bf16, 80) and AC.short_supported(197, 64, bf16, 90)
-    assert AC.short_supported(208, 64, bf16, 90) and not AC.short_supported(209, 64, bf16, 90)
-    assert not AC.short_supported(257, 64, bf16, 90)  # ViT-L/14: the sm_90 forward spills at 272 rows
-    assert not AC.short_supported(197, 64, bf16, 90, dropout=True) and AC.short_supported(129, 64, bf16, 90, True)
-    assert not AC.short_supported(17, 64, torch.float32, 90)  # fp32 runs the flash kernels
-    assert not AC.short_supported(577, 64, bf16, 90)
+    assert AC.short_supported(197, 64, bf16) and AC.short_supported(208, 64, bf16)
+    assert not AC.short_supported(209, 64, bf16)
+    assert not AC.short_supported(257, 64, bf16)  # ViT-L/14: the sm_90 forward spills at 272 rows
+    assert not AC.short_supported(197, 64, bf16, dropout=True) and AC.short_supported(129, 64, bf16, dropout=True)
+    assert not AC.short_supported(17, 64, torch.float32)  # fp32 runs the flash kernels
+    assert not AC.short_supported(577, 64, bf16)
     for n in range(1, 209):  # every tile a power of two, whatever N
         for arch in (80, 90):
-            if AC.short_supported(n, 64, bf16, arch):
+            if AC.short_supported(n, 64, bf16):
                 cfg = AC.short_config(n, 64, bf16, arch)
-                assert all(x >= 16 and x & (x - 1) == 0 for x in (cfg.fwd_rows, cfg.bwd_keys, *cfg.segments)), cfg
+                assert all(x >= 16 and x & (x - 1) == 0 for x in (cfg.fwd.block_m, cfg.bwd.block_n, *cfg.segments))
+                assert cfg.fwd.block_n == cfg.bwd.block_m == sum(cfg.segments) >= n
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
@@ -100,6 +101,18 @@ def test_dropout_draws_the_flash_kernels_mask(N, arch, monkeypatch):
                    [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
 
 
+def test_dropout_with_query_rows_and_the_bias_gradient(monkeypatch):
+    """attention_linear with dropout, the first query only (class-token pooling) and the qkv bias's gradient."""
+    B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 77
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
+    check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=1,
+                                                      kernel="short"),
+                   lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True, dropout_mask=keep,
+                                                          query_rows=1),
+                   make_linear(B, N, H, D, torch.float16), ["dx", "dweight", "dbias"])
+
+
 def test_lse_and_attention_maps_agree_with_the_flash_kernels():
     qkv = make_qkv(2, 197, 2, 64, torch.bfloat16, seed=3)
     out_s, lse_s = A.attention_with_lse(qkv, 2, kernel="short")
@@ -122,7 +135,7 @@ def test_bitwise_repeatable():
 def test_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="expected fp16 or bf16 inputs"):
         A.attention(make_qkv(1, 17, 2, 32, torch.float32), 2, kernel="short")
-    with pytest.raises(ValueError, match=r"at most 208 rows.*at most 13312 on sm_80.*N=577.*kernel='flash'"):
+    with pytest.raises(ValueError, match=r"at most 208 rows.*at most 13312; got N=577.*kernel='flash'"):
         A.attention(make_qkv(1, 577, 1, 64, torch.bfloat16), 1, kernel="short")
     with pytest.raises(ValueError, match="with dropout"):
         A.attention(make_qkv(1, 197, 1, 64, torch.bfloat16), 1, dropout_p=0.1, training=True, kernel="short")
@@ -152,6 +165,43 @@ def test_short_route_runs_the_short_kernels_where_they_fit(launches):
         assert_close(p.grad, q.grad, rtol, name)
     model(x)  # fp32: the short kernels take 16-bit inputs only
     assert launches["flash_fwd"] == 1 * depth and launches["short_fwd"] == depth
+
+
+def test_attend_on_the_short_route_follows_the_qkv_dtype(launches):
+    """The layer's unfused-projection path (``attend``, a qkv it did not compute): the short kernels for a bf16
+    qkv, the flash kernels for an fp32 one even under bf16 autocast (no refusal)."""
+    from vit_fast.layers.attention import Attention
+
+    layer = Attention(64, num_heads=2).to(DEVICE)
+    layer.impl = "short"
+    qkv = torch.randn(2, 17, 192, device=DEVICE)
+    ref = A.attention_ref(qkv.double(), 2)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert_close(layer.attend(qkv), ref, bound(torch.float32, "dot"), "fp32 qkv")
+    assert launches["flash_fwd"] == 1 and launches["short_fwd"] == 0
+    assert_close(layer.attend(qkv.bfloat16()), ref, bound(torch.bfloat16, "dot"), "bf16 qkv")
+    assert launches["short_fwd"] == 1
+
+
+def test_short_route_model_compiles_with_fullgraph(launches):
+    """A model on the 'short' route under torch.compile(fullgraph=True) and bf16 autocast: the route's choice of
+    family traces, and the compiled forward and backward equal eager's."""
+    from tests.test_tuning import tiny_model
+
+    eager, compiled = tiny_model(), tiny_model()
+    for model in (eager, compiled):
+        vit_fast.apply_route(model, vit_fast.Route(attention="short", source="test"))
+    x = torch.randn(2, 3, 32, 32, device=DEVICE)
+    torch._dynamo.reset()
+    step = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out_c, out_e = step(x), eager(x)
+    out_c.float().square().mean().backward()
+    out_e.float().square().mean().backward()
+    assert launches["short_fwd"] == 2 * len(eager.blocks) and launches["flash_fwd"] == 0
+    assert torch.equal(out_c, out_e)
+    for (name, pc), pe in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_compiles_with_fullgraph():

@@ -274,7 +274,7 @@ def test_tune_model_applies_the_faster_path_per_fusion_prints_the_table_and_cach
     assert rows["attention"].candidates == ("fused", "short", "sdpa", "eager")
     assert rows["attention"].speedup == pytest.approx(2.0) and rows["join"].speedup == pytest.approx(5.0)
     table = tuning.format_table(result)
-    for text in ("fusion attention", "1.000 / 1.000 / 0.500 (fused / sdpa / eager)", "eager", "2.00x",
+    for text in ("fusion attention", "1.000 / 1.000 / 1.000 / 0.500 (fused / short / sdpa / eager)", "eager", "2.00x",
                  "fusion join", "5.00x"):
         assert text in table, (text, table)
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vit_fast.kernels.attention as attention_kernels
+from vit_fast.kernels._utils import compute_dtype_for
 
 from ..adapters import effective_bias, effective_weight, fusable_linear
 from ..backend import check_backend, resolve_backend
@@ -48,15 +49,12 @@ class Attention(nn.Module):
         return (self.impl in ("fused", "short") and not isinstance(self.q_norm, nn.LayerNorm)
                 and resolve_backend(self.backend, x) == "triton")
 
-    def kernel_family(self, x: torch.Tensor) -> str:
-        """The attention kernels' family for input x (fused paths only): 'short' on the 'short' route where the
-        head fits on chip in the dtype the qkv GEMM gives (autocast's) and this mode, else 'flash'."""
+    def kernel_family(self, tokens: int, dtype: torch.dtype) -> str:
+        """The attention kernels' family (fused paths only) for a qkv of this many tokens and dtype: 'short' on the
+        'short' route where the head fits on chip in this mode, else 'flash'."""
         if self.impl != "short":
             return "flash"
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        return attention_kernels.family_for("short", x.shape[1], self.head_dim, dtype, x.device, self.attn_drop.p,
-                                            self.training)
+        return attention_kernels.family_for("short", tokens, self.head_dim, dtype, self.attn_drop.p, self.training)
 
     def packed_sdpa(self, x: torch.Tensor) -> bool:
         """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""
@@ -68,7 +66,7 @@ class Attention(nn.Module):
         ``attention`` kernel reads q, k, v through strides of the packed qkv and writes (B, N, H*D)."""
         if self.fused(qkv):
             return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training,
-                                               kernel=self.kernel_family(qkv))
+                                               kernel=self.kernel_family(qkv.shape[1], qkv.dtype))
         if self.packed_sdpa(qkv):
             return packed_sdpa(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
         B, N, _ = qkv.shape
@@ -90,7 +88,8 @@ class Attention(nn.Module):
         if self.fused(x) and fusable_linear(self.qkv):
             out = attention_kernels.attention_linear(x, effective_weight(self.qkv), effective_bias(self.qkv),
                                                      self.num_heads, self.scale, self.attn_drop.p, self.training,
-                                                     query_rows=keep_rows, kernel=self.kernel_family(x))
+                                                     query_rows=keep_rows,
+                                                     kernel=self.kernel_family(x.shape[1], compute_dtype_for(x)))
         else:
             out = self.attend(self.qkv(x))
             out = out if keep_rows is None else out[:, :keep_rows]

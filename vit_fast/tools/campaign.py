@@ -63,16 +63,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # The compiled-kernel subset of tests/, most likely to break on compiled kernels first: the kernels, then the
 # model, torch.compile and the CUDA-graph step; what the budget does not reach is listed in the stage's status.
-GPU_TESTS = ["tests/test_attention.py", "tests/test_layer_norm.py", "tests/test_bias_gelu.py",
-             "tests/test_linear_act.py", "tests/test_patch_embed.py", "tests/test_swiglu.py",
+GPU_TESTS = ["tests/test_attention.py", "tests/test_attention_short.py", "tests/test_layer_norm.py",
+             "tests/test_bias_gelu.py", "tests/test_linear_act.py", "tests/test_patch_embed.py", "tests/test_swiglu.py",
              "tests/test_fused_model.py", "tests/test_compile.py", "tests/test_graphs.py", "tests/test_model.py",
              "tests/test_backend.py"]
 DRY_TESTS = ["tests/test_backend.py::test_resolve_rules"]
 
-# (name, preset, batch, heads) of the micro-benchmark shapes
 # (name, preset, batch, the ops measured there or None for every case)
 MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256, None), ("L/16", "vit_large_patch16_224", 256, None),
-                # attention where the short-sequence kernels stop (257 tokens: flash) and at 577 (issue 32)
+                # attention where the short-sequence kernels stop (257 tokens: flash) and at 577
                 ("L/14", "vit_large_patch14_clip_224", 128, ("attention", "attention_short")),
                 ("B/16@384", "vit_base_patch16_384", 64, ("attention", "attention_short"))]
 THROUGHPUT_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224"]
@@ -274,7 +273,6 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
     from bench.bench_linear_act import eager_mlp
     from bench.bench_norm_gelu import cases as norm_gelu_cases
     from bench.bench_patch_embed import eager_stack
-    from vit_fast.kernels._utils import gpu_arch
     from vit_fast.kernels.attention import (
         attention,
         attention_linear,
@@ -315,7 +313,7 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
     cases.append(MicroCase("attention", f"{batch}x{N}x{3 * C} h{H}", lambda: dict(qkv=act(batch, N, 3 * C),
                                                                                num_heads=H),
                            attention, {"eager": attention_ref, "sdpa": sdpa}, attn_flops))
-    if short_supported(N, D, bf16, gpu_arch(torch.device(device))):  # the short-sequence family (issue 32)
+    if short_supported(N, D, bf16):  # the short-sequence family
         cases.append(MicroCase("attention_short", f"{batch}x{N}x{3 * C} h{H}",
                                lambda: dict(qkv=act(batch, N, 3 * C), num_heads=H),
                                functools.partial(attention, kernel="short"), {"eager": attention_ref, "sdpa": sdpa},

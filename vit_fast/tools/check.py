@@ -102,7 +102,6 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
     from ..kernels import layer_norm as L
     from ..kernels import linear_act as LA
     from ..kernels import patch_embed as P
-    from ..kernels._utils import gpu_arch
 
     g = torch.Generator().manual_seed(seed)
 
@@ -141,7 +140,7 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
         inputs = dict(qkv=rand(B, N, 3 * D), num_heads=H)
         rows += check_op("attention", lambda **a: A.attention(**a), A.attention_ref, inputs, ["qkv"], ["out"],
                          [(B, N, D)], "dot", dtype, g)
-        if A.short_supported(N, D // H, dtype, gpu_arch(device)):  # the short-sequence family, where it runs
+        if A.short_supported(N, D // H, dtype):  # the short-sequence family, where it runs
             rows += check_op("attention_short", lambda **a: A.attention(**a, kernel="short"), A.attention_ref,
                              dict(qkv=rand(B, N, 3 * D), num_heads=H), ["qkv"], ["out"], [(B, N, D)], "dot", dtype, g)
         # as the model calls it: the qkv Linear (bias in its GEMM, the bias's gradient from the attention

@@ -183,10 +183,8 @@ def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
 # ---------------------------------------------------------------------------- short-sequence family
 # What one program of the short kernels holds, without and with attention dropout: at most this many padded rows
 # (``short_segments``) and rows x BLOCK_D elements (q, dO and the fp32 dQ of the whole head in the backward; the
-# per-row scores of every segment grow with the rows alone). The largest held without spilling a byte in either
-# kernel on sm_80 and sm_90, with and without the bias partials (ahead-of-time builds, triton 3.6 and 3.8):
-# ViT-B/16's 197 tokens pad to 208 rows. (ViT-L/14's 257 pad to 272: the sm_90 backward holds them, the forward
-# spills 56-168 B at every tile tried; dropout's keep tiles take registers of their own.)
+# per-row scores of every segment grow with the rows alone): the largest held without spilling on sm_80 and sm_90
+# (`vit-fast report`; tests/test_attention_short.py compiles the edges). ViT-B/16's 197 tokens pad to 208 rows.
 SHORT_CAPACITY = {False: (208, 208 * 64), True: (144, 144 * 64)}
 SHORT_DTYPES = (torch.float16, torch.bfloat16)  # fp32 tiles take twice the registers: the flash kernels run them
 
@@ -194,21 +192,20 @@ SHORT_DTYPES = (torch.float16, torch.bfloat16)  # fp32 tiles take twice the regi
 @dataclass(frozen=True)
 class ShortConfig:
     segments: tuple[int, ...]  # 1 to 3 powers of two (>= 16) covering N: keys in the forward, q rows in the backward
-    fwd_rows: int  # forward: q rows per program (64, or fewer for fewer tokens)
-    fwd_warps: int
-    bwd_keys: int  # backward: keys per step (one program per (image, head))
-    bwd_warps: int
-    bwd_stages: int
+    fwd: Tile  # block_m q rows per program, block_n the keys held (sum of the segments); no loop, one stage
+    bwd: Tile  # block_m the q rows held (one program per (image, head)), block_n keys per step
 
-    def padded(self, kind: str) -> dict[str, int]:
-        """The segments as the kernels' constexprs: KEYS0..2 (forward) or ROWS0..2 (backward), 0 where absent."""
+    def segment_constexprs(self, prefix: str) -> dict[str, int]:
+        """The segments as the kernels' constexprs PREFIX0..2 (KEYS in the forward, ROWS in the backward), 0 where
+        absent."""
         segments = self.segments + (0,) * (3 - len(self.segments))
-        return {f"{kind}{i}": s for i, s in enumerate(segments)}
+        return {f"{prefix}{i}": s for i, s in enumerate(segments)}
 
 
 def short_segments(seq_len: int) -> tuple[int, ...]:
-    """N rounded up to 16, as at most three powers of two, largest first: 197 -> (128, 64, 16), 257 -> (256, 16),
-    50 -> (64,); a remainder that would need a fourth is rounded up (240 -> (128, 64, 64))."""
+    """N rounded up to 16, as at most three powers of two, largest first: 197 -> (128, 64, 16), 50 -> (64,); a
+    remainder that would need a fourth is rounded up (240 -> (128, 64, 64)). Every segment but the last ends at
+    least 16 rows before N rounded up to 16, so inside N."""
     rest, segments = cdiv(seq_len, 16) * 16, []
     while rest and len(segments) < 2:
         segment = 1 << (rest.bit_length() - 1)
@@ -219,39 +216,40 @@ def short_segments(seq_len: int) -> tuple[int, ...]:
     return tuple(segments)
 
 
-def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> bool:
+def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> bool:
     """Whether the short kernels run this attention: 16-bit inputs and a head that fits one program
-    (``SHORT_CAPACITY``). Elsewhere the flash kernels run."""
+    (``SHORT_CAPACITY``, the same on sm_80 and sm_90). Elsewhere the flash kernels run."""
     rows, elements = SHORT_CAPACITY[bool(dropout)]
     held = sum(short_segments(seq_len))
     return dtype in SHORT_DTYPES and held <= rows and held * _block_d(head_dim) <= elements
 
 
-def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> str:
+def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> str:
     """Why the short kernels cannot run this attention ('' where ``short_supported``): what they expected."""
-    if short_supported(seq_len, head_dim, dtype, arch, dropout):
+    if short_supported(seq_len, head_dim, dtype, dropout):
         return ""
     rows, elements = SHORT_CAPACITY[bool(dropout)]
     return (f"attention: the short-sequence kernels hold a whole head on chip: expected fp16 or bf16 inputs, N "
             f"rounded up to 16 in power-of-two segments at most {rows} rows, and those rows times head_dim rounded "
-            f"up to a power of two at most {elements} on sm_{arch}{' with dropout' if dropout else ''}; got "
-            f"N={seq_len} ({sum(short_segments(seq_len))} rows), head_dim={head_dim} ({_block_d(head_dim)}), "
-            f"{dtype}. The flash kernels (kernel='flash') run any N")
+            f"up to a power of two at most {elements}{' with dropout' if dropout else ''}; got N={seq_len} "
+            f"({sum(short_segments(seq_len))} rows), head_dim={head_dim} ({_block_d(head_dim)}), {dtype}. The flash "
+            f"kernels (kernel='flash') run any N")
 
 
 @functools.lru_cache(maxsize=None)
 def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> ShortConfig:
-    """Static sizes of the short kernels (``vit-fast report`` compiles them for sm_80 and sm_90; not yet timed on
-    a GPU). Raises ValueError outside ``short_supported``. A program of 8 warps owns a whole head in the
-    backward and steps over 32 keys at a time; 16 with dropout, and on sm_90 beyond 128 rows (32 spill there at
-    208 x 64). sm_80 prefetches the next k/v tile (2 stages); on sm_90 one stage reads 61-67% in the SASS
-    ceiling at ViT-B/16, two 59-65% (not timed: a GPU decides)."""
-    refusal = short_refusal(seq_len, head_dim, dtype, arch, dropout)
+    """Static sizes of the short kernels (not yet timed on a GPU). Raises ValueError outside ``short_supported``.
+    The forward takes 64 q rows per program (fewer for fewer tokens), on 8 warps where the head is large. The
+    backward's program of 8 warps steps over 32 keys at a time up to 128 rows, else (and with dropout) over 16,
+    which is what fits the registers; sm_90 prefetches no k/v tile ahead (one stage reads a higher SASS ceiling
+    there than two; a GPU decides which is faster)."""
+    refusal = short_refusal(seq_len, head_dim, dtype, dropout)
     if refusal:
         raise ValueError(refusal)
-    rows = sum(short_segments(seq_len))
+    segments = short_segments(seq_len)
+    rows = sum(segments)
     held = rows * _block_d(head_dim)
-    return ShortConfig(segments=short_segments(seq_len), fwd_rows=min(64, next_power_of_2(rows)),
-                       fwd_warps=4 if held <= 128 * 64 else 8,
-                       bwd_keys=32 if not dropout and (rows <= 128 or arch < 90) else 16, bwd_warps=8,
-                       bwd_stages=2 if not dropout and arch < 90 else 1)
+    keys = 32 if not dropout and rows <= 128 else 16
+    return ShortConfig(segments=segments,
+                       fwd=Tile(min(64, next_power_of_2(rows)), rows, 4 if held <= 128 * 64 else 8, 1),
+                       bwd=Tile(rows, keys, 8, 2 if not dropout and arch < 90 else 1))

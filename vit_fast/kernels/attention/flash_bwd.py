@@ -8,18 +8,7 @@ import triton.language as tl
 
 from .._math import LOG2E
 from .._utils import dropout_keep_tile
-from .common import _head, _load, _store_column_sums, _tile, _tile_mask
-
-
-@triton.jit
-def _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs, ok, stride_qn, stride_qd, stride_on, stride_od,
-                 stride_gn, stride_gd, TRANS_Q: tl.constexpr):
-    """q (transposed with ``TRANS_Q``) and dO of some q rows and columns, and those columns' share of
-    delta_i = rowsum(dO_i * out_i): what both backward phases load per q tile, main part and head_dim tail."""
-    q = _load(q_head, rows, row_ok, offs, ok, stride_qn, stride_qd, TRANS_Q)
-    do = _load(do_head, rows, row_ok, offs, ok, stride_gn, stride_gd, False)
-    o = _load(o_head, rows, row_ok, offs, ok, stride_on, stride_od, False)
-    return q, do, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+from .common import _head, _load, _q_row_tiles, _store_column_sums, _tile, _tile_mask
 
 
 @triton.jit

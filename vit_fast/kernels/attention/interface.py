@@ -20,6 +20,7 @@ from .._utils import (
     check_kernel_device,
     check_ndim,
     check_shape,
+    compute_dtype_for,
     dropout_rate,
     dropout_threshold,
     gpu_arch,
@@ -230,12 +231,12 @@ def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: i
     q_len = out.shape[2]
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     cfg = short_config(N, D, q.dtype, gpu_arch(q.device), dropout)
-    _attention_short_fwd_kernel[attention_grid(B * H, q_len, cfg.fwd_rows)](
+    _attention_short_fwd_kernel[attention_grid(B * H, q_len, cfg.fwd.block_m)](
         out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, q_len, scale, threshold, inv_keep, seed,
-        BLOCK_M=cfg.fwd_rows, **cfg.padded("KEYS"), BLOCK_D=_block_d(D), DROPOUT=dropout,
+        BLOCK_M=cfg.fwd.block_m, **cfg.segment_constexprs("KEYS"), BLOCK_D=_block_d(D), DROPOUT=dropout,
         INPUT_PRECISION=dot_input_precision(q.dtype), HEAD_ALIGN=_head_align(q, k, v, out),
-        num_warps=cfg.fwd_warps, num_stages=1)
+        num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages)
 
 
 def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
@@ -251,9 +252,10 @@ def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p
         dq, dk, dv, *slabs, q, k, v, out, do, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
         H, N, D, out.shape[2], scale, threshold, inv_keep, seed,
-        **cfg.padded("ROWS"), BLOCK_N=cfg.bwd_keys, BLOCK_D=_block_d(D), DROPOUT=dropout,
+        **cfg.segment_constexprs("ROWS"), BLOCK_N=cfg.bwd.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
         INPUT_PRECISION=dot_input_precision(q.dtype), BIAS_GRAD=partial is not None,
-        HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
+        HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv), num_warps=cfg.bwd.num_warps,
+        num_stages=cfg.bwd.num_stages)
     return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
 
 
@@ -457,21 +459,21 @@ def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale:
     return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed, rows, kernel)
 
 
-def family_for(preferred: str, seq_len: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-               dropout_p: float, training: bool) -> str:
+def family_for(preferred: str, seq_len: int, head_dim: int, dtype: torch.dtype, dropout_p: float,
+               training: bool) -> str:
     """The family a fused attention runs: 'short' where ``preferred`` and the short kernels hold this head in
     this mode (``short_supported``), else 'flash' (which runs any N)."""
     dropout = training and dropout_threshold(dropout_p) > 0
-    if preferred == "short" and short_supported(seq_len, head_dim, dtype, gpu_arch(device), dropout):
-        return "short"
-    return "flash"
+    return "short" if preferred == "short" and short_supported(seq_len, head_dim, dtype, dropout) else "flash"
 
 
-def _check_kernel(op: str, kernel: str, qkv: torch.Tensor, head_dim: int, dropout: bool) -> None:
+def _check_kernel(op: str, kernel: str, seq_len: int, head_dim: int, dtype: torch.dtype, dropout_p: float,
+                  training: bool) -> None:
     """``kernel`` names a family, and the short one only where it holds the head (``short_supported``)."""
     if kernel not in KERNELS:
         raise ValueError(f"{op}: expected kernel one of {list(KERNELS)}, got {kernel!r}")
-    refusal = kernel == "short" and short_refusal(qkv.shape[1], head_dim, qkv.dtype, gpu_arch(qkv.device), dropout)
+    refusal = kernel == "short" and short_refusal(seq_len, head_dim, dtype,
+                                                  training and dropout_threshold(dropout_p) > 0)
     if refusal:
         raise ValueError(refusal)
 
@@ -480,7 +482,7 @@ def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = 
                        training: bool = False, kernel: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
     head_dim = _check_attention("attention", qkv, num_heads, dropout_p, scale)
-    _check_kernel("attention", kernel, qkv, head_dim, training and dropout_threshold(dropout_p) > 0)
+    _check_kernel("attention", kernel, qkv.shape[1], head_dim, qkv.dtype, dropout_p, training)
     return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, kernel=kernel)
 
 
@@ -496,7 +498,7 @@ def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dro
     ``kernel``: 'flash' (any N) or 'short' (the short-sequence family, fp16/bf16 where a whole head fits on
     chip, ``short_supported``; the same numbers within rounding, the same dropout mask for a seed)."""
     head_dim = _check_attention("attention", qkv, num_heads, dropout_p, scale)
-    _check_kernel("attention", kernel, qkv, head_dim, training and dropout_threshold(dropout_p) > 0)
+    _check_kernel("attention", kernel, qkv.shape[1], head_dim, qkv.dtype, dropout_p, training)
     return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, kernel=kernel)[0]
 
 
@@ -519,8 +521,8 @@ def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     _check_dropout("attention_linear", dropout_p)
     _check_scale("attention_linear", scale)
     _check_query_rows("attention_linear", query_rows, x.shape[1])
+    _check_kernel("attention_linear", kernel, x.shape[1], head_dim, compute_dtype_for(x), dropout_p, training)
     qkv = F.linear(x, weight, None if bias is None else bias.detach())  # contiguous (B, N, 3 * H * D)
-    _check_kernel("attention_linear", kernel, qkv, head_dim, training and dropout_threshold(dropout_p) > 0)
     grad_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
     out, lse = _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, grad_bias, query_rows,
                                    kernel)
@@ -678,19 +680,18 @@ def _short_aot_specs(tokens: int, D: int, dtype: torch.dtype, arch: int, values:
     """The short family's launches (the 'short' route), with and without dropout and bias partials."""
     specs = []
     for dropout in (False, True):
-        if not short_supported(tokens, D, dtype, arch, dropout):
+        if not short_supported(tokens, D, dtype, dropout):
             continue
         cfg = short_config(tokens, D, dtype, arch, dropout)
         note = f"N={tokens} D={D} dropout={dropout} segments={'+'.join(map(str, cfg.segments))}"
         common = dict(BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION="ieee")
         specs.append(_aot_spec("attention_short_fwd", _attention_short_fwd_kernel, dtype,
-                               dict(common, BLOCK_M=cfg.fwd_rows, **cfg.padded("KEYS")),
-                               Tile(cfg.fwd_rows, 0, cfg.fwd_warps, 1), note, values, True))
+                               dict(common, BLOCK_M=cfg.fwd.block_m, **cfg.segment_constexprs("KEYS")), cfg.fwd,
+                               note, values, True))
         for bias_grad in (False, True):
             specs.append(_aot_spec("attention_short_bwd", _attention_short_bwd_kernel, dtype,
-                                   dict(common, BLOCK_N=cfg.bwd_keys, **cfg.padded("ROWS")),
-                                   Tile(0, cfg.bwd_keys, cfg.bwd_warps, cfg.bwd_stages),
-                                   f"{note} qkv_bias_grad={bias_grad} keys per step={cfg.bwd_keys}", values, True,
+                                   dict(common, BLOCK_N=cfg.bwd.block_n, **cfg.segment_constexprs("ROWS")), cfg.bwd,
+                                   f"{note} qkv_bias_grad={bias_grad} keys per step={cfg.bwd.block_n}", values, True,
                                    bias_grad))
     return specs
 

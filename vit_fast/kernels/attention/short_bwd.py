@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .._math import LOG2E
 from .._utils import dropout_keep_tile
-from .common import _head, _load, _tile, _tile_mask
+from .common import _column_sums, _head, _load, _q_row_tiles, _tile, _tile_mask
 
 
 @triton.jit
@@ -32,12 +32,9 @@ def _row_segment(q_head, o_head, do_head, lse_head, start, q_len, head_dim,
     rows = start + tl.arange(0, ROWS)
     row_ok = rows < q_len
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-    do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
-    o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
-    lse2 = tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E
-    return q, do, lse2, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    q, do, delta = _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs_d, offs_d < head_dim, stride_qn,
+                                stride_qd, stride_on, stride_od, stride_gn, stride_gd, False)
+    return q, do, tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E, delta
 
 
 @triton.jit
@@ -66,13 +63,6 @@ def _store_rows(X, x, start, n_rows, offs_d, d_ok, stride_n, stride_d, ROWS: tl.
     rows = start + tl.arange(0, ROWS)
     tl.store(X + _tile(rows, offs_d, stride_n, stride_d, False), x.to(X.dtype.element_ty),
              mask=_tile_mask(rows < n_rows, d_ok, False))
-
-
-@triton.jit
-def _valid_column_sum(x, start, n_rows, ROWS: tl.constexpr):
-    """Column sums of an fp32 (ROWS x D) tile over its rows below n_rows (the bias-gradient partials)."""
-    rows = start + tl.arange(0, ROWS)
-    return tl.sum(tl.where((rows < n_rows)[:, None], x, 0.0), 0)
 
 
 @triton.jit
@@ -149,9 +139,9 @@ def _attention_short_bwd_kernel(
         dk = dk * scale
         _store_rows(dk_head, dk, start_n, seq_len, offs_d, d_ok, stride_dn, stride_dd, BLOCK_N)
         _store_rows(dv_head, dv, start_n, seq_len, offs_d, d_ok, stride_dn, stride_dd, BLOCK_N)
-        if BIAS_GRAD:  # padded k/v rows hold junk (p of a zero key), hence the row mask
-            sum_dk += _valid_column_sum(dk, start_n, seq_len, BLOCK_N)
-            sum_dv += _valid_column_sum(dv, start_n, seq_len, BLOCK_N)
+        if BIAS_GRAD:  # padded keys' rows are exact zeros (p masked to 0 above)
+            sum_dk += tl.sum(dk, 0)
+            sum_dv += tl.sum(dv, 0)
 
     # every q row of the gradient is written, the rows past q_len as the zeros they hold
     dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
@@ -159,17 +149,17 @@ def _attention_short_bwd_kernel(
     _store_rows(dq_head, dq0, 0, seq_len, offs_d, d_ok, stride_dn, stride_dd, ROWS0)
     sum_dq = tl.zeros([BLOCK_D], tl.float32)
     if BIAS_GRAD:
-        sum_dq += _valid_column_sum(dq0, 0, q_len, ROWS0)
+        sum_dq += _column_sums(dq0, tl.arange(0, ROWS0) < q_len)
     if ROWS1:
         dq1 = dq1 * scale
         _store_rows(dq_head, dq1, ROWS0, seq_len, offs_d, d_ok, stride_dn, stride_dd, ROWS1)
         if BIAS_GRAD:
-            sum_dq += _valid_column_sum(dq1, ROWS0, q_len, ROWS1)
+            sum_dq += _column_sums(dq1, ROWS0 + tl.arange(0, ROWS1) < q_len)
     if ROWS2:
         dq2 = dq2 * scale
         _store_rows(dq_head, dq2, ROWS0 + ROWS1, seq_len, offs_d, d_ok, stride_dn, stride_dd, ROWS2)
         if BIAS_GRAD:
-            sum_dq += _valid_column_sum(dq2, ROWS0 + ROWS1, q_len, ROWS2)
+            sum_dq += _column_sums(dq2, ROWS0 + ROWS1 + tl.arange(0, ROWS2) < q_len)
     if BIAS_GRAD:
         partial = bh.to(tl.int64) * head_dim + offs_d
         tl.store(PQ + partial, sum_dq, mask=d_ok)

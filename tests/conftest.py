@@ -50,6 +50,13 @@ def default_device():
 def poisoned_allocations(monkeypatch):
     """Every torch.empty (the launchers' only allocator) comes back filled with NaN (integer tensors: -1),
     so an output element or partial-sum row that a kernel forgets to write fails the comparison."""
+    # torch's `with torch.device(...)` mode caches its set of factory functions on first use (dynamo's tracing
+    # triggers it): filled while torch.empty is patched, it would hold the wrapper, and every later
+    # `with torch.device("meta")` in this process would build real tensors through torch.empty
+    import torch.utils._device as device_mode
+
+    if hasattr(device_mode, "_device_constructors"):
+        device_mode._device_constructors()
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):

@@ -92,7 +92,7 @@ def test_a_second_checkout_imports_its_own_kernels(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=clone)
     assert result.returncode == 0, result.stderr
     files = result.stdout.split()
-    assert len(files) >= 8 and any(f.endswith("attention.py") for f in files)
+    assert len(files) >= 8 and any(f.endswith(os.path.join("attention", "__init__.py")) for f in files)
     outside = [f for f in files if not pathlib.Path(f).resolve().is_relative_to(clone.resolve())]
     assert outside == [], f"modules imported from another checkout: {outside}"
 

@@ -384,7 +384,7 @@ def test_config_table_and_aot_specs():
                         assert tile.block_m % 16 == 0 and tile.block_n % 16 == 0
     specs = A.aot_specs(tokens=197, width=768, num_heads=12, dtype=torch.bfloat16, arch=90)
     assert {s.name for s in specs} == {"attention_fwd", "attention_bwd", "attention_probs", "attention_short_fwd",
-                                       "attention_short_bwd"}
+                                       "attention_short_bwd", "attention_short_bwd_streamed"}
     for s in specs:  # every kernel argument is typed, constexprs given, alignment as a real launch
         assert list(s.signature) == list(s.fn.arg_names), s.name
         assert all(s.signature[k] == "constexpr" for k in s.constexprs)
@@ -392,9 +392,12 @@ def test_config_table_and_aot_specs():
         assert "seq_len" not in s.divisible_by_16  # 197 is no multiple of 16
     bwd = [s for s in specs if s.name == "attention_bwd"]
     assert sorted(s.constexprs["BIAS_GRAD"] for s in bwd) == [False, False, True, True]  # x dropout on/off
-    short_bwd = [s for s in specs if s.name == "attention_short_bwd"]  # no dropout at 208 rows: over capacity
-    assert sorted(s.constexprs["BIAS_GRAD"] for s in short_bwd) == [False, True]
-    bwd += short_bwd
+    short_bwd = [s for s in specs if s.name == "attention_short_bwd"]  # without dropout (held: 208 rows)
+    streamed = [s for s in specs if s.name == "attention_short_bwd_streamed"]  # with dropout (held only to 144)
+    assert [s.constexprs["DROPOUT"] for s in short_bwd + streamed] == [False, False, True, True]
+    assert sorted(s.constexprs["BIAS_GRAD"] for s in short_bwd) == sorted(s.constexprs["BIAS_GRAD"] for s in streamed)
+    assert all(s.signature["DQAcc"] == s.signature["Delta"] == "*fp32" for s in streamed)
+    bwd += short_bwd + streamed
     assert all({"PQ", "PK", "PV"} <= set(s.divisible_by_16) for s in bwd if s.constexprs["BIAS_GRAD"])
     assert all(s.signature[p] == "*fp32" for s in bwd if s.constexprs["BIAS_GRAD"] for p in ("PQ", "PK", "PV"))
     assert all(s.constexprs[p] is None for s in bwd if not s.constexprs["BIAS_GRAD"] for p in ("PQ", "PK", "PV"))

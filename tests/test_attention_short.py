@@ -47,17 +47,22 @@ def test_segments_pad_to_16_rows_in_at_most_three_powers_of_two():
 
 def test_supported_table():
     bf16 = torch.bfloat16
-    assert AC.short_supported(197, 64, bf16) and AC.short_supported(208, 64, bf16)
-    assert not AC.short_supported(209, 64, bf16)
-    assert not AC.short_supported(257, 64, bf16)  # ViT-L/14: the sm_90 forward spills at 272 rows
-    assert not AC.short_supported(197, 64, bf16, dropout=True) and AC.short_supported(129, 64, bf16, dropout=True)
+    assert AC.short_held(197, 64) and AC.short_held(208, 64) and not AC.short_held(209, 64)
+    assert not AC.short_held(197, 64, dropout=True) and AC.short_held(129, 64, dropout=True)
+    assert not AC.short_held(257, 64)  # ViT-L/14: the sm_90 forward spills at 272 rows
+    for n in (1, 197, 208, 209, 257, 577, 640):  # up to 640 x 64 elements: the streamed backward beyond the held rows
+        assert AC.short_supported(n, 64, bf16) and AC.short_supported(n, 64, bf16, dropout=True)
+    assert AC.short_supported(257, 128, bf16) and not AC.short_supported(577, 128, bf16)
+    assert not AC.short_supported(641, 64, bf16) and not AC.short_supported(1370, 64, bf16)  # DINOv2 at 518 px
     assert not AC.short_supported(17, 64, torch.float32)  # fp32 runs the flash kernels
-    assert not AC.short_supported(577, 64, bf16)
-    for n in range(1, 209):  # every tile a power of two, whatever N
+    for n in range(1, 641):  # every tile a power of two, whatever N
         for arch in (80, 90):
-            if AC.short_supported(n, 64, bf16):
-                cfg = AC.short_config(n, 64, bf16, arch)
-                assert all(x >= 16 and x & (x - 1) == 0 for x in (cfg.fwd.block_m, cfg.bwd.block_n, *cfg.segments))
+            cfg = AC.short_config(n, 64, bf16, arch)
+            powers = (cfg.bwd.block_m, cfg.bwd.block_n) if cfg.dq_workspace else \
+                (cfg.fwd.block_m, cfg.bwd.block_n, *cfg.segments)
+            assert all(x >= 16 and x & (x - 1) == 0 for x in powers)
+            assert cfg.dq_workspace == (cfg.fwd is None) == (not AC.short_held(n, 64))
+            if cfg.fwd is not None:
                 assert cfg.fwd.block_n == cfg.bwd.block_m == sum(cfg.segments) >= n
 
 
@@ -69,27 +74,34 @@ def test_supported_table():
     (2, 17, 2, 32, 80),  # 32 keys per backward step, one segment
     (1, 1, 2, 64, 80),  # one token
     (1, 80, 1, 128, 80),  # the widest head
+    # past the held rows: the flash forward and the streamed backward (dQ in the fp32 workspace)
+    (1, 257, 2, 64, 90),  # ViT-L/14, DINOv2 and CLIP at 224 px: 32 q rows per step on sm_90
+    (1, 577, 1, 64, 80),  # 384 px at patch 16: five key blocks of 128
+    (1, 257, 1, 128, 90),  # the widest head at 257 tokens: 64 keys per block
+    (2, 300, 1, 72, 80),  # SigLIP's head_dim, padded columns
 ])
 def test_matches_float64(dtype, B, N, H, D, arch, monkeypatch, launches):
     monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
     qkv = make_qkv(B, N, H, D, dtype, seed=N)
     check_2x_eager(lambda x: A.attention(x, H, kernel="short"), lambda x: A.attention_ref(x, H), [qkv], ["dqkv"])
-    assert launches["short_fwd"] == launches["short_bwd"] == 1 and launches["flash_fwd"] == 0
+    held = AC.short_held(N, D)
+    assert launches["short_fwd"] == launches["short_bwd"] == 1 and launches["flash_fwd"] == (0 if held else 1)
+    assert launches["flash_bwd"] == 0
 
 
-@pytest.mark.parametrize("query_rows", [None, 1, 100])
-def test_attention_linear_query_rows_and_bias_gradient(query_rows, launches):
+@pytest.mark.parametrize("N, query_rows", [(197, None), (197, 1), (197, 100), (257, None), (257, 1), (257, 100)])
+def test_attention_linear_query_rows_and_bias_gradient(N, query_rows, launches):
     """The qkv Linear with a large bias, every query or the first M (class-token pooling): output, d(x), d(W) and
-    d(bias) from the short backward's one partial row per head."""
+    d(bias) from the short backward's one partial row per head (dQ held, and streamed at 257 tokens)."""
     H = 2
-    x, w, b = make_linear(2, 197, H, 64, torch.bfloat16)
+    x, w, b = make_linear(2, N, H, 64, torch.bfloat16)
     check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, query_rows=query_rows, kernel="short"),
                    lambda x, w, b: A.attention_linear_ref(x, w, b, H, query_rows=query_rows), [x, w, b],
                    ["dx", "dweight", "dbias"])
     assert launches["short_bwd"] == 1 and launches["flash_bwd"] == 0
 
 
-@pytest.mark.parametrize("N, arch", [(37, 80), (129, 90)])
+@pytest.mark.parametrize("N, arch", [(37, 80), (129, 90), (197, 90)])  # 197: streamed (held only to 144)
 def test_dropout_draws_the_flash_kernels_mask(N, arch, monkeypatch):
     """Forward and backward regenerate the mask ``attention_dropout_mask`` draws (the flash kernels' bits)."""
     B, H, D, p, seed = 2, 2, 64, 0.25, 4321
@@ -123,9 +135,10 @@ def test_lse_and_attention_maps_agree_with_the_flash_kernels():
     assert_close(maps.sum(-1), torch.ones_like(maps.sum(-1)), 1e-5, "rows of the attention maps")
 
 
-def test_bitwise_repeatable():
-    x, w, b = make_linear(1, 197, 2, 64, torch.bfloat16)
-    grad = torch.randn(1, 197, 128).to(DEVICE, torch.bfloat16)
+@pytest.mark.parametrize("N", [197, 257])
+def test_bitwise_repeatable(N):
+    x, w, b = make_linear(1, N, 2, 64, torch.bfloat16)
+    grad = torch.randn(1, N, 128).to(DEVICE, torch.bfloat16)
     fn = lambda x, w, b: A.attention_linear(x, w, b, 2, kernel="short")  # noqa: E731
     first, second = run(fn, [x, w, b], grad), run(fn, [x, w, b], grad)
     assert torch.equal(first[0], second[0])
@@ -135,10 +148,10 @@ def test_bitwise_repeatable():
 def test_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="expected fp16 or bf16 inputs"):
         A.attention(make_qkv(1, 17, 2, 32, torch.float32), 2, kernel="short")
-    with pytest.raises(ValueError, match=r"at most 208 rows.*at most 13312; got N=577.*kernel='flash'"):
-        A.attention(make_qkv(1, 577, 1, 64, torch.bfloat16), 1, kernel="short")
-    with pytest.raises(ValueError, match="with dropout"):
-        A.attention(make_qkv(1, 197, 1, 64, torch.bfloat16), 1, dropout_p=0.1, training=True, kernel="short")
+    with pytest.raises(ValueError, match=r"at most 40960 .*got N=657, head_dim=64 \(672 x 64\).*kernel='flash'"):
+        A.attention(make_qkv(1, 657, 1, 64, torch.bfloat16), 1, kernel="short")
+    with pytest.raises(ValueError, match=r"got N=577, head_dim=80 \(592 x 128\)"):
+        A.attention(make_qkv(1, 577, 1, 80, torch.bfloat16), 1, dropout_p=0.1, training=True, kernel="short")
     with pytest.raises(ValueError, match=r"expected kernel one of \['flash', 'short'\], got 'fast'"):
         A.attention(make_qkv(1, 17, 2, 32, torch.bfloat16), 2, kernel="fast")
 
@@ -221,13 +234,15 @@ def test_ahead_of_time_builds_do_not_spill():
     spill and tensor cores on every dot (the bar `vit-fast report` holds every launch to)."""
     from vit_fast.tools import report
 
-    cases = [(197, 64, 12), (208, 64, 16), (129, 64, 4), (145, 64, 4), (197, 32, 6), (50, 64, 6), (80, 128, 2)]
+    cases = [(197, 64, 12), (208, 64, 16), (129, 64, 4), (145, 64, 4), (197, 32, 6), (50, 64, 6), (80, 128, 2),
+             (257, 64, 16), (577, 64, 12), (257, 128, 8), (257, 80, 16), (300, 72, 16)]  # streamed backward
     entries = {}
     for tokens, D, H in cases:
         for arch in report.ARCHS:
             for spec in AI._short_aot_specs(tokens, D, torch.bfloat16, arch, AI._launch_values(tokens, H, D)):
                 entries[report.spec_key(spec, arch)] = [spec, arch, "bf16", [f"N={tokens} D={D}"]]
-    assert {entry[0].name for entry in entries.values()} == {"attention_short_fwd", "attention_short_bwd"}
+    assert {entry[0].name for entry in entries.values()} == {"attention_short_fwd", "attention_short_bwd",
+                                                              "attention_short_bwd_streamed"}
     rows = report.compile_entries(entries, workers=2)
     bad = [f"{r.kernel} [{r.config}] sm_{r.arch}: {'; '.join(r.problems())}" for r in rows if r.problems()]
     assert not bad, "\n".join(bad)
@@ -253,4 +268,24 @@ def test_bytes_backward_touches_every_element_once_forward_rereads_only_k_and_v(
     assert traffic.bytes("read", qkv) == qkv.numel() * e
     assert traffic.bytes("read", out) == out.numel() * e and traffic.bytes("read", grad) == grad.numel() * e
     assert traffic.bytes("read", lse) == lse.numel() * 4
+    assert traffic.bytes("write", qkv.grad) == qkv.numel() * e
+
+
+def test_bytes_streamed_backward(traffic):
+    """Counted in the interpreter, 577 tokens (five key blocks of 128): the streamed backward reads k, v and out
+    once, q, lse and delta once per key block, dO once more for delta, and writes d(qkv) once; its fp32 dQ workspace
+    is written once per key block and read once per block after the first and once at the end (L2 traffic on a
+    GPU: each program's 148 KB)."""
+    B, N, H, D = 1, 577, 1, 64
+    qkv = make_qkv(B, N, H, D, torch.bfloat16).requires_grad_()
+    out, lse = A.attention_with_lse(qkv, H, kernel="short")
+    grad = torch.randn(out.shape).to(DEVICE, torch.bfloat16)
+    traffic.clear()
+    out.backward(grad)
+    assert traffic.launches == ["_attention_short_bwd_streamed_kernel"]
+    blocks, e, third = 5, qkv.element_size(), qkv.numel() // 3
+    assert traffic.bytes("read", qkv) == (third * blocks + 2 * third) * e
+    assert traffic.bytes("read", out) == out.numel() * e
+    assert traffic.bytes("read", grad) == grad.numel() * e * (blocks + 1)
+    assert traffic.bytes("read", lse) == lse.numel() * 4 * blocks
     assert traffic.bytes("write", qkv.grad) == qkv.numel() * e

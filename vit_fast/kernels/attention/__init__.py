@@ -78,22 +78,36 @@ Files (split by pass, as FlashAttention-4's flash_fwd / flash_bwd / interface):
     flash_fwd.py  the flash forward (any N), the attention-map and dropout-mask kernels
     flash_bwd.py  the flash backward
     short_fwd.py  the short-sequence forward: a whole head's K and V on chip, no online softmax
-    short_bwd.py  the short-sequence backward: one program per (image, head), S and dP once per tile pair
+    short_bwd.py  the short-sequence backwards: one program per (image, head), S and dP once per tile pair,
+                  dQ held in registers or streamed through an fp32 workspace
     config.py     block sizes of both families (``AttentionConfig``, ``ShortConfig``)
     interface.py  validation, launchers, custom ops, autograd Functions, functionals, references, aot_specs
 The functionals take ``kernel="flash"`` (default) or ``kernel="short"``; the attention part's route
 (vit_fast/route.py) picks the family per model.
 
-The short-sequence family (ViT's 197 tokens; fp16/bf16 where a head fits one program, ``short_supported``): the
-forward holds every key of its head in up to three power-of-two segments (197 -> 128 + 64 + 16 rows) and takes a
-plain softmax; the backward runs one program per (image, head): q, dO, lse and delta of every row loaded once, dQ
-of the whole head kept in fp32, the keys stepped over with S and dP computed once per tile pair (the flash backward
-computes them in both of its phases). Counted bytes: the backward reads qkv, out, dO and lse once and writes
-d(qkv) once (8C e + 4H per token, with no re-reads of a head across programs); the forward re-reads k and v once
-per 64-row q tile. Same dropout bits and lse as the flash kernels; no atomics; one launch per pass (plus
-``sum_partials`` for the qkv bias's gradient, one partial row per head).
+The short-sequence family (ViT lengths up to 577 tokens at head_dim 64; fp16/bf16, ``short_supported``): where a
+head fits one program (``short_held``: 208 padded rows, ViT-B/16's 197 tokens), the forward holds every key of its
+head in up to three power-of-two segments (197 -> 128 + 64 + 16 rows) and takes a plain softmax, and the backward
+runs one program per (image, head): q, dO, lse and delta of every row loaded once, dQ of the whole head kept in
+fp32, the keys stepped over with S and dP computed once per tile pair (the flash backward computes them in both of
+its phases). Counted bytes: that backward reads qkv, out, dO and lse once and writes d(qkv) once (8C e + 4H per
+token, with no re-reads of a head across programs); the forward re-reads k and v once per 64-row q tile. Longer
+heads (257 tokens at 224 px / patch 14, 577 at 384 px / patch 16) run the flash forward and the streamed backward:
+still one program per (image, head) and each tile pair once, but keys outer and q rows streamed, dQ accumulated in
+an fp32 workspace that only its program touches (q, dO, lse re-read once per 128-key block). Same dropout bits and
+lse as the flash kernels; no atomics; one launch per pass (plus ``sum_partials`` for the qkv bias's gradient, one
+partial row per head).
 """
-from .config import AttentionConfig, ShortConfig, Tile, attention_config, attention_grid, short_config, short_supported
+from .config import (
+    AttentionConfig,
+    ShortConfig,
+    Tile,
+    attention_config,
+    attention_grid,
+    short_config,
+    short_held,
+    short_supported,
+)
 from .interface import (
     KERNELS,
     aot_specs,
@@ -112,4 +126,4 @@ from .interface import (
 __all__ = ["KERNELS", "AttentionConfig", "ShortConfig", "Tile", "aot_specs", "attention", "attention_config",
            "attention_dropout_mask", "attention_grid", "attention_linear", "attention_linear_ref", "attention_probs",
            "attention_qkv", "attention_qkv_ref", "attention_ref", "attention_with_lse", "family_for", "short_config",
-           "short_supported"]
+           "short_held", "short_supported"]

@@ -181,19 +181,30 @@ def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------- short-sequence family
-# What one program of the short kernels holds, without and with attention dropout: at most this many padded rows
-# (``short_segments``) and rows x BLOCK_D elements (q, dO and the fp32 dQ of the whole head in the backward; the
-# per-row scores of every segment grow with the rows alone): the largest held without spilling on sm_80 and sm_90
-# (`vit-fast report`; tests/test_attention_short.py compiles the edges). ViT-B/16's 197 tokens pad to 208 rows.
+# What one program of the short kernels holds in registers, without and with attention dropout: at most this many
+# padded rows (``short_segments``) and rows x BLOCK_D elements (q, dO and the fp32 dQ of the whole head in the
+# backward; the per-row scores of every segment grow with the rows alone): the largest held without spilling on
+# sm_80 and sm_90 (`vit-fast report`; tests/test_attention_short.py compiles the edges). ViT-B/16's 197 tokens pad
+# to 208 rows. Beyond it the forward is the flash kernels' and the backward streams the q rows (``dq_workspace``).
 SHORT_CAPACITY = {False: (208, 208 * 64), True: (144, 144 * 64)}
+# The streamed backward's limit, N rounded up to 16 times BLOCK_D: 577 tokens (384 px at patch 16) at head_dim 64,
+# 257 at 128. Each program in flight keeps its head's fp32 dQ workspace (N x BLOCK_D x 4 B, 148 KB at 577 x 64)
+# re-read once per key block, so the heads in flight (about two per SM) stay inside a 50 MB L2 only up to about
+# this size; longer heads run the flash kernels, whose dQ stays in registers.
+SHORT_WORKSPACE = 640 * 64
 SHORT_DTYPES = (torch.float16, torch.bfloat16)  # fp32 tiles take twice the registers: the flash kernels run them
 
 
 @dataclass(frozen=True)
 class ShortConfig:
     segments: tuple[int, ...]  # 1 to 3 powers of two (>= 16) covering N: keys in the forward, q rows in the backward
-    fwd: Tile  # block_m q rows per program, block_n the keys held (sum of the segments); no loop, one stage
-    bwd: Tile  # block_m the q rows held (one program per (image, head)), block_n keys per step
+    # block_m q rows per program, block_n the keys held (sum of the segments); no loop, one stage. None: the head
+    # does not fit (``SHORT_CAPACITY``) and the flash forward runs
+    fwd: Tile | None
+    # dq_workspace False: block_m the q rows held (one program per (image, head)), block_n keys per step; True:
+    # block_n keys held per outer step, block_m q rows per inner step, dQ in an fp32 workspace
+    bwd: Tile
+    dq_workspace: bool = False
 
     def segment_constexprs(self, prefix: str) -> dict[str, int]:
         """The segments as the kernels' constexprs PREFIX0..2 (KEYS in the forward, ROWS in the backward), 0 where
@@ -216,37 +227,53 @@ def short_segments(seq_len: int) -> tuple[int, ...]:
     return tuple(segments)
 
 
-def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> bool:
-    """Whether the short kernels run this attention: 16-bit inputs and a head that fits one program
-    (``SHORT_CAPACITY``, the same on sm_80 and sm_90). Elsewhere the flash kernels run."""
+def short_held(seq_len: int, head_dim: int, dropout: bool = False) -> bool:
+    """Whether one program holds the whole head in registers (``SHORT_CAPACITY``): the short forward runs and the
+    backward keeps dQ on chip; else the flash forward and the streamed backward."""
     rows, elements = SHORT_CAPACITY[bool(dropout)]
     held = sum(short_segments(seq_len))
-    return dtype in SHORT_DTYPES and held <= rows and held * _block_d(head_dim) <= elements
+    return held <= rows and held * _block_d(head_dim) <= elements
+
+
+def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> bool:
+    """Whether the short kernels run this attention: 16-bit inputs and N x head_dim, each rounded up, within
+    ``SHORT_WORKSPACE`` (the same on sm_80 and sm_90). Elsewhere the flash kernels run."""
+    return dtype in SHORT_DTYPES and cdiv(seq_len, 16) * 16 * _block_d(head_dim) <= SHORT_WORKSPACE
 
 
 def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> str:
     """Why the short kernels cannot run this attention ('' where ``short_supported``): what they expected."""
     if short_supported(seq_len, head_dim, dtype, dropout):
         return ""
-    rows, elements = SHORT_CAPACITY[bool(dropout)]
-    return (f"attention: the short-sequence kernels hold a whole head on chip: expected fp16 or bf16 inputs, N "
-            f"rounded up to 16 in power-of-two segments at most {rows} rows, and those rows times head_dim rounded "
-            f"up to a power of two at most {elements}{' with dropout' if dropout else ''}; got N={seq_len} "
-            f"({sum(short_segments(seq_len))} rows), head_dim={head_dim} ({_block_d(head_dim)}), {dtype}. The flash "
-            f"kernels (kernel='flash') run any N")
+    return (f"attention: the short-sequence kernels run one program per head: expected fp16 or bf16 inputs and N "
+            f"rounded up to 16 times head_dim rounded up to a power of two at most {SHORT_WORKSPACE} (e.g. 577 x 64, "
+            f"257 x 128); got N={seq_len}, head_dim={head_dim} ({cdiv(seq_len, 16) * 16} x {_block_d(head_dim)}), "
+            f"{dtype}. The flash kernels (kernel='flash') run any N")
 
 
 @functools.lru_cache(maxsize=None)
 def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> ShortConfig:
     """Static sizes of the short kernels (not yet timed on a GPU). Raises ValueError outside ``short_supported``.
-    The forward takes 64 q rows per program (fewer for fewer tokens), on 8 warps where the head is large. The
-    backward's program of 8 warps steps over 32 keys at a time up to 128 rows, else (and with dropout) over 16,
-    which is what fits the registers; sm_90 prefetches no k/v tile ahead (one stage reads a higher SASS ceiling
-    there than two; a GPU decides which is faster)."""
+    Where one program holds the head (``short_held``): the forward takes 64 q rows per program (fewer for fewer
+    tokens), on 8 warps where the head is large; the backward's program of 8 warps steps over 32 keys at a time up
+    to 128 rows, else (and with dropout) over 16, which is what fits the registers; sm_90 prefetches no k/v tile
+    ahead (one stage reads a higher SASS ceiling there than two; a GPU decides which is faster). Beyond it the
+    flash forward runs and the streamed backward holds 128 keys (64 for other head widths) and steps over 16 q
+    rows on 8 warps; on sm_90 at D >= 64, 32 rows (but 16 for wide heads without dropout) and one stage with dropout
+    (0 spills; SASS ceilings at D >= 64: sm_80 100%, 65-70% with dropout; sm_90 85-86%, 64-67% wide, 43-49% with
+    dropout; heads of 32 and fewer columns read 12-85%)."""
     refusal = short_refusal(seq_len, head_dim, dtype, dropout)
     if refusal:
         raise ValueError(refusal)
     segments = short_segments(seq_len)
+    if not short_held(seq_len, head_dim, dropout):
+        block_d = _block_d(head_dim)
+        # sm_80 32 x 128: 8-80 B spills; sm_90 with dropout: 16-row steps read 39-40%, two stages spill 8 B
+        rows = 32 if arch >= 90 and block_d >= 64 and (dropout or block_d == 64) else 16
+        stages = 1 if arch >= 90 and dropout and block_d >= 64 else 2
+        # heads narrower than 64 hold 64 keys too: at 128 their dropout builds spill 144-240 B on sm_90
+        return ShortConfig(segments=segments, fwd=None, dq_workspace=True,
+                           bwd=Tile(rows, 128 if block_d == 64 else 64, 8, stages))
     rows = sum(segments)
     held = rows * _block_d(head_dim)
     keys = 32 if not dropout and rows <= 128 else 16

@@ -44,7 +44,7 @@ from .config import (
 )
 from .flash_bwd import _attention_bwd_kernel
 from .flash_fwd import _attention_dropout_mask_kernel, _attention_fwd_kernel, _attention_probs_kernel
-from .short_bwd import _attention_short_bwd_kernel
+from .short_bwd import _attention_short_bwd_kernel, _attention_short_bwd_streamed_kernel
 from .short_fwd import _attention_short_fwd_kernel
 
 
@@ -226,11 +226,14 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
 
 
 def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
-    """The short-sequence forward (short_fwd.py): out and lse of the first M = out.shape[2] query rows."""
+    """The short-sequence forward (short_fwd.py): out and lse of the first M = out.shape[2] query rows; where one
+    program cannot hold the head (``ShortConfig.fwd`` None), the flash forward (same out, lse and dropout bits)."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     cfg = short_config(N, D, q.dtype, gpu_arch(q.device), dropout)
+    if cfg.fwd is None:
+        return _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed)
     _attention_short_fwd_kernel[attention_grid(B * H, q_len, cfg.fwd.block_m)](
         out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, q_len, scale, threshold, inv_keep, seed,
@@ -241,21 +244,31 @@ def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: i
 
 def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
                       bias_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-    """The short-sequence backward (short_bwd.py), one program per (image, head); returns d(bias) as
-    ``_launch_bwd`` does, from one partial row per head."""
+    """The short-sequence backward (short_bwd.py), one program per (image, head), dQ in registers or, past
+    ``SHORT_CAPACITY``, in an fp32 workspace; returns d(bias) as ``_launch_bwd`` does, from one partial row per
+    head."""
     B, H, N, D = q.shape
+    q_len = out.shape[2]
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     cfg = short_config(N, D, q.dtype, gpu_arch(q.device), dropout)
     partial = None if bias_dtype is None else _empty((3, B, H * D), torch.float32, q.device)
     slabs = (None, None, None) if partial is None else partial.unbind(0)
-    _attention_short_bwd_kernel[attention_grid(B * H, 1, 1)](
-        dq, dk, dv, *slabs, q, k, v, out, do, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
-        H, N, D, out.shape[2], scale, threshold, inv_keep, seed,
-        **cfg.segment_constexprs("ROWS"), BLOCK_N=cfg.bwd.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
-        INPUT_PRECISION=dot_input_precision(q.dtype), BIAS_GRAD=partial is not None,
-        HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv), num_warps=cfg.bwd.num_warps,
-        num_stages=cfg.bwd.num_stages)
+    common = dict(BLOCK_N=cfg.bwd.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
+                  INPUT_PRECISION=dot_input_precision(q.dtype), BIAS_GRAD=partial is not None,
+                  HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv), num_warps=cfg.bwd.num_warps,
+                  num_stages=cfg.bwd.num_stages)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride())
+    values = (H, N, D, q_len, scale, threshold, inv_keep, seed)
+    if cfg.dq_workspace:
+        delta = _empty((B * H, q_len), torch.float32, q.device)
+        dq_acc = _empty((B * H, q_len, _block_d(D)), torch.float32, q.device)
+        _attention_short_bwd_streamed_kernel[attention_grid(B * H, 1, 1)](
+            dq, dk, dv, *slabs, q, k, v, out, do, lse, delta, dq_acc, *strides, *values,
+            BLOCK_M=cfg.bwd.block_m, **common)
+    else:
+        _attention_short_bwd_kernel[attention_grid(B * H, 1, 1)](
+            dq, dk, dv, *slabs, q, k, v, out, do, lse, *strides, *values, **cfg.segment_constexprs("ROWS"),
+            **common)
     return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
 
 
@@ -656,7 +669,8 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_gra
     elem = torch.empty((), dtype=dtype).element_size()
     aligned = {a: width * elem % 16 == 0 for a in ("K", "V", "DK", "DV")}  # k, v inside qkv / dqkv
     aligned.update(PK=width * 4 % 16 == 0, PV=width * 4 % 16 == 0)  # slabs 1, 2 of the (3, G, H * D) partials
-    pointer_types = dict(Lse="*fp32", Delta="*fp32", P="*fp32", Rows="*i64", PQ="*fp32", PK="*fp32", PV="*fp32")
+    pointer_types = dict(Lse="*fp32", Delta="*fp32", DQAcc="*fp32", P="*fp32", Rows="*i64", PQ="*fp32", PK="*fp32",
+                         PV="*fp32")
     signature, divisible = {}, []
     for arg in fn.arg_names:
         if arg in constexprs:
@@ -677,22 +691,31 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_gra
 
 
 def _short_aot_specs(tokens: int, D: int, dtype: torch.dtype, arch: int, values: dict) -> list[AotSpec]:
-    """The short family's launches (the 'short' route), with and without dropout and bias partials."""
+    """The short family's launches (the 'short' route), with and without dropout and bias partials (where the head
+    does not fit one program, the flash forward, listed with the flash family's specs)."""
     specs = []
     for dropout in (False, True):
         if not short_supported(tokens, D, dtype, dropout):
             continue
         cfg = short_config(tokens, D, dtype, arch, dropout)
-        note = f"N={tokens} D={D} dropout={dropout} segments={'+'.join(map(str, cfg.segments))}"
+        note = f"N={tokens} D={D} dropout={dropout}"
         common = dict(BLOCK_D=_block_d(D), DROPOUT=dropout, INPUT_PRECISION="ieee")
-        specs.append(_aot_spec("attention_short_fwd", _attention_short_fwd_kernel, dtype,
-                               dict(common, BLOCK_M=cfg.fwd.block_m, **cfg.segment_constexprs("KEYS")), cfg.fwd,
-                               note, values, True))
+        if cfg.fwd is not None:
+            note += f" segments={'+'.join(map(str, cfg.segments))}"
+            specs.append(_aot_spec("attention_short_fwd", _attention_short_fwd_kernel, dtype,
+                                   dict(common, BLOCK_M=cfg.fwd.block_m, **cfg.segment_constexprs("KEYS")),
+                                   cfg.fwd, note, values, True))
         for bias_grad in (False, True):
-            specs.append(_aot_spec("attention_short_bwd", _attention_short_bwd_kernel, dtype,
-                                   dict(common, BLOCK_N=cfg.bwd.block_n, **cfg.segment_constexprs("ROWS")), cfg.bwd,
-                                   f"{note} qkv_bias_grad={bias_grad} keys per step={cfg.bwd.block_n}", values, True,
-                                   bias_grad))
+            if cfg.dq_workspace:
+                specs.append(_aot_spec("attention_short_bwd_streamed", _attention_short_bwd_streamed_kernel, dtype,
+                                       dict(common, BLOCK_M=cfg.bwd.block_m, BLOCK_N=cfg.bwd.block_n), cfg.bwd,
+                                       f"{note} qkv_bias_grad={bias_grad} keys held={cfg.bwd.block_n} q rows per "
+                                       f"step={cfg.bwd.block_m}", values, True, bias_grad))
+            else:
+                specs.append(_aot_spec("attention_short_bwd", _attention_short_bwd_kernel, dtype,
+                                       dict(common, BLOCK_N=cfg.bwd.block_n, **cfg.segment_constexprs("ROWS")),
+                                       cfg.bwd, f"{note} qkv_bias_grad={bias_grad} keys per step={cfg.bwd.block_n}",
+                                       values, True, bias_grad))
     return specs
 
 

@@ -1,8 +1,9 @@
-"""The short-sequence backward: one program per (image, head) owns the whole head.
+"""The short-sequence backwards: one program per (image, head) owns the whole head.
 
-It loads q, dO, lse and delta_i = rowsum(dO_i * out_i) of every query row once (rows as the forward's key
-segments, ``ShortConfig.segments``), keeps dQ of the whole head as fp32 accumulators, and steps over the keys
-BLOCK_N at a time: per step S = q k^T and dP = dO v^T are computed once for all rows, then
+Where the head fits one program's registers (``config.short_held``), ``_attention_short_bwd_kernel`` loads q,
+dO, lse and delta_i = rowsum(dO_i * out_i) of every query row once (rows as the forward's key segments,
+``ShortConfig.segments``), keeps dQ of the whole head as fp32 accumulators, and steps over the keys BLOCK_N at a
+time: per step S = q k^T and dP = dO v^T are computed once for all rows, then
 
     dV_j = (P * Z / (1 - p))^T dO,   dK_j = s * dS^T q,   dQ += dS k_j,   dS = P * (dP - delta)
 
@@ -12,6 +13,10 @@ nothing is re-read across programs, and no program reads what another writes: no
 phase, bitwise repeatable. With the qkv bias's gradient (BIAS_GRAD) each program writes one fp32 column
 sum per slab (dq, dk, dv of its head) into row b * H + h of the (3, B, H * D) partials, as the flash
 backward does with one tile per sequence.
+
+Longer heads (up to ``config.SHORT_WORKSPACE``: 577 tokens at head_dim 64) run
+``_attention_short_bwd_streamed_kernel``: the same tile pairs, each once, with keys outer and the q rows streamed,
+dQ summed in an fp32 workspace in a fixed order by the one program that owns the head.
 """
 from __future__ import annotations
 
@@ -63,6 +68,29 @@ def _store_rows(X, x, start, n_rows, offs_d, d_ok, stride_n, stride_d, ROWS: tl.
     rows = start + tl.arange(0, ROWS)
     tl.store(X + _tile(rows, offs_d, stride_n, stride_d, False), x.to(X.dtype.element_ty),
              mask=_tile_mask(rows < n_rows, d_ok, False))
+
+
+@triton.jit
+def _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d, d_ok, stride_n,
+                     stride_d, BLOCK_N: tl.constexpr, BIAS_GRAD: tl.constexpr):
+    """Writes one key block's dK (scaled) and dV; returns the bias-gradient column sums with theirs added (padded
+    keys' rows are exact zeros: p is masked to 0 in ``_tile_pair``)."""
+    dk = dk * scale
+    _store_rows(dk_head, dk, start_n, seq_len, offs_d, d_ok, stride_n, stride_d, BLOCK_N)
+    _store_rows(dv_head, dv, start_n, seq_len, offs_d, d_ok, stride_n, stride_d, BLOCK_N)
+    if BIAS_GRAD:
+        sum_dk += tl.sum(dk, 0)
+        sum_dv += tl.sum(dv, 0)
+    return sum_dk, sum_dv
+
+
+@triton.jit
+def _store_head_sums(PQ, PK, PV, bh, head_dim, offs_d, d_ok, sum_dq, sum_dk, sum_dv):
+    """The head's bias-gradient partials: row b * H + h of each slab, one writer each."""
+    partial = bh.to(tl.int64) * head_dim + offs_d
+    tl.store(PQ + partial, sum_dq, mask=d_ok)
+    tl.store(PK + partial, sum_dk, mask=d_ok)
+    tl.store(PV + partial, sum_dv, mask=d_ok)
 
 
 @triton.jit
@@ -136,12 +164,8 @@ def _attention_short_bwd_kernel(
             dq2, dk, dv = _tile_pair(dq2, dk, dv, q2, do2, lse2, delta2, k, v, bh, ROWS0 + ROWS1, start_n, col_ok,
                                      qk_scale, drop_threshold, inv_keep, seed, ROWS2, BLOCK_N, DROPOUT,
                                      INPUT_PRECISION)
-        dk = dk * scale
-        _store_rows(dk_head, dk, start_n, seq_len, offs_d, d_ok, stride_dn, stride_dd, BLOCK_N)
-        _store_rows(dv_head, dv, start_n, seq_len, offs_d, d_ok, stride_dn, stride_dd, BLOCK_N)
-        if BIAS_GRAD:  # padded keys' rows are exact zeros (p masked to 0 above)
-            sum_dk += tl.sum(dk, 0)
-            sum_dv += tl.sum(dv, 0)
+        sum_dk, sum_dv = _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d,
+                                          d_ok, stride_dn, stride_dd, BLOCK_N, BIAS_GRAD)
 
     # every q row of the gradient is written, the rows past q_len as the zeros they hold
     dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
@@ -161,7 +185,97 @@ def _attention_short_bwd_kernel(
         if BIAS_GRAD:
             sum_dq += _column_sums(dq2, ROWS0 + ROWS1 + tl.arange(0, ROWS2) < q_len)
     if BIAS_GRAD:
-        partial = bh.to(tl.int64) * head_dim + offs_d
-        tl.store(PQ + partial, sum_dq, mask=d_ok)
-        tl.store(PK + partial, sum_dk, mask=d_ok)
-        tl.store(PV + partial, sum_dv, mask=d_ok)
+        _store_head_sums(PQ, PK, PV, bh, head_dim, offs_d, d_ok, sum_dq, sum_dk, sum_dv)
+
+
+@triton.jit
+def _attention_short_bwd_streamed_kernel(
+    DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
+    PQ, PK, PV,  # BIAS_GRAD outputs: (B * H, D) fp32 column sums of dq, dk, dv per head, else None
+    Q, K, V, O, DO,  # inputs through strides
+    Lse,  # (B * H, q_len) fp32
+    Delta,  # (B * H, q_len) fp32 workspace: delta of every q row, written here first
+    DQAcc,  # (B * H, q_len, BLOCK_D) fp32 workspace: the head's unscaled dQ, read and written by its program only
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,  # out
+    stride_gb, stride_gh, stride_gn, stride_gd,  # dO
+    stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
+    num_heads, seq_len, head_dim: tl.constexpr,
+    q_len,  # query rows of out, dO and lse: the other q rows get zero gradient
+    scale, drop_threshold, inv_keep, seed,
+    BLOCK_M: tl.constexpr,  # q rows per inner step
+    BLOCK_N: tl.constexpr,  # keys per outer step (their dK, dV held)
+    BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr = 1,
+):
+    """The short backward for heads whose dQ does not fit the registers (up to ``SHORT_WORKSPACE`` elements): one
+    program per (image, head) still, keys outer (dK, dV of BLOCK_N keys held), query rows streamed inner, each
+    (q tile, key block) pair computed once as in ``_tile_pair``. dQ accumulates in the head's fp32 workspace rows,
+    which only this program touches, in a fixed key order: no atomics, bitwise repeatable. The barriers order one
+    key block's workspace stores before the next block's loads of the same rows by other threads of the program."""
+    bh = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    q_head = _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN)
+    k_head = _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN)
+    v_head = _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN)
+    o_head = _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN)
+    do_head = _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN)
+    lse_head = Lse + bh.to(tl.int64) * q_len
+    delta_head = Delta + bh.to(tl.int64) * q_len
+    acc_head = DQAcc + bh.to(tl.int64) * q_len * BLOCK_D
+
+    for start_m in range(0, q_len, BLOCK_M):  # delta once per row
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+        o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
+        tl.store(delta_head + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+    tl.debug_barrier()
+
+    qk_scale = scale * LOG2E
+    dk_head = _head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
+    dv_head = _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
+    sum_dk = tl.zeros([BLOCK_D], tl.float32)
+    sum_dv = tl.zeros([BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        k = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
+        v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for start_m in range(0, q_len, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            row_ok = rows < q_len
+            q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+            do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+            lse2 = tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E
+            delta = tl.load(delta_head + rows, mask=row_ok, other=0.0)
+            dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            dq, dk, dv = _tile_pair(dq, dk, dv, q, do, lse2, delta, k, v, bh, start_m, start_n, col_ok, qk_scale,
+                                    drop_threshold, inv_keep, seed, BLOCK_M, BLOCK_N, DROPOUT, INPUT_PRECISION)
+            acc = acc_head + rows[:, None] * BLOCK_D + offs_d[None, :]
+            dq += tl.load(acc, mask=row_ok[:, None] & (start_n > 0), other=0.0)  # the first key block starts it
+            tl.store(acc, dq, mask=row_ok[:, None])
+        tl.debug_barrier()
+        sum_dk, sum_dv = _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d,
+                                          d_ok, stride_dn, stride_dd, BLOCK_N, BIAS_GRAD)
+
+    # every q row of the gradient is written, the rows past q_len as zeros
+    dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
+    sum_dq = tl.zeros([BLOCK_D], tl.float32)
+    for start_m in range(0, seq_len, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        dq = tl.load(acc_head + rows[:, None] * BLOCK_D + offs_d[None, :], mask=(rows < q_len)[:, None],
+                     other=0.0) * scale
+        _store_rows(dq_head, dq, start_m, seq_len, offs_d, d_ok, stride_dn, stride_dd, BLOCK_M)
+        if BIAS_GRAD:
+            sum_dq += tl.sum(dq, 0)
+    if BIAS_GRAD:
+        _store_head_sums(PQ, PK, PV, bh, head_dim, offs_d, d_ok, sum_dq, sum_dk, sum_dv)

@@ -1,5 +1,6 @@
-"""The short-sequence forward: each program holds one head's whole K and V (up to ``config.SHORT_CAPACITY`` rows)
-and a tile of queries, scores every key in one go and takes a plain softmax: no online rescaling, no loop.
+"""The short-sequence forward: each program holds one head's whole K and V (``config.short_held``; longer heads
+run the flash forward) and a tile of queries, scores every key in one go and takes a plain softmax: no online
+rescaling, no loop.
 
 The keys are held as up to three segments of power-of-two rows (``config.short_segments``: ViT-B/16's 197 tokens
 as 128 + 64 + 16 = 208 rows), so the padding is at most 15 rows where one power-of-two tile would pad 197 to 256.

@@ -156,28 +156,31 @@ def test_refuses_what_it_cannot_hold():
         A.attention(make_qkv(1, 17, 2, 32, torch.bfloat16), 2, kernel="fast")
 
 
-def test_short_route_runs_the_short_kernels_where_they_fit(launches):
+@pytest.mark.parametrize("img_size", [32, pytest.param(128, marks=pytest.mark.slow)])
+def test_short_route_runs_the_short_kernels_where_they_fit(img_size, launches):
     """The model's 'short' route: under bf16 autocast every block's attention runs the short kernels (logits and
-    every gradient within the bf16 bound of float64); in fp32 the same route runs the flash kernels."""
+    every gradient within the bf16 bound of float64); in fp32 the same route runs the flash kernels. At 128 px /
+    patch 8 (257 tokens) the short forward hands over to the flash forward and the backward is streamed."""
     from tests.test_tuning import tiny_model
 
-    model = tiny_model()
+    model = tiny_model(img_size=img_size)
     ref = copy.deepcopy(model).set_backend("torch").double()
     vit_fast.apply_route(model, vit_fast.Route(attention="short", source="test"))
-    x = torch.randn(2, 3, 32, 32, device=DEVICE)
+    x = torch.randn(2, 3, img_size, img_size, device=DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = model(x)
     out.square().mean().backward()
     out_ref = ref(x.double())
     out_ref.square().mean().backward()
-    depth = len(model.blocks)
-    assert launches["short_fwd"] == launches["short_bwd"] == depth and launches["flash_fwd"] == 0
+    depth, held = len(model.blocks), img_size == 32
+    assert launches["short_fwd"] == launches["short_bwd"] == depth and launches["flash_bwd"] == 0
+    assert launches["flash_fwd"] == (0 if held else depth)
     rtol = bound(torch.bfloat16, "dot")
     assert_close(out, out_ref, rtol, "logits")
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_close(p.grad, q.grad, rtol, name)
     model(x)  # fp32: the short kernels take 16-bit inputs only
-    assert launches["flash_fwd"] == 1 * depth and launches["short_fwd"] == depth
+    assert launches["flash_fwd"] == (1 if held else 2) * depth and launches["short_fwd"] == depth
 
 
 def test_attend_on_the_short_route_follows_the_qkv_dtype(launches):

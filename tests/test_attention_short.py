@@ -52,8 +52,10 @@ def test_supported_table():
     assert not AC.short_held(257, 64)  # ViT-L/14: the sm_90 forward spills at 272 rows
     for n in (1, 197, 208, 209, 257, 577, 640):  # up to 640 x 64 elements: the streamed backward beyond the held rows
         assert AC.short_supported(n, 64, bf16) and AC.short_supported(n, 64, bf16, dropout=True)
-    assert AC.short_supported(257, 128, bf16) and not AC.short_supported(577, 128, bf16)
+    assert AC.short_supported(257, 128, bf16) and AC.short_supported(320, 128, bf16)
+    assert not AC.short_supported(577, 128, bf16) and not AC.short_supported(321, 128, bf16)
     assert not AC.short_supported(641, 64, bf16) and not AC.short_supported(1370, 64, bf16)  # DINOv2 at 518 px
+    assert not AC.short_supported(1000, 32, bf16)  # at most 640 tokens, however narrow the head
     assert not AC.short_supported(17, 64, torch.float32)  # fp32 runs the flash kernels
     for n in range(1, 641):  # every tile a power of two, whatever N
         for arch in (80, 90):
@@ -62,6 +64,7 @@ def test_supported_table():
                 (cfg.fwd.block_m, cfg.bwd.block_n, *cfg.segments)
             assert all(x >= 16 and x & (x - 1) == 0 for x in powers)
             assert cfg.dq_workspace == (cfg.fwd is None) == (not AC.short_held(n, 64))
+            assert AC.short_config(n, 64, bf16, arch, dropout=True).dq_workspace == (not AC.short_held(n, 64, True))
             if cfg.fwd is not None:
                 assert cfg.fwd.block_n == cfg.bwd.block_m == sum(cfg.segments) >= n
 
@@ -101,10 +104,11 @@ def test_attention_linear_query_rows_and_bias_gradient(N, query_rows, launches):
     assert launches["short_bwd"] == 1 and launches["flash_bwd"] == 0
 
 
-@pytest.mark.parametrize("N, arch", [(37, 80), (129, 90), (197, 90)])  # 197: streamed (held only to 144)
-def test_dropout_draws_the_flash_kernels_mask(N, arch, monkeypatch):
+# 197 with dropout: streamed (held only to 144 rows), 32 q rows per step on sm_90, 16 on sm_80, 64 keys at D = 32
+@pytest.mark.parametrize("N, arch, D", [(37, 80, 64), (129, 90, 64), (197, 90, 64), (197, 80, 64), (197, 80, 32)])
+def test_dropout_draws_the_flash_kernels_mask(N, arch, D, monkeypatch):
     """Forward and backward regenerate the mask ``attention_dropout_mask`` draws (the flash kernels' bits)."""
-    B, H, D, p, seed = 2, 2, 64, 0.25, 4321
+    B, H, p, seed = 2, 2, 0.25, 4321
     monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
     monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
@@ -113,9 +117,10 @@ def test_dropout_draws_the_flash_kernels_mask(N, arch, monkeypatch):
                    [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
 
 
-def test_dropout_with_query_rows_and_the_bias_gradient(monkeypatch):
+@pytest.mark.parametrize("N", [37, 150])  # 150: streamed
+def test_dropout_with_query_rows_and_the_bias_gradient(N, monkeypatch):
     """attention_linear with dropout, the first query only (class-token pooling) and the qkv bias's gradient."""
-    B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 77
+    B, H, D, p, seed = 2, 2, 32, 0.25, 77
     monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=1,
@@ -148,7 +153,8 @@ def test_bitwise_repeatable(N):
 def test_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="expected fp16 or bf16 inputs"):
         A.attention(make_qkv(1, 17, 2, 32, torch.float32), 2, kernel="short")
-    with pytest.raises(ValueError, match=r"at most 40960 .*got N=657, head_dim=64 \(672 x 64\).*kernel='flash'"):
+    with pytest.raises(ValueError, match=r"at most 640 .* at most 40960 \(640 tokens up to head_dim 64, 320 up to "
+                                         r"128\); got N=657, head_dim=64 \(672 x 64\).*kernel='flash'"):
         A.attention(make_qkv(1, 657, 1, 64, torch.bfloat16), 1, kernel="short")
     with pytest.raises(ValueError, match=r"got N=577, head_dim=80 \(592 x 128\)"):
         A.attention(make_qkv(1, 577, 1, 80, torch.bfloat16), 1, dropout_p=0.1, training=True, kernel="short")

@@ -7,7 +7,7 @@ least one library path with the same numerics contract (tests/test_route.py comp
                eager      cuDNN's convolution, cat, position add
   attention    fused      qkv GEMM (cuBLAS) + vit_fast's flash attention kernels, bias gradient from their partials
                short      the same with the short-sequence kernels (one program per head, S and dP once per tile
-                          pair) up to 577 tokens (fp16/bf16, ``kernels.attention.short_supported``), else flash
+                          pair) up to 640 tokens (fp16/bf16, ``kernels.attention.short_supported``), else flash
                sdpa       qkv GEMM + torch's SDPA (cuDNN / flash) on strided views of the packed qkv, the three
                           gradients written into one packed d(qkv) (vit_fast/sdpa.py); not bitwise repeatable
                           on CUDA (the library backward may use atomics)

@@ -85,7 +85,7 @@ Files (split by pass, as FlashAttention-4's flash_fwd / flash_bwd / interface):
 The functionals take ``kernel="flash"`` (default) or ``kernel="short"``; the attention part's route
 (vit_fast/route.py) picks the family per model.
 
-The short-sequence family (ViT lengths up to 577 tokens at head_dim 64; fp16/bf16, ``short_supported``): where a
+The short-sequence family (ViT lengths up to 640 tokens at head_dim 64; fp16/bf16, ``short_supported``): where a
 head fits one program (``short_held``: 208 padded rows, ViT-B/16's 197 tokens), the forward holds every key of its
 head in up to three power-of-two segments (197 -> 128 + 64 + 16 rows) and takes a plain softmax, and the backward
 runs one program per (image, head): q, dO, lse and delta of every row loaded once, dQ of the whole head kept in

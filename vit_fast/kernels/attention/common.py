@@ -81,4 +81,10 @@ def _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs, ok, stride_qn, str
     q = _load(q_head, rows, row_ok, offs, ok, stride_qn, stride_qd, TRANS_Q)
     do = _load(do_head, rows, row_ok, offs, ok, stride_gn, stride_gd, False)
     o = _load(o_head, rows, row_ok, offs, ok, stride_on, stride_od, False)
-    return q, do, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    return q, do, _delta(o, do)
+
+
+@triton.jit
+def _delta(o, do):
+    """delta_i = rowsum(dO_i * out_i) of a tile's rows (its columns' share), in fp32."""
+    return tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)

@@ -187,11 +187,12 @@ def _block_dims(head_dim: int, split: bool) -> tuple[int, int]:
 # sm_80 and sm_90 (`vit-fast report`; tests/test_attention_short.py compiles the edges). ViT-B/16's 197 tokens pad
 # to 208 rows. Beyond it the forward is the flash kernels' and the backward streams the q rows (``dq_workspace``).
 SHORT_CAPACITY = {False: (208, 208 * 64), True: (144, 144 * 64)}
-# The streamed backward's limit, N rounded up to 16 times BLOCK_D: 577 tokens (384 px at patch 16) at head_dim 64,
-# 257 at 128. Each program in flight keeps its head's fp32 dQ workspace (N x BLOCK_D x 4 B, 148 KB at 577 x 64)
-# re-read once per key block, so the heads in flight (about two per SM) stay inside a 50 MB L2 only up to about
-# this size; longer heads run the flash kernels, whose dQ stays in registers.
-SHORT_WORKSPACE = 640 * 64
+# The streamed backward's limit: N rounded up to 16 at most 640 rows, and those rows times BLOCK_D at most 640 x 64
+# elements (640 tokens up to head_dim 64, 320 up to 128: 257 at 224 px / patch 14, 577 at 384 px / patch 16). Each
+# program in flight keeps its head's fp32 dQ workspace (N x BLOCK_D x 4 B, 148 KB at 577 x 64) re-read once per key
+# block, so the heads in flight (about two per SM) stay inside a 50 MB L2 only up to about this size; longer heads
+# run the flash kernels, whose dQ stays in registers.
+SHORT_STREAMED = (640, 640 * 64)
 SHORT_DTYPES = (torch.float16, torch.bfloat16)  # fp32 tiles take twice the registers: the flash kernels run them
 
 
@@ -201,10 +202,14 @@ class ShortConfig:
     # block_m q rows per program, block_n the keys held (sum of the segments); no loop, one stage. None: the head
     # does not fit (``SHORT_CAPACITY``) and the flash forward runs
     fwd: Tile | None
-    # dq_workspace False: block_m the q rows held (one program per (image, head)), block_n keys per step; True:
-    # block_n keys held per outer step, block_m q rows per inner step, dQ in an fp32 workspace
+    # held (``fwd`` given): block_m the q rows held (one program per (image, head)), block_n keys per step;
+    # streamed (``dq_workspace``): block_n keys held per outer step, block_m q rows per inner step
     bwd: Tile
-    dq_workspace: bool = False
+
+    @property
+    def dq_workspace(self) -> bool:
+        """The backward streams the q rows and sums dQ in an fp32 workspace (the head does not fit one program)."""
+        return self.fwd is None
 
     def segment_constexprs(self, prefix: str) -> dict[str, int]:
         """The segments as the kernels' constexprs PREFIX0..2 (KEYS in the forward, ROWS in the backward), 0 where
@@ -236,32 +241,37 @@ def short_held(seq_len: int, head_dim: int, dropout: bool = False) -> bool:
 
 
 def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> bool:
-    """Whether the short kernels run this attention: 16-bit inputs and N x head_dim, each rounded up, within
-    ``SHORT_WORKSPACE`` (the same on sm_80 and sm_90). Elsewhere the flash kernels run."""
-    return dtype in SHORT_DTYPES and cdiv(seq_len, 16) * 16 * _block_d(head_dim) <= SHORT_WORKSPACE
+    """Whether the short kernels run this attention: 16-bit inputs, N rounded up to 16 and that times head_dim
+    rounded up to a power of two within ``SHORT_STREAMED`` (the same on sm_80 and sm_90, with or without dropout,
+    which only moves the switch from held to streamed). Elsewhere the flash kernels run."""
+    rows, elements = SHORT_STREAMED
+    padded = cdiv(seq_len, 16) * 16
+    return dtype in SHORT_DTYPES and padded <= rows and padded * _block_d(head_dim) <= elements
 
 
 def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> str:
     """Why the short kernels cannot run this attention ('' where ``short_supported``): what they expected."""
     if short_supported(seq_len, head_dim, dtype, dropout):
         return ""
-    return (f"attention: the short-sequence kernels run one program per head: expected fp16 or bf16 inputs and N "
-            f"rounded up to 16 times head_dim rounded up to a power of two at most {SHORT_WORKSPACE} (e.g. 577 x 64, "
-            f"257 x 128); got N={seq_len}, head_dim={head_dim} ({cdiv(seq_len, 16) * 16} x {_block_d(head_dim)}), "
-            f"{dtype}. The flash kernels (kernel='flash') run any N")
+    rows, elements = SHORT_STREAMED
+    return (f"attention: the short-sequence kernels run one program per head: expected fp16 or bf16 inputs, N "
+            f"rounded up to 16 at most {rows} and that times head_dim rounded up to a power of two at most "
+            f"{elements} ({rows} tokens up to head_dim 64, {elements // 128} up to 128); got N={seq_len}, "
+            f"head_dim={head_dim} ({cdiv(seq_len, 16) * 16} x {_block_d(head_dim)}), {dtype}. The flash kernels "
+            f"(kernel='flash') run any N")
 
 
 @functools.lru_cache(maxsize=None)
 def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dropout: bool = False) -> ShortConfig:
-    """Static sizes of the short kernels (not yet timed on a GPU). Raises ValueError outside ``short_supported``.
-    Where one program holds the head (``short_held``): the forward takes 64 q rows per program (fewer for fewer
-    tokens), on 8 warps where the head is large; the backward's program of 8 warps steps over 32 keys at a time up
-    to 128 rows, else (and with dropout) over 16, which is what fits the registers; sm_90 prefetches no k/v tile
-    ahead (one stage reads a higher SASS ceiling there than two; a GPU decides which is faster). Beyond it the
-    flash forward runs and the streamed backward holds 128 keys (64 for other head widths) and steps over 16 q
-    rows on 8 warps; on sm_90 at D >= 64, 32 rows (but 16 for wide heads without dropout) and one stage with dropout
-    (0 spills; SASS ceilings at D >= 64: sm_80 100%, 65-70% with dropout; sm_90 85-86%, 64-67% wide, 43-49% with
-    dropout; heads of 32 and fewer columns read 12-85%)."""
+    """Static sizes of the short kernels (not yet timed on a GPU; their registers, spills and SASS ceilings are in
+    docs/gpu-readiness.md). Raises ValueError outside ``short_supported``. Where one program holds the head
+    (``short_held``): the forward takes 64 q rows per program (fewer for fewer tokens), on 8 warps where the head is
+    large; the backward's program of 8 warps steps over 32 keys at a time up to 128 rows, else (and with dropout)
+    over 16, which is what fits the registers; sm_90 prefetches no k/v tile ahead (one stage reads a higher SASS
+    ceiling there than two; a GPU decides which is faster). Beyond it the flash forward runs and the streamed
+    backward holds 128 keys at head_dim 33-64 (64 otherwise) and steps over 16 q rows on 8 warps; on sm_90 at
+    head_dim > 32, 32 rows (but 16 for wide heads without dropout) and one stage with dropout: the largest steps
+    without spills."""
     refusal = short_refusal(seq_len, head_dim, dtype, dropout)
     if refusal:
         raise ValueError(refusal)
@@ -272,8 +282,7 @@ def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dro
         rows = 32 if arch >= 90 and block_d >= 64 and (dropout or block_d == 64) else 16
         stages = 1 if arch >= 90 and dropout and block_d >= 64 else 2
         # heads narrower than 64 hold 64 keys too: at 128 their dropout builds spill 144-240 B on sm_90
-        return ShortConfig(segments=segments, fwd=None, dq_workspace=True,
-                           bwd=Tile(rows, 128 if block_d == 64 else 64, 8, stages))
+        return ShortConfig(segments=segments, fwd=None, bwd=Tile(rows, 128 if block_d == 64 else 64, 8, stages))
     rows = sum(segments)
     held = rows * _block_d(head_dim)
     keys = 32 if not dropout and rows <= 128 else 16

@@ -233,7 +233,8 @@ def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: i
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     cfg = short_config(N, D, q.dtype, gpu_arch(q.device), dropout)
     if cfg.fwd is None:
-        return _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed)
+        _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed)
+        return
     _attention_short_fwd_kernel[attention_grid(B * H, q_len, cfg.fwd.block_m)](
         out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, q_len, scale, threshold, inv_keep, seed,

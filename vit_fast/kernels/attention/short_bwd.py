@@ -14,7 +14,7 @@ phase, bitwise repeatable. With the qkv bias's gradient (BIAS_GRAD) each program
 sum per slab (dq, dk, dv of its head) into row b * H + h of the (3, B, H * D) partials, as the flash
 backward does with one tile per sequence.
 
-Longer heads (up to ``config.SHORT_WORKSPACE``: 577 tokens at head_dim 64) run
+Longer heads (up to ``config.SHORT_STREAMED``: 640 tokens at head_dim 64, 320 at 128) run
 ``_attention_short_bwd_streamed_kernel``: the same tile pairs, each once, with keys outer and the q rows streamed,
 dQ summed in an fp32 workspace in a fixed order by the one program that owns the head.
 """
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .._math import LOG2E
 from .._utils import dropout_keep_tile
-from .common import _column_sums, _head, _load, _q_row_tiles, _tile, _tile_mask
+from .common import _column_sums, _delta, _head, _load, _q_row_tiles, _tile, _tile_mask
 
 
 @triton.jit
@@ -189,6 +189,47 @@ def _attention_short_bwd_kernel(
 
 
 @triton.jit
+def _workspace_rows(acc_head, rows, offs_d, BLOCK_D: tl.constexpr):
+    """Pointers to some rows of a head's (q_len, BLOCK_D) fp32 dQ workspace."""
+    return acc_head + rows[:, None] * BLOCK_D + offs_d[None, :]
+
+
+@triton.jit
+def _streamed_key_block(q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, sum_dk,
+                        sum_dv, bh, start_n, seq_len, q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd,
+                        stride_vn, stride_vd, stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale,
+                        drop_threshold, inv_keep, seed, BLOCK_M: tl.constexpr, KEYS: tl.constexpr,
+                        BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        BIAS_GRAD: tl.constexpr):
+    """One key block of the streamed backward: its dK, dV over every q tile, each tile's dQ share added to the
+    workspace rows (the first block stores them), then dK, dV written; returns the bias-gradient sums. The barrier
+    orders this block's workspace stores before the next block's loads of the same rows by other threads; nothing
+    may overlap the blocks (no loop flattening or warp specialisation across them)."""
+    cols = start_n + tl.arange(0, KEYS)
+    col_ok = cols < seq_len
+    k = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
+    v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
+    dk = tl.zeros([KEYS, BLOCK_D], tl.float32)
+    dv = tl.zeros([KEYS, BLOCK_D], tl.float32)
+    for start_m in range(0, q_len, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
+        do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
+        lse2 = tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E
+        delta = tl.load(delta_head + rows, mask=row_ok, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        dq, dk, dv = _tile_pair(dq, dk, dv, q, do, lse2, delta, k, v, bh, start_m, start_n, col_ok, qk_scale,
+                                drop_threshold, inv_keep, seed, BLOCK_M, KEYS, DROPOUT, INPUT_PRECISION)
+        acc = _workspace_rows(acc_head, rows, offs_d, BLOCK_D)
+        dq += tl.load(acc, mask=row_ok[:, None] & (start_n > 0), other=0.0)
+        tl.store(acc, dq, mask=row_ok[:, None])
+    tl.debug_barrier()
+    return _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d, d_ok,
+                            stride_dn, stride_dd, KEYS, BIAS_GRAD)
+
+
+@triton.jit
 def _attention_short_bwd_streamed_kernel(
     DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
     PQ, PK, PV,  # BIAS_GRAD outputs: (B * H, D) fp32 column sums of dq, dk, dv per head, else None
@@ -213,7 +254,7 @@ def _attention_short_bwd_streamed_kernel(
     BIAS_GRAD: tl.constexpr,
     HEAD_ALIGN: tl.constexpr = 1,
 ):
-    """The short backward for heads whose dQ does not fit the registers (up to ``SHORT_WORKSPACE`` elements): one
+    """The short backward for heads whose dQ does not fit the registers (up to ``SHORT_STREAMED``): one
     program per (image, head) still, keys outer (dK, dV of BLOCK_N keys held), query rows streamed inner, each
     (q tile, key block) pair computed once as in ``_tile_pair``. dQ accumulates in the head's fp32 workspace rows,
     which only this program touches, in a fixed key order: no atomics, bitwise repeatable. The barriers order one
@@ -235,7 +276,7 @@ def _attention_short_bwd_streamed_kernel(
         row_ok = rows < q_len
         do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
         o = _load(o_head, rows, row_ok, offs_d, d_ok, stride_on, stride_od, False)
-        tl.store(delta_head + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+        tl.store(delta_head + rows, _delta(o, do), mask=row_ok)
     tl.debug_barrier()
 
     qk_scale = scale * LOG2E
@@ -243,37 +284,21 @@ def _attention_short_bwd_streamed_kernel(
     dv_head = _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
     sum_dk = tl.zeros([BLOCK_D], tl.float32)
     sum_dv = tl.zeros([BLOCK_D], tl.float32)
+    # A last block of few keys still streams every q tile: peeling it 16 wide (257 tokens: 2 x 128 + 16 keys) left
+    # that loop's SASS ceiling at 21-37% on sm_90 and spilled 16 B in the wide dropout build, so it runs full width.
     for start_n in range(0, seq_len, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_len
-        k = _load(k_head, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, False)
-        v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        for start_m in range(0, q_len, BLOCK_M):
-            rows = start_m + tl.arange(0, BLOCK_M)
-            row_ok = rows < q_len
-            q = _load(q_head, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, False)
-            do = _load(do_head, rows, row_ok, offs_d, d_ok, stride_gn, stride_gd, False)
-            lse2 = tl.load(lse_head + rows, mask=row_ok, other=float("inf")) * LOG2E
-            delta = tl.load(delta_head + rows, mask=row_ok, other=0.0)
-            dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            dq, dk, dv = _tile_pair(dq, dk, dv, q, do, lse2, delta, k, v, bh, start_m, start_n, col_ok, qk_scale,
-                                    drop_threshold, inv_keep, seed, BLOCK_M, BLOCK_N, DROPOUT, INPUT_PRECISION)
-            acc = acc_head + rows[:, None] * BLOCK_D + offs_d[None, :]
-            dq += tl.load(acc, mask=row_ok[:, None] & (start_n > 0), other=0.0)  # the first key block starts it
-            tl.store(acc, dq, mask=row_ok[:, None])
-        tl.debug_barrier()
-        sum_dk, sum_dv = _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d,
-                                          d_ok, stride_dn, stride_dd, BLOCK_N, BIAS_GRAD)
+        sum_dk, sum_dv = _streamed_key_block(
+            q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, sum_dk, sum_dv, bh,
+            start_n, seq_len, q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale, drop_threshold, inv_keep, seed, BLOCK_M,
+            BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
 
     # every q row of the gradient is written, the rows past q_len as zeros
     dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
     sum_dq = tl.zeros([BLOCK_D], tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        dq = tl.load(acc_head + rows[:, None] * BLOCK_D + offs_d[None, :], mask=(rows < q_len)[:, None],
-                     other=0.0) * scale
+        dq = tl.load(_workspace_rows(acc_head, rows, offs_d, BLOCK_D), mask=(rows < q_len)[:, None], other=0.0) * scale
         _store_rows(dq_head, dq, start_m, seq_len, offs_d, d_ok, stride_dn, stride_dd, BLOCK_M)
         if BIAS_GRAD:
             sum_dq += tl.sum(dq, 0)

@@ -104,8 +104,10 @@ def test_attention_linear_query_rows_and_bias_gradient(N, query_rows, launches):
     assert launches["short_bwd"] == 1 and launches["flash_bwd"] == 0
 
 
-# 197 with dropout: streamed (held only to 144 rows), 32 q rows per step on sm_90, 16 on sm_80, 64 keys at D = 32
-@pytest.mark.parametrize("N, arch, D", [(37, 80, 64), (129, 90, 64), (197, 90, 64), (197, 80, 64), (197, 80, 32)])
+# 197 with dropout: streamed (held only to 144 rows), 32 q rows per step on sm_90, 16 on sm_80, 64 keys at D = 32,
+# 32 at D = 72 on sm_80
+@pytest.mark.parametrize("N, arch, D", [(37, 80, 64), (129, 90, 64), (197, 90, 64), (197, 80, 64), (197, 80, 32),
+                                        (197, 80, 72)])
 def test_dropout_draws_the_flash_kernels_mask(N, arch, D, monkeypatch):
     """Forward and backward regenerate the mask ``attention_dropout_mask`` draws (the flash kernels' bits)."""
     B, H, p, seed = 2, 2, 0.25, 4321

@@ -269,9 +269,9 @@ def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dro
     large; the backward's program of 8 warps steps over 32 keys at a time up to 128 rows, else (and with dropout)
     over 16, which is what fits the registers; sm_90 prefetches no k/v tile ahead (one stage reads a higher SASS
     ceiling there than two; a GPU decides which is faster). Beyond it the flash forward runs and the streamed
-    backward holds 128 keys at head_dim 33-64 (64 otherwise) and steps over 16 q rows on 8 warps; on sm_90 at
-    head_dim > 32, 32 rows (but 16 for wide heads without dropout) and one stage with dropout: the largest steps
-    without spills."""
+    backward holds 128 keys at head_dim 33-64 (64 otherwise, 32 for wide heads with dropout on sm_80) and steps
+    over 16 q rows on 8 warps; on sm_90 at head_dim > 32, 32 rows (but 16 for wide heads without dropout); one
+    stage with dropout at head_dim > 32: the largest steps without spills."""
     refusal = short_refusal(seq_len, head_dim, dtype, dropout)
     if refusal:
         raise ValueError(refusal)
@@ -280,9 +280,12 @@ def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dro
         block_d = _block_d(head_dim)
         # sm_80 32 x 128: 8-80 B spills; sm_90 with dropout: 16-row steps read 39-40%, two stages spill 8 B
         rows = 32 if arch >= 90 and block_d >= 64 and (dropout or block_d == 64) else 16
-        stages = 1 if arch >= 90 and dropout and block_d >= 64 else 2
+        stages = 1 if dropout and block_d >= 64 else 2  # sm_80 with dropout at 2 stages: 8 B spills on triton 3.6
         # heads narrower than 64 hold 64 keys too: at 128 their dropout builds spill 144-240 B on sm_90
-        return ShortConfig(segments=segments, fwd=None, bwd=Tile(rows, 128 if block_d == 64 else 64, 8, stages))
+        keys = 128 if block_d == 64 else 64
+        if arch < 90 and dropout and block_d > 64:  # 64 keys: 8 B spills with the bias partials on triton 3.6
+            keys = 32
+        return ShortConfig(segments=segments, fwd=None, bwd=Tile(rows, keys, 8, stages))
     rows = sum(segments)
     held = rows * _block_d(head_dim)
     keys = 32 if not dropout and rows <= 128 else 16

@@ -9,7 +9,8 @@ setup(
     # The kernels live in vit_fast/kernels (the top-level kernels/ is a relative symlink to it), so every
     # import resolves by ordinary path lookup inside the checkout it runs from: no package_dir mapping.
     packages=find_packages(include=["vit_fast", "vit_fast.*"]),
-    package_data={"vit_fast": ["data/*.json"]},  # the measured default routes (vit_fast/route.py)
+    # the measured routes, the measured GPU runs and the stored step counts (vit_fast/route.py, tools/calibration.py)
+    package_data={"vit_fast": ["data/*.json", "data/measured/*.json", "data/counts/*.json"]},
     # Tested stacks (README "Supported versions"; .ci/run runs the suite on both): torch 2.14.1 + triton 3.8.0
     # (constraints.txt) and torch 2.11.0 + triton 3.6.0 + torchvision 0.26.0 (.ci/constraints-torch2.11.txt,
     # what the project's GPU machines carry), each with numpy 2.4 and pytest 9.0/9.2. Version differences are

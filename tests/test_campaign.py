@@ -146,3 +146,39 @@ def test_record_is_written_under_docs_measured(tmp_path, monkeypatch):
     record = (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26.md").read_text()
     assert "NVIDIA H200" in record and "2719" in record and "DRY RUN" not in record
     assert (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26" / "throughput.csv").exists()
+    assert not (tmp_path / "vit_fast").exists()  # no profile: nothing for the calibrated model
+
+
+def test_record_with_a_profile_is_shipped_as_calibration_data(tmp_path, monkeypatch):
+    """With profile rows, the record also lands in vit_fast/data/measured/ in the calibrated model's form; a
+    CUDA-graph step stands for its path's GPU time."""
+    import json
+
+    from vit_fast.tools import calibration
+
+    (tmp_path / "docs" / "measured").mkdir(parents=True)
+    monkeypatch.setattr(campaign, "REPO", str(tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    c = campaign.Campaign(out=str(out), dry_run=False, device="cpu")
+    c.meta = dict(gpu="NVIDIA H100 80GB HBM3", date="2026-12-01 07:00 UTC", driver="x", torch="2.11.0", triton="3.6.0",
+                  cuda="13.0", git="abc1234")
+    c.peaks = dict(gemm_bf16_tflops=760.0, copy_gbps=3000.0)
+    row = dict(c.meta, model="vit_base_patch16_224", batch=256, dtype="bf16")
+    c.results["throughput"] = [dict(row, path="vit_fast", step_ms=80.0, p10_ms=79.0, p90_ms=81.0, images_per_s=3200.0,
+                                    mfu=0.4, peak_mem_gb=18.0),
+                               dict(row, path="vit_fast_graph", step_ms=78.0, p10_ms=77.0, p90_ms=79.0,
+                                    images_per_s=3282.0, mfu=0.41, peak_mem_gb=18.0),
+                               dict(row, path="timm_compile", error="hung")]
+    c.results["profile"] = [dict(row, path="vit_fast", family=f, kernel_ms_per_step=ms, launches_per_step=n,
+                                 step_ms=79.0) for f, ms, n in (("GEMM", 45.0, 192), ("attention", 9.0, 26))]
+    campaign.write_outputs(c)
+    shipped = tmp_path / "vit_fast" / "data" / "measured" / "nvidia-h100-80gb-hbm3-2026-12-01.json"
+    doc = json.loads(shipped.read_text())
+    m = calibration.Measurement.from_json("h100", doc)
+    assert m.gpu_kind == "H100" and m.copy_tb_per_s == 3.0 and m.dense_peak_tflops == 989.0
+    assert "torch 2.11.0" in m.source and "abc1234" in m.source
+    assert m.profile["vit_base_patch16_224"]["vit_fast"]["families"] == {"GEMM": 45.0, "attention": 9.0}
+    assert m.steps["vit_base_patch16_224"] == {"vit_fast": dict(ms=78.0, how=m.steps["vit_base_patch16_224"]
+                                                                ["vit_fast"]["how"])}
+    assert "vit_fast_graph" in m.steps["vit_base_patch16_224"]["vit_fast"]["how"]

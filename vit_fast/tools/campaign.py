@@ -752,6 +752,14 @@ def write_record(c: Campaign) -> str:
             shutil.copyfile(os.path.join(c.out, name), os.path.join(folder, name))
     with open(folder + ".md", "w") as f:
         f.write(summary(c).replace("Files: ", f"Files (in {os.path.basename(folder)}/): ", 1))
+    if c.results.get("profile"):  # the calibrated speed model's data (vit_fast/tools/calibration.py)
+        from vit_fast.tools.calibration import measurement_from_campaign
+
+        doc = json.loads(json.dumps(dict(meta=c.meta, peaks=c.peaks, results=c.results), default=str))
+        shipped = os.path.join(REPO, "vit_fast", "data", "measured")
+        os.makedirs(shipped, exist_ok=True)
+        with open(os.path.join(shipped, record_name(c.meta) + ".json"), "w") as f:
+            json.dump(measurement_from_campaign(doc), f, indent=1)
     return os.path.relpath(folder + ".md", REPO)
 
 

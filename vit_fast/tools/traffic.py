@@ -371,7 +371,8 @@ def scale_ops(small: list[Op], large: list[Op], b_small: int, b_large: int, batc
                fit(a.flops, b.flops), fit(a.requested, b.requested), b.triton) for a, b in zip(small, large)]
 
 
-TOTAL_KEYS = ("launches", "read", "written", "requested", "flops") + tuple(ROOFLINE)
+COUNT_KEYS = ("launches", "read", "written", "requested", "flops")
+TOTAL_KEYS = COUNT_KEYS + tuple(ROOFLINE)
 
 
 def aggregate(ops: list[Op], dtype: torch.dtype) -> dict[tuple, dict]:
@@ -435,6 +436,25 @@ class PathResult:
 
     def triton_totals(self) -> dict:
         return _sum(g for (_, _, triton), g in self.groups.items() if triton)
+
+    def groups_json(self) -> list[dict]:
+        """The counted op groups as JSON rows (what a stored count keeps: vit_fast/data/counts)."""
+        return [dict(family=f, name=n, triton=t, **{k: g[k] for k in COUNT_KEYS})
+                for (f, n, t), g in sorted(self.groups.items())]
+
+    @classmethod
+    def from_json(cls, path: str, doc: dict, dtype: torch.dtype = torch.bfloat16) -> "PathResult":
+        """A path stored by `vit-fast traffic --json` (its "groups" rows); the per-GPU rooflines are recomputed
+        from one average launch per group, so GPUs added to ROOFLINE later get theirs."""
+        groups = {}
+        for row in doc["groups"]:
+            g = {k: float(row[k]) for k in COUNT_KEYS}
+            n = max(g["launches"], 1.0)
+            op = Op(row["name"], row["family"], 1, g["read"] / n, g["written"] / n, g["flops"] / n,
+                    triton=row["triton"])
+            groups[(row["family"], row["name"], bool(row["triton"]))] = {
+                **g, **{gpu: n * op.roofline_s(gpu, dtype) for gpu in ROOFLINE}}
+        return cls(path, groups, int(doc["batch"]), doc.get("how", ""))
 
     def block_by_family(self) -> dict[str, float]:
         """Bytes one block moves per image, by family (every family, 0 where a path has none), and 'total'."""
@@ -589,6 +609,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="with --predict: also time the paths on the CUDA GPU and print predicted beside "
                              "measured per op family (auto: when a GPU is present; on: say why not when none is)")
     parser.add_argument("--json", help="write per-path totals and per-family figures to this path")
+    parser.add_argument("--store-counts", metavar="FOLDER",
+                        help="write each model's counted op groups to FOLDER/<preset>.json, the form the calibrated "
+                             "model ships in vit_fast/data/counts (vit_fast.tools.calibration)")
+    parser.add_argument("--stored", action="store_true",
+                        help="with --predict: take the counts shipped in vit_fast/data/counts instead of counting "
+                             "(seconds instead of minutes; they name the revision they were counted at)")
     return parser
 
 
@@ -599,7 +625,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
 
         args.paths = list(PREDICT_PATHS) if args.predict else list(PATHS)
     models = [args.model] if isinstance(args.model, str) else list(args.model)
-    fused_paths = [p for p in args.paths if p.startswith("vit_fast")]
+    fused_paths = [] if args.stored else [p for p in args.paths if p.startswith("vit_fast")]
     from vit_fast.kernels._utils import interpreter_active
 
     if fused_paths and not interpreter_active():
@@ -622,7 +648,20 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
           f"{ROOFLINE['A100']['tb_per_s']} TB/s; "
           "launch overhead excluded. Eager: one launch per non-view aten op.\n")
     by_model: dict[str, list[PathResult]] = {}
-    for model in models:
+    if args.stored:
+        from vit_fast.tools.calibration import stored_counts
+
+        for model in models:
+            stored = stored_counts(model)
+            by_model[model] = [stored[p] for p in args.paths if p in stored]
+            if not by_model[model]:
+                print(f"{model}: no stored counts (vit_fast/data/counts) for {', '.join(args.paths)}\n")
+            elif stored[next(iter(stored))].batch != args.batch:
+                raise SystemExit(f"vit-fast traffic --stored: {model}'s stored counts are at batch "
+                                 f"{stored[next(iter(stored))].batch}, not {args.batch}; count it without --stored")
+            for r in by_model[model]:
+                print(f"{model}: " + format_path(r) + "\n", flush=True)
+    for model in [] if args.stored else models:
         results = by_model.setdefault(model, [])
         for path in args.paths:
             if path in fused_paths:
@@ -651,14 +690,37 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         import json
 
         def path_json(model, r):
-            return dict(how=r.how, totals=r.totals(), families=r.by_family(),
-                        block_bytes_per_image=r.block_by_family(), predicted=predicted.get(model, {}).get(r.path, {}))
+            return dict(how=r.how, batch=r.batch, totals=r.totals(), families=r.by_family(),
+                        block_bytes_per_image=r.block_by_family(), predicted=predicted.get(model, {}).get(r.path, {}),
+                        groups=r.groups_json())
 
         per_model = {m: dict(paths={r.path: path_json(m, r) for r in rs}) for m, rs in by_model.items()}
         doc = dict(model=models[0], **per_model[models[0]]) if len(models) == 1 else dict(models=per_model)
         with open(args.json, "w") as f:
             json.dump(dict(dtype=args.dtype, batch=args.batch, roofline=ROOFLINE, **doc), f, indent=1)
+    if args.store_counts:
+        store_counts(by_model, args.store_counts, args.dtype, args.batch)
     return 0
+
+
+def store_counts(by_model: dict[str, list[PathResult]], folder: str, dtype_name: str, batch: int) -> None:
+    """One JSON file per model: its paths' op groups and where and when they were counted."""
+    import json
+    import platform
+
+    os.makedirs(folder, exist_ok=True)
+    try:
+        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        revision = ""
+    versions = f"torch {torch.__version__}, python {platform.python_version()}"
+    for model, results in by_model.items():
+        doc = dict(model=model, dtype=dtype_name, batch=batch, revision=revision or "unknown", versions=versions,
+                   date=time.strftime("%Y-%m-%d"),
+                   paths={r.path: dict(how=r.how, groups=r.groups_json()) for r in results})
+        with open(os.path.join(folder, f"{model}.json"), "w") as f:
+            json.dump(doc, f, indent=0)
 
 
 def report_predicted(by_model: dict[str, list[PathResult]], dtype: torch.dtype, args) -> dict:
@@ -689,6 +751,11 @@ def report_predicted(by_model: dict[str, list[PathResult]], dtype: torch.dtype, 
         if args.measure == "on" or (args.measure == "auto" and torch.cuda.is_available()):
             measured = predict.measure_paths(model, args.batch, args.dtype, [r.path for r in results])
             print(predict.format_measured(model, results, measured, dtype, c) + "\n", flush=True)
+    from vit_fast.tools import calibration
+
+    shipped = calibration.report(dtype, counted=by_model, only=list(by_model))
+    if shipped:
+        print(shipped + "\n", flush=True)
     return out
 
 

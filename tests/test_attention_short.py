@@ -152,6 +152,34 @@ def test_bitwise_repeatable(N):
     assert all(torch.equal(g1, g2) for g1, g2 in zip(first[1], second[1]))
 
 
+@pytest.mark.parametrize("N", [197, 257])  # held, streamed
+def test_stride0_and_transposed_output_gradients_and_a_sliced_qkv_refused(N, launches):
+    """.sum() hands the backward an expanded (stride-0) d(out), a transposed d(out) has unit row stride: both
+    against float64, the .sum() one also bitwise repeatable. A packed qkv sliced from a wider buffer (row stride
+    3HD + 64) is refused by name, as on the flash route."""
+    B, H, D = 2, 2, 64
+    qkv = make_qkv(B, N, H, D, torch.bfloat16, seed=N + 1)
+    grads = []
+    for _ in range(2):
+        x = qkv.clone().requires_grad_()
+        A.attention(x, H, kernel="short").sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    ref = qkv.double().requires_grad_()
+    A.attention_ref(ref, H).sum().backward()
+    assert_close(grads[0], ref.grad, bound(torch.bfloat16, "dot"), "dqkv from .sum()")
+    d_out = torch.randn(B, H * D, N, dtype=torch.bfloat16).to(DEVICE).transpose(1, 2)  # (B, N, HD), row stride 1
+    x = qkv.clone().requires_grad_()
+    A.attention(x, H, kernel="short").backward(d_out)
+    ref = qkv.double().requires_grad_()
+    A.attention_ref(ref, H).backward(d_out.double())
+    assert_close(x.grad, ref.grad, bound(torch.bfloat16, "dot"), "dqkv from a transposed d(out)")
+    wide = torch.cat([qkv, torch.randn(B, N, 64).to(DEVICE, torch.bfloat16)], dim=-1)
+    with pytest.raises(ValueError, match=r"expected a contiguous qkv .* got strides \(\d+, 448, 1\)"):
+        A.attention(wide[..., : 3 * H * D], H, kernel="short")
+    assert launches["short_bwd"] == 3 and launches["flash_bwd"] == 0
+
+
 def test_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="expected fp16 or bf16 inputs"):
         A.attention(make_qkv(1, 17, 2, 32, torch.float32), 2, kernel="short")

@@ -126,3 +126,17 @@ def test_traffic_predict_stored_prints_calibrated_beside_measured(capsys, monkey
     assert not any("vit_fast " in ln.split("  ")[1] for ln in lines if "  " in ln)
     with pytest.raises(SystemExit, match="batch 256, not 64"):
         traffic.main(["--model", B16, "--paths", "timm_eager", "--batch", "64", "--predict", "--stored"])
+
+
+def test_headroom_raises_only_the_slower_vit_fast_kernels():
+    """At library efficiency: the vit_fast GEMM (0.4 measured) is priced at cuBLAS's 0.7; its elementwise
+    kernel, already faster than the library's (0.8 > 0.5), keeps its own."""
+    m, counts, true = _synthetic()
+    eff = calibration.fit(m, counts, torch.bfloat16)
+    r = counts[TINY]["vit_fast"]
+    now, _ = calibration.calibrated_by_family(r, m, torch.bfloat16, eff)
+    raised = calibration.at_library_efficiency(r, m, torch.bfloat16, eff)
+    assert raised["elementwise"] == pytest.approx(now["elementwise"])
+    triton_gemm_s = 0.5e12 / 1000e12  # its roofline work
+    assert now["GEMM"] - raised["GEMM"] == pytest.approx(triton_gemm_s / 0.4 - triton_gemm_s / 0.7)
+    assert "GEMM -" in calibration.format_headroom(TINY, r, m, torch.bfloat16, eff)

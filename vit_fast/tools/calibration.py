@@ -254,6 +254,30 @@ def compare(m: Measurement, counts: dict[str, dict[str, PathResult]], dtype: tor
     return rows
 
 
+def at_library_efficiency(r: PathResult, m: Measurement, dtype: torch.dtype,
+                          eff: dict[tuple, Efficiency]) -> dict[str, float]:
+    """Calibrated seconds per family of a path if every vit_fast kernel ran at least at the measured efficiency of
+    the library ops of its family (cuBLAS, SDPA, ...) on its own counted bytes and FLOPs: what issue 29's
+    library-speed candidates (Hopper GEMMs, a faster attention backward) are worth, PREDICTED."""
+    raised = {k: dataclasses.replace(e, fraction=max(e.fraction, eff[(k[0], "library")].fraction))
+              if k[1] == "vit_fast" and (k[0], "library") in eff else e for k, e in eff.items()}
+    return calibrated_by_family(r, m, dtype, raised)[0]
+
+
+def format_headroom(preset: str, r: PathResult, m: Measurement, dtype: torch.dtype,
+                    eff: dict[tuple, Efficiency]) -> str:
+    from vit_fast.tools.predict import model_label
+
+    now, _ = calibrated_by_family(r, m, dtype, eff)
+    raised = at_library_efficiency(r, m, dtype, eff)
+    adamw = optimizer_s(preset, m)
+    gains = ", ".join(f"{fam} {1e3 * (raised[fam] - now[fam]):+.1f} ms" for fam in now
+                      if abs(raised[fam] - now[fam]) > 5e-5)
+    return (f"{model_label(preset)} {PATH_LABELS.get(r.path, r.path)} on {m.gpu_kind}, PREDICTED (calibrated): step "
+            f"{1e3 * (sum(now.values()) + adamw):.1f} ms; with every vit_fast kernel at least at its family's library "
+            f"efficiency: {1e3 * (sum(raised.values()) + adamw):.1f} ms ({gains})")
+
+
 def format_efficiencies(m: Measurement, eff: dict[tuple, Efficiency]) -> str:
     lines = [f"calibration on {m.gpu} ({m.source}): measured fraction of the roofline "
              f"({m.dense_peak_tflops:.0f} TFLOP/s dense, {m.copy_tb_per_s} TB/s copy) per family and implementation"]
@@ -301,4 +325,6 @@ def report(dtype: torch.dtype = torch.bfloat16, counted: dict[str, list[PathResu
                 if only is None or preset in only:
                     uncalibrated |= calibrated_by_family(r, m, dtype, eff)[1]
         out += [format_efficiencies(m, eff), format_comparison(rows, m, uncalibrated)]
+        out += [format_headroom(preset, paths["vit_fast"], m, dtype, eff) for preset, paths in counts.items()
+                if "vit_fast" in paths and (only is None or preset in only)]
     return "\n\n".join(out)

@@ -111,7 +111,7 @@ def test_calibrated_prediction_within_15_percent_of_every_measurement():
            if c.what != "other" and abs(c.ratio - 1.0) > BOUND]
     assert not off, off
     held_out = [c for c in rows if c.held_out and c.what == "step"]
-    assert len(held_out) >= 3
+    assert len(held_out) == 8  # S/16 and B/16 on three paths, L/16 on two
 
 
 def test_traffic_predict_stored_prints_calibrated_beside_measured(capsys, monkeypatch):

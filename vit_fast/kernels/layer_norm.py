@@ -176,22 +176,31 @@ def _layer_norm_bwd_kernel(
 # and 8 elements per thread. The forward's 8-warp tiles of 4-8 rows (and 16 warps for one 2048 row)
 # leave ptxas spilling one register (8 B/thread) in some flag combinations on sm_80 or sm_90.
 _BWD_TILES = {256: (2, 2), 512: (2, 4), 2048: (1, 8)}
-# 1024 (widths 513-1024, ViT-B's 768) keeps the forward's two rows on 8 warps, although one row on 8 warps
-# measured 3.5x faster on an NVIDIA H200 (0.241 vs 0.853 ms at 65536 x 768 bf16; torch 2.11, triton 3.6,
-# 2026-11-26, `vit-fast tune`, docs/measured/h200-2026-11-26-campaign/tune.csv): every one-row tile tried spills
-# somewhere (8 warps: 8 B/thread on sm_90 with LayerScale; 4 warps: 8 B on sm_80 fp16, and on sm_90 with
-# LayerScale and dropout under triton 3.6). Autotuning (on by default on a GPU) tries one row on 8 warps; the
-# static tile is what runs under torch.compile, CUDA-graph capture and VIT_FAST_AUTOTUNE=0.
+# 1024 (widths 513-1024, ViT-B's 768): one row on 8 warps, measured 3.5x faster than two rows on an NVIDIA H200
+# (0.241 vs 0.853 ms at 65536 x 768 bf16; torch 2.11, triton 3.6, 2026-11-26, `vit-fast tune`,
+# docs/measured/h200-2026-11-26-campaign/tune.csv). Where that tile spills 8 B/thread on sm_90 (LayerScale; a
+# branch bias with an fp32 output gradient, i.e. a pure fp32 model) two rows on 8 warps stay (spill-free), and
+# autotuning still tries the one-row tile. The static tile is what runs under torch.compile, CUDA-graph capture
+# and VIT_FAST_AUTOTUNE=0.
+_BWD_TILE_1024 = {False: (1, 8), True: (2, 8)}  # by bwd_spill_prone
 
 
-def ln_config(n: int, arch: int = 80, backward: bool = False) -> RowTile:
+def bwd_spill_prone(layer_scale: bool, branch_bias: bool, fp32_grad: bool) -> bool:
+    """The backward variants whose one-row 1024-column tile spills (``vit-fast report``, sm_90)."""
+    return layer_scale or (branch_bias and fp32_grad)
+
+
+def ln_config(n: int, arch: int = 80, backward: bool = False, spill_prone: bool = False) -> RowTile:
     """The tile of the forward (or, with ``backward``, the backward) kernel: a
     whole padded row per tile (statistics in registers). Forward: rows stacked to 2048 elements for
     narrow widths with 8 elements per thread; single-row tiles (widths > 1024) get 4-8 elements per
-    thread, up to 32 warps. Backward: ``_BWD_TILES`` where set. ``vit-fast report`` compiles every
-    entry of the report's presets for sm_80 and sm_90. One table for both archs; launchers and
-    aot_specs both call this."""
+    thread, up to 32 warps. Backward: ``_BWD_TILES`` where set (1024 columns: ``_BWD_TILE_1024`` by
+    ``spill_prone``, see ``bwd_spill_prone``). ``vit-fast report`` compiles every entry of the report's
+    presets for sm_80 and sm_90. One table for both archs; launchers and aot_specs both call this."""
     block_n = next_power_of_2(n)
+    if backward and block_n == 1024:
+        block_m, warps = _BWD_TILE_1024[spill_prone]
+        return RowTile(block_m, block_n, warps)
     if backward and block_n in _BWD_TILES:
         block_m, warps = _BWD_TILES[block_n]
         return RowTile(block_m, block_n, warps)
@@ -277,7 +286,9 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
         return sum_partials(partial, param_grad_dtype(params))
     arch = gpu_arch(dev)
     key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values())
-    candidates = _tuning.row_candidates(ln_config(n, arch, backward=True), grow=False)
+    spill_prone = bwd_spill_prone(gamma is not None, branch_bias is not None, dy.dtype == torch.float32)
+    tile = ln_config(n, arch, backward=True, spill_prone=spill_prone)
+    candidates = _tuning.row_candidates(tile, grow=False)
     return dh, dx, launch(_tuning.choose("layer_norm_bwd", key, candidates, launch, dev))
 
 
@@ -437,9 +448,8 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     types.update({name: par for name in ("W", "B", "BRANCH_BIAS", "GAMMA")})
     types.update({"MEAN": "*fp32", "RSTD": "*fp32", "SCALE": "*fp32", "PARTIAL": "*fp32", "eps": "fp32",
                   "seed": "i32", "p": "fp32"})
-    fwd_tile, bwd_tile = ln_config(width, arch), ln_config(width, arch, backward=True)
+    fwd_tile = ln_config(width, arch)
     block_m, block_n, warps = fwd_tile.block_m, fwd_tile.block_n, fwd_tile.num_warps
-    bwd_block_m, bwd_warps = bwd_tile.block_m, bwd_tile.num_warps
     specs = []
     variants = [(False, False, False, False, False)] + [
         (True, bb, gamma, scale, drop) for bb in (False, True) for gamma in (False, True)
@@ -460,6 +470,8 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             stream = "" if t is types else " fp32 stream"
             c = dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=res, **flags)
             specs.append(_spec("layer_norm_fwd", _layer_norm_fwd_kernel, t, c, warps, note + stream, values))
+            bwd_tile = ln_config(width, arch, backward=True, spill_prone=bwd_spill_prone(gamma, bb, t["DY"] == "*fp32"))
+            bwd_block_m, bwd_warps = bwd_tile.block_m, bwd_tile.num_warps
             for dh_out in (False, True):  # plain LN: layer_norm_and_input adds the stream's gradient
                 store_dx = res and (gamma or scale or drop or t is not types)
                 c = dict(BLOCK_M=bwd_block_m, BLOCK_N=block_n, HAS_DH_OUT=dh_out, STORE_DX=store_dx, **flags)

@@ -15,6 +15,11 @@ least one library path with the same numerics contract (tests/test_route.py comp
   mlp          fused      ``linear_act`` (fc1 as a Triton GEMM with bias + GELU epilogue, fc2 on cuBLAS)
                bias_gelu  fc1 on cuBLAS, then the ``bias_gelu`` kernel, fc2 on cuBLAS
                eager      fc1 on cuBLAS with its bias, torch's GELU, fc2
+               (not a candidate: cuBLASLt's GELU epilogue, ``torch._addmm_activation``, tanh on CUDA and erf on
+               CPU. It has no autograd formula and returns no pre-activation, so a training step would recompute
+               fc1 for GELU's derivative: on the H200, ViT-B/16 b256, 0.449 ms epilogue forward against 0.636 ms
+               for cuBLAS fc1 + ``bias_gelu``, but +0.40 ms for the recomputed fc1 GEMM: about 0.2 ms slower
+               per block, docs/measured/h200-2026-11-26-probe.md)
   join         fused      ``add_layer_norm`` (bias, LayerScale, dropout, drop-path, residual add, next norm)
                eager      the same as separate torch ops, then F.layer_norm
 

@@ -50,6 +50,9 @@ def test_wheel_holds_vit_fast_kernels_and_no_top_level_kernels(wheel):
     for sub in ("interop", "tools", "training"):
         assert f"vit_fast/{sub}/__init__.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
+    # the data the routes and the calibrated speed model read (vit_fast/route.py, vit_fast/tools/calibration.py)
+    assert {"vit_fast/data/measured_routes.json", "vit_fast/data/measured/h200-2026-11-26.json",
+            "vit_fast/data/counts/vit_base_patch16_224.json"} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "vit-fast = vit_fast.tools.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

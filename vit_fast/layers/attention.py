@@ -51,10 +51,10 @@ class Attention(nn.Module):
 
     def kernel_family(self, tokens: int, dtype: torch.dtype) -> str:
         """The attention kernels' family (fused paths only) for a qkv of this many tokens and dtype: 'short' on the
-        'short' route where the head fits on chip in this mode, else 'flash'."""
+        'short' route where the short kernels run this head, else 'flash'."""
         if self.impl != "short":
             return "flash"
-        return attention_kernels.family_for("short", tokens, self.head_dim, dtype, self.attn_drop.p, self.training)
+        return attention_kernels.family_for("short", tokens, self.head_dim, dtype)
 
     def packed_sdpa(self, x: torch.Tensor) -> bool:
         """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""

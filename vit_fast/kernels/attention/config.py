@@ -240,18 +240,18 @@ def short_held(seq_len: int, head_dim: int, dropout: bool = False) -> bool:
     return held <= rows and held * _block_d(head_dim) <= elements
 
 
-def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> bool:
+def short_supported(seq_len: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the short kernels run this attention: 16-bit inputs, N rounded up to 16 and that times head_dim
     rounded up to a power of two within ``SHORT_STREAMED`` (the same on sm_80 and sm_90, with or without dropout,
-    which only moves the switch from held to streamed). Elsewhere the flash kernels run."""
+    which only moves the switch from held to streamed: ``short_held``). Elsewhere the flash kernels run."""
     rows, elements = SHORT_STREAMED
     padded = cdiv(seq_len, 16) * 16
     return dtype in SHORT_DTYPES and padded <= rows and padded * _block_d(head_dim) <= elements
 
 
-def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, dropout: bool = False) -> str:
+def short_refusal(seq_len: int, head_dim: int, dtype: torch.dtype) -> str:
     """Why the short kernels cannot run this attention ('' where ``short_supported``): what they expected."""
-    if short_supported(seq_len, head_dim, dtype, dropout):
+    if short_supported(seq_len, head_dim, dtype):
         return ""
     rows, elements = SHORT_STREAMED
     return (f"attention: the short-sequence kernels run one program per head: expected fp16 or bf16 inputs, N "
@@ -272,7 +272,7 @@ def short_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, dro
     backward holds 128 keys at head_dim 33-64 (64 otherwise, 32 for wide heads with dropout on sm_80) and steps
     over 16 q rows on 8 warps; on sm_90 at head_dim > 32, 32 rows (but 16 for wide heads without dropout); one
     stage with dropout at head_dim > 32: the largest steps without spills."""
-    refusal = short_refusal(seq_len, head_dim, dtype, dropout)
+    refusal = short_refusal(seq_len, head_dim, dtype)
     if refusal:
         raise ValueError(refusal)
     segments = short_segments(seq_len)

@@ -473,21 +473,17 @@ def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale:
     return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed, rows, kernel)
 
 
-def family_for(preferred: str, seq_len: int, head_dim: int, dtype: torch.dtype, dropout_p: float,
-               training: bool) -> str:
-    """The family a fused attention runs: 'short' where ``preferred`` and the short kernels hold this head in
-    this mode (``short_supported``), else 'flash' (which runs any N)."""
-    dropout = training and dropout_threshold(dropout_p) > 0
-    return "short" if preferred == "short" and short_supported(seq_len, head_dim, dtype, dropout) else "flash"
+def family_for(preferred: str, seq_len: int, head_dim: int, dtype: torch.dtype) -> str:
+    """The family a fused attention runs: 'short' where ``preferred`` and the short kernels run this head
+    (``short_supported``; dropout only moves them from held to streamed), else 'flash' (which runs any N)."""
+    return "short" if preferred == "short" and short_supported(seq_len, head_dim, dtype) else "flash"
 
 
-def _check_kernel(op: str, kernel: str, seq_len: int, head_dim: int, dtype: torch.dtype, dropout_p: float,
-                  training: bool) -> None:
+def _check_kernel(op: str, kernel: str, seq_len: int, head_dim: int, dtype: torch.dtype) -> None:
     """``kernel`` names a family, and the short one only where it holds the head (``short_supported``)."""
     if kernel not in KERNELS:
         raise ValueError(f"{op}: expected kernel one of {list(KERNELS)}, got {kernel!r}")
-    refusal = kernel == "short" and short_refusal(seq_len, head_dim, dtype,
-                                                  training and dropout_threshold(dropout_p) > 0)
+    refusal = kernel == "short" and short_refusal(seq_len, head_dim, dtype)
     if refusal:
         raise ValueError(refusal)
 
@@ -496,7 +492,7 @@ def attention_with_lse(qkv: torch.Tensor, num_heads: int, scale: float | None = 
                        training: bool = False, kernel: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` that also returns the fp32 log-sum-exp (B, H, N) for ``attention_probs``."""
     head_dim = _check_attention("attention", qkv, num_heads, dropout_p, scale)
-    _check_kernel("attention", kernel, qkv.shape[1], head_dim, qkv.dtype, dropout_p, training)
+    _check_kernel("attention", kernel, qkv.shape[1], head_dim, qkv.dtype)
     return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, kernel=kernel)
 
 
@@ -512,7 +508,7 @@ def attention(qkv: torch.Tensor, num_heads: int, scale: float | None = None, dro
     ``kernel``: 'flash' (any N) or 'short' (the short-sequence family, fp16/bf16 where a whole head fits on
     chip, ``short_supported``; the same numbers within rounding, the same dropout mask for a seed)."""
     head_dim = _check_attention("attention", qkv, num_heads, dropout_p, scale)
-    _check_kernel("attention", kernel, qkv.shape[1], head_dim, qkv.dtype, dropout_p, training)
+    _check_kernel("attention", kernel, qkv.shape[1], head_dim, qkv.dtype)
     return _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, kernel=kernel)[0]
 
 
@@ -535,7 +531,7 @@ def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     _check_dropout("attention_linear", dropout_p)
     _check_scale("attention_linear", scale)
     _check_query_rows("attention_linear", query_rows, x.shape[1])
-    _check_kernel("attention_linear", kernel, x.shape[1], head_dim, compute_dtype_for(x), dropout_p, training)
+    _check_kernel("attention_linear", kernel, x.shape[1], head_dim, compute_dtype_for(x))
     qkv = F.linear(x, weight, None if bias is None else bias.detach())  # contiguous (B, N, 3 * H * D)
     grad_bias = bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
     out, lse = _attention_with_lse(qkv, num_heads, head_dim, scale, dropout_p, training, grad_bias, query_rows,
@@ -696,7 +692,7 @@ def _short_aot_specs(tokens: int, D: int, dtype: torch.dtype, arch: int, values:
     does not fit one program, the flash forward, listed with the flash family's specs)."""
     specs = []
     for dropout in (False, True):
-        if not short_supported(tokens, D, dtype, dropout):
+        if not short_supported(tokens, D, dtype):
             continue
         cfg = short_config(tokens, D, dtype, arch, dropout)
         note = f"N={tokens} D={D} dropout={dropout}"

@@ -149,20 +149,25 @@ class Efficiency:
     source: str  # which measured (model, path, family) fixed it
 
 
+def _profiled(m: Measurement, counts: dict[str, dict[str, PathResult]]):
+    """(preset, path, its profile, its counted step) for every profiled path the counts reach."""
+    for preset, paths in m.profile.items():
+        for path, prof in paths.items():
+            r = counts.get(preset, {}).get(path)
+            if r is not None:
+                yield preset, path, prof, r
+
+
 def fit(m: Measurement, counts: dict[str, dict[str, PathResult]], dtype: torch.dtype) -> dict[tuple, Efficiency]:
     """The efficiency of every (family, implementation) the profile reaches. A measured family total whose parts
     are all known but one fixes that one: measured = sum(work / efficiency + launches x overhead)."""
     entries = []
-    for preset, paths in m.profile.items():
-        for path, prof in paths.items():
-            r = counts.get(preset, {}).get(path)
-            if r is None:
-                continue
-            parts = roofline_by_implementation(r, m, dtype)
-            for family, ms in prof["families"].items():
-                own = {impl: p for (fam, impl), p in parts.items() if fam == family and p["work_s"] > 0}
-                if own:
-                    entries.append((preset, path, family, ms / 1e3, own))
+    for preset, path, prof, r in _profiled(m, counts):
+        parts = roofline_by_implementation(r, m, dtype)
+        for family, ms in prof["families"].items():
+            own = {impl: p for (fam, impl), p in parts.items() if fam == family and p["work_s"] > 0}
+            if own:
+                entries.append((preset, path, family, ms / 1e3, own))
     fitted: dict[tuple, Efficiency] = {}
     progress = True
     while progress:
@@ -231,18 +236,14 @@ def compare(m: Measurement, counts: dict[str, dict[str, PathResult]], dtype: tor
     eff = fit(m, counts, dtype) if efficiencies is None else efficiencies
     used = {e.source for e in eff.values()}
     rows = []
-    for preset, paths in m.profile.items():
-        for path, prof in paths.items():
-            r = counts.get(preset, {}).get(path)
-            if r is None:
-                continue
-            fams, _ = calibrated_by_family(r, m, dtype, eff)
-            for family, ms in prof["families"].items():
-                if family in fams:
-                    rows.append(Comparison(preset, path, family, fams[family], ms / 1e3,
-                                           f"{preset} {path} {family}" not in used))
-            rows.append(Comparison(preset, path, "kernels", sum(fams.values()), prof["step_ms"] / 1e3, True,
-                                   "profiled step (CUDA events, kernels + gaps, no optimizer)"))
+    for preset, path, prof, r in _profiled(m, counts):
+        fams, _ = calibrated_by_family(r, m, dtype, eff)
+        for family, ms in prof["families"].items():
+            if family in fams:
+                rows.append(Comparison(preset, path, family, fams[family], ms / 1e3,
+                                       f"{preset} {path} {family}" not in used))
+        rows.append(Comparison(preset, path, "kernels", sum(fams.values()), prof["step_ms"] / 1e3, True,
+                               "profiled step (CUDA events, kernels + gaps, no optimizer)"))
     for preset, paths in m.steps.items():
         for path, step in paths.items():
             r = counts.get(preset, {}).get(path)

@@ -140,3 +140,17 @@ def test_headroom_raises_only_the_slower_vit_fast_kernels():
     triton_gemm_s = 0.5e12 / 1000e12  # its roofline work
     assert now["GEMM"] - raised["GEMM"] == pytest.approx(triton_gemm_s / 0.4 - triton_gemm_s / 0.7)
     assert "GEMM -" in calibration.format_headroom(TINY, r, m, torch.bfloat16, eff)
+
+
+def test_stored_counts_round_trip(tmp_path):
+    """`vit-fast traffic --store-counts` writes what stored_counts reads back: the same groups, batch and totals."""
+    import json
+
+    paths = calibration.stored_counts(B16)
+    traffic.store_counts({B16: list(paths.values())}, str(tmp_path), "bf16", 256)
+    doc = json.loads((tmp_path / f"{B16}.json").read_text())
+    assert doc["model"] == B16 and doc["batch"] == 256 and doc["revision"]
+    for path, r in paths.items():
+        again = PathResult.from_json(path, dict(doc["paths"][path], batch=doc["batch"]))
+        assert again.groups.keys() == r.groups.keys()
+        assert again.totals() == pytest.approx(r.totals())

@@ -26,7 +26,7 @@ from importlib import resources
 
 import torch
 
-from vit_fast.tools.predict import DENSE_PEAK_TFLOPS, LAUNCH_OVERHEAD_S, predicted_op_s
+from vit_fast.tools.predict import DENSE_PEAK_TFLOPS, LAUNCH_OVERHEAD_S, _launch_ops, predicted_op_s
 from vit_fast.tools.traffic import FAMILIES, PATH_LABELS, Op, PathResult, _row
 
 IMPLEMENTATIONS = ("library", "vit_fast", "inductor")
@@ -116,12 +116,6 @@ def stored_counts(preset: str) -> dict[str, PathResult]:
 
 def stored_presets() -> list[str]:
     return [json.loads(f.read_text())["model"] for f in _data_files("counts")]
-
-
-def _launch_ops(r: PathResult):
-    for (family, name, triton), g in r.groups.items():
-        n = max(g["launches"], 1.0)
-        yield n, Op(name, family, 1, g["read"] / n, g["written"] / n, g["flops"] / n, triton=triton)
 
 
 def roofline_work_s(op: Op, m: Measurement, dtype: torch.dtype) -> float:

@@ -708,15 +708,13 @@ def store_counts(by_model: dict[str, list[PathResult]], folder: str, dtype_name:
     import json
     import platform
 
+    from vit_fast.tools.bench import git_revision
+
     os.makedirs(folder, exist_ok=True)
-    try:
-        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        revision = ""
+    revision = git_revision()
     versions = f"torch {torch.__version__}, python {platform.python_version()}"
     for model, results in by_model.items():
-        doc = dict(model=model, dtype=dtype_name, batch=batch, revision=revision or "unknown", versions=versions,
+        doc = dict(model=model, dtype=dtype_name, batch=batch, revision=revision, versions=versions,
                    date=time.strftime("%Y-%m-%d"),
                    paths={r.path: dict(how=r.how, groups=r.groups_json()) for r in results})
         with open(os.path.join(folder, f"{model}.json"), "w") as f:

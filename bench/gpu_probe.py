@@ -12,6 +12,10 @@ Run by bench/gpu_probe.sh, one subprocess per item under its own timeout, with
   micro                     every fused op vs its eager ops at ViT-B/16 b256: plain do_bench (host included)
                             and CUDA-graph replay (kernel time), plus a profiler table per fused op
   gemm                      cuBLAS fc1 (+ bias_gelu kernel, + cuBLASLt GELU epilogue) against linear_act
+  gelubwd                   the bias_gelu backward kernel at ViT-B/16's fc1 (50432 x 3072 bf16) over row tiles,
+                            warps and partial-row counts (programs per SM), CUDA-graph timed
+  trace --preset --path     every kernel of one path's training step (torch.profiler): name, family,
+                            launches and ms per step, the longest first
 
 ``--tiny`` shrinks every shape so the script can be smoke-tested on CPU (figures meaningless).
 """
@@ -273,9 +277,93 @@ def item_gemm(args) -> None:
         safe("gemm", measure, case=name)
 
 
+# ------------------------------------------------------------------------------------------------ gelubwd
+def item_gelubwd(args) -> None:
+    from vit_fast.kernels._rows import sum_partials
+    from vit_fast.kernels._utils import cdiv
+    from vit_fast.kernels.bias_gelu import _bias_gelu_bwd_kernel
+
+    m, n = (64, 512) if args.tiny else (50432, 3072)
+    dy = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    dx = torch.empty_like(x)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 4
+    configs = [(bm, bn, w, per_sm) for bm, bn, w in ((8, 256, 8), (4, 256, 4), (16, 256, 8), (16, 256, 16),
+                                                     (32, 256, 16), (8, 512, 8), (16, 512, 16), (32, 128, 8),
+                                                     (64, 128, 16))
+               for per_sm in (2, 4, 8, 16)]
+    if args.tiny:
+        configs = configs[:2]
+    for bm, bn, w, per_sm in configs:
+        def measure(bm=bm, bn=bn, w=w, per_sm=per_sm):
+            col_tiles = cdiv(n, bn)
+            g = max(1, min(cdiv(m, bm), cdiv(sms * per_sm, col_tiles)))
+            partial = torch.empty((1, g, n), device=DEVICE, dtype=torch.float32)
+
+            def kernel_only():
+                _bias_gelu_bwd_kernel[(g, col_tiles)](dx, partial, dy, x, bias, n, n, n, m, n, g, BLOCK_M=bm,
+                                                      BLOCK_N=bn, HAS_BIAS=True, APPROX_TANH=False, num_warps=w)
+
+            def with_sum():
+                kernel_only()
+                return sum_partials(partial, bias.dtype)
+
+            kernel_only()
+            emit("gelubwd", block_m=bm, block_n=bn, warps=w, per_sm=per_sm, partials=g,
+                 kernel_ms=bench_ms(kernel_only, True), with_sum_ms=bench_ms(with_sum, True),
+                 floor_ms=3 * m * n * 2 / 4.2e12 * 1e3)
+
+        safe("gelubwd", measure, block_m=bm, block_n=bn, warps=w, per_sm=per_sm)
+
+
+# ------------------------------------------------------------------------------------------------ trace
+def item_trace(args) -> None:
+    """Each distinct kernel of `--path`'s ViT training step (forward, loss, backward; no optimizer, as counted):
+    launches and ms per step, its family; says which kernels a family's launch count is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vit_fast.presets import get_config
+    from vit_fast.tools import bench
+    from vit_fast.tools.predict import classify_kernel, device_kernels
+
+    overrides = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10) if args.tiny else {}
+    batch = 2 if args.tiny else args.batch
+    cfg = get_config(args.preset, **overrides)
+    model = bench.build(args.path, args.preset, device=DEVICE, compile_backend=args.backend, **overrides)
+    x = torch.randn(batch, cfg.in_chans, cfg.img_size[0], cfg.img_size[1], device=DEVICE)
+    y = torch.randint(0, cfg.num_classes, (batch,), device=DEVICE)
+
+    def step():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    sync()
+    steps = 3
+    activity = ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    kernels = device_kernels(prof.events()) if DEVICE == "cuda" else [
+        (e.name, e.self_cpu_time_total / 1e6) for e in prof.events() if e.name.startswith("aten::")]
+    by_name: dict[str, list] = {}
+    for name, seconds in kernels:
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+    for name, (launches, seconds) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
+        emit("trace", preset=args.preset, path=args.path, batch=batch, kernel=name[:200],
+             family=classify_kernel(name), launches_per_step=launches / steps, ms_per_step=seconds * 1e3 / steps)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("item", choices=["env", "hang", "step", "attn", "micro", "gemm"])
+    parser.add_argument("item", choices=["env", "hang", "step", "attn", "micro", "gemm", "gelubwd", "trace"])
     parser.add_argument("--preset", default="vit_base_patch16_224")
     parser.add_argument("--path", default="vit_fast")
     parser.add_argument("--batch", type=int, default=256)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One leased GPU call, in order of value, each step under a timeout capped by one overall deadline; everything
+# lands under $OUT (results.tar.gz + log). Run on the device machine from the repository root:
+#   set -o pipefail; bash bench/gpu_session.sh 520 2>&1 | tee $OUT/log
+set -uo pipefail
+DEADLINE=${1:-520}
+OUT=${OUT:-/tmp/gpu_session}
+R=$OUT/results
+mkdir -p "$R"
+export PROBE_ROWS=$R/rows.jsonl PROBE_DIR=$R PYTHONUNBUFFERED=1
+export VIT_FAST_CACHE_DIR=${VIT_FAST_CACHE_DIR:-/tmp/vit_fast_cache}
+start=$SECONDS
+pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" results 2>/dev/null; }
+step() {  # step NAME MAX_S CMD...: run unless the deadline is near
+  local name=$1 max=$2; shift 2
+  local left=$((DEADLINE - (SECONDS - start) - 10))
+  local t=$((max < left ? max : left))
+  if ((t < 15)); then echo "[session] SKIPPED $name (deadline)"; return; fi
+  echo "[session $((SECONDS - start)) s] $name (timeout $t s)"
+  timeout -k 5 "$t" "$@"
+  echo "[session $((SECONDS - start)) s] $name rc=$?"
+  pack
+}
+pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+step attn 100 python3 bench/gpu_probe.py attn --dump-after 60
+step campaign 290 vit-fast bench --campaign --quick --budget 265 --out "$R/campaign"
+step gelubwd 60 python3 bench/gpu_probe.py gelubwd --dump-after 40
+step trace 45 python3 bench/gpu_probe.py trace --path vit_fast --dump-after 30
+step tests 60 python3 -m pytest -q -x tests/test_attention_short.py -p no:cacheprovider
+echo "[session] done in $((SECONDS - start)) s"
+pack

@@ -107,7 +107,7 @@ def check_compiled_dropout(fn, inputs: list[torch.Tensor], monkeypatch) -> None:
             t.grad = None
         torch.manual_seed(3)
         out = run(*inputs)
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), device="cpu").to(out)
         out.backward(grad_out)  # the backward regenerates the mask from the saved seed tensor
         results.append([out.detach()] + [t.grad for t in inputs])
         with torch.no_grad():

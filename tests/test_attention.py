@@ -30,9 +30,9 @@ def make_linear(B, N, H, D, dtype, bias_std=0.5, seed=5):
     by ~half their spread), C = H * D."""
     g = torch.Generator().manual_seed(seed)
     C = H * D
-    x = torch.randn(B, N, C, generator=g)
-    weight = torch.randn(3 * C, C, generator=g) * C**-0.5
-    bias = bias_std * torch.randn(3 * C, generator=g)
+    x = torch.randn(B, N, C, generator=g, device="cpu")
+    weight = torch.randn(3 * C, C, generator=g, device="cpu") * C**-0.5
+    bias = bias_std * torch.randn(3 * C, generator=g, device="cpu")
     return [t.to(DEVICE, dtype) for t in (x, weight, bias)]
 
 
@@ -97,9 +97,9 @@ def test_attention_qkv_non_contiguous_vs_sdpa(dtype):
     """Separate q, k, v with three different non-contiguous layouts; also matches F.sdpa."""
     B, H, N, D = 2, 3, 33, 40
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(B, N, H, D, generator=g).to(DEVICE, dtype).transpose(1, 2)  # (B, H, N, D) head-interleaved
-    k = torch.randn(B, H, D, N, generator=g).to(DEVICE, dtype).transpose(2, 3)  # D-major
-    v = torch.randn(B, H, N, 2 * D, generator=g).to(DEVICE, dtype)[..., ::2]  # stride 2 along D
+    q = torch.randn(B, N, H, D, generator=g, device="cpu").to(DEVICE, dtype).transpose(1, 2)  # (B, H, N, D) head-interleaved
+    k = torch.randn(B, H, D, N, generator=g, device="cpu").to(DEVICE, dtype).transpose(2, 3)  # D-major
+    v = torch.randn(B, H, N, 2 * D, generator=g, device="cpu").to(DEVICE, dtype)[..., ::2]  # stride 2 along D
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     seen, real_fwd = [], AI._launch_fwd
 
@@ -295,7 +295,7 @@ def test_dropout_quantised_rate_same_mask_and_deterministic(monkeypatch):
     mine = check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
                           lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep), [qkv],
                           ["dqkv"])
-    grad = torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grad = torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE)
     again = run(lambda x: A.attention(x, H, dropout_p=p, training=True), [qkv], grad)
     assert torch.equal(mine[0], again[0]) and torch.equal(mine[1][0], again[1][0])
 
@@ -485,8 +485,8 @@ def test_padded_keys_stay_zero_when_every_score_is_very_negative(dtype):
     level = 10.0 if dtype == torch.float32 else 4.0  # scores -1600 (fp32) / -256 (fp16) in every entry
     q = torch.full((B, H, N, D), level, dtype=dtype, requires_grad=True)
     k = torch.full((B, H, N, D), -level, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
-    grad = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    v = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(0), device="cpu").to(dtype).requires_grad_()
+    grad = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(1), device="cpu").to(dtype)
     A.attention_qkv(q, k, v, scale=1.0).backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     A.attention_qkv_ref(*leaves, scale=1.0).backward(grad.double())
@@ -542,7 +542,7 @@ def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p, D, arch):
                           inputs, LINEAR_GRADS)
     assert mine[0].shape == (B, rows, H * D)
     grad = torch.zeros(B, N, H * D, dtype=dtype, device=DEVICE)
-    grad[:, :rows] = torch.randn(B, rows, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    grad[:, :rows] = torch.randn(B, rows, H * D, generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE, dtype)
     full = run(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True), inputs, grad)
     assert torch.equal(mine[0], full[0][:, :rows])
     for name, got, want in zip(LINEAR_GRADS, mine[1], full[1]):
@@ -576,7 +576,7 @@ def test_attention_linear_under_autocast():
     B, N, H, D = 2, 37, 2, 64
     inputs = make_linear(B, N, H, D, torch.float32)
     inputs[0] = inputs[0].to(torch.bfloat16)
-    grad = torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    grad = torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE, torch.bfloat16)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         mine = run(lambda x, w, b: A.attention_linear(x, w, b, H), inputs, grad)
         eager = run(lambda x, w, b: A.attention_linear_ref(x, w, b, H), inputs, grad)

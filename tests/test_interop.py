@@ -23,7 +23,7 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random weights everywhere: init leaves biases 0 and norms 1, which would hide a swapped key."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        p.add_(torch.randn(p.shape, generator=g, device="cpu") * 0.05)
     return model.eval()
 
 

@@ -21,7 +21,7 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random weights everywhere: init leaves biases 0 and norms 1, which would hide a swapped key."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.add_(torch.randn(p.shape, generator=g).to(p) * 0.05)
+        p.add_(torch.randn(p.shape, generator=g, device="cpu").to(p) * 0.05)
     return model
 
 
@@ -46,7 +46,7 @@ def hf_vit(cls=transformers.ViTForImageClassification, **kw):
 
 
 def images(batch=2, size=32, seed=1):
-    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed), device="cpu")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -148,7 +148,7 @@ def test_hf_interpolate_pos_encoding_matches_the_source(backend):
     ref = hf_vit(patch_size=8)  # 32 px: a 4x4 grid
     model = vit_fast.optimize(ref, backend=backend)
     for size in [(48, 40), (24, 24), (32, 32)]:
-        x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1), device="cpu")
         want = ref(x, interpolate_pos_encoding=True, output_hidden_states=True)
         got = model(x, interpolate_pos_encoding=True, output_hidden_states=True)
         assert_close(got.logits, want.logits, RTOL, name=f"logits {size}")
@@ -168,7 +168,7 @@ def test_gradients_flow_like_the_source():
     ref = timm_vit()
     model = vit_fast.optimize(ref, backend="torch")
     x = images()
-    weight = torch.randn(2, 5, generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(2, 5, generator=torch.Generator().manual_seed(3), device="cpu")
     (ref(x) * weight).sum().backward()
     (model(x) * weight).sum().backward()
     for name, p in model.named_parameters():

@@ -31,7 +31,7 @@ def make_inputs(B, C, H, W, P, D, cls=True, regs=0, covers=True, dtype=torch.flo
     num_patches = (H // P) * (W // P)
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+        return (torch.randn(*shape, generator=g, device="cpu") * scale).to(dtype).requires_grad_()
 
     return dict(
         images=rand(B, C, H, W),
@@ -184,15 +184,15 @@ def test_non_contiguous_parameters(kind):
     """Strided and expanded (stride-0) weight, bias, pos_embed, cls_token and reg_tokens: same tokens and
     same leaf gradients (autograd routes them back through the views) as the float64 reference."""
     g = torch.Generator().manual_seed(13)
-    leaves = {n: torch.randn(shape, generator=g).requires_grad_() for n, (shape, _) in PARAM_VIEWS[kind].items()}
-    images = torch.randn(_B, _C, _H, _W, generator=g)
+    leaves = {n: torch.randn(shape, generator=g, device="cpu").requires_grad_() for n, (shape, _) in PARAM_VIEWS[kind].items()}
+    images = torch.randn(_B, _C, _H, _W, generator=g, device="cpu")
 
     def run(fn, params, x):
         views = {n: view(params[n]) for n, (_, view) in PARAM_VIEWS[kind].items()}
         return fn(x, views["weight"], views["bias"], views["pos_embed"], views["cls_token"], views["reg_tokens"])
 
     out = run(patch_embed, leaves, images)
-    dtokens = torch.randn(out.shape, generator=g)
+    dtokens = torch.randn(out.shape, generator=g, device="cpu")
     out.backward(dtokens)
     exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
     ref = run(patch_embed_ref, exact, images.double())

@@ -22,7 +22,7 @@ SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the 
 
 def make_qkv(B, N, H, D, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, N, 3 * H * D, generator=g).to(device=DEVICE, dtype=dtype)
+    return torch.randn(B, N, 3 * H * D, generator=g, device="cpu").to(device=DEVICE, dtype=dtype)
 
 
 def make_linear(B, N, H, D, dtype, bias_std=0.5, seed=5):
@@ -48,7 +48,8 @@ def check_2x_eager(fn, ref_fn, inputs, names, seed=1):
     """Forward and every gradient: error vs float64 within the dtype bound and within 2x eager."""
     dtype = inputs[0].dtype
     out_shape = ref_fn(*inputs).shape
-    grad = torch.randn(out_shape, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(out_shape, generator=g, device="cpu").to(device=DEVICE, dtype=dtype)
     mine = run(fn, inputs, grad)
     eager = run(ref_fn, inputs, grad)
     ref = run(ref_fn, [x.double() for x in inputs], grad.double())
@@ -97,7 +98,8 @@ def test_attention_qkv_non_contiguous_vs_sdpa(dtype):
     """Separate q, k, v with three different non-contiguous layouts; also matches F.sdpa."""
     B, H, N, D = 2, 3, 33, 40
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(B, N, H, D, generator=g, device="cpu").to(DEVICE, dtype).transpose(1, 2)  # (B, H, N, D) head-interleaved
+    # (B, H, N, D) head-interleaved
+    q = torch.randn(B, N, H, D, generator=g, device="cpu").to(DEVICE, dtype).transpose(1, 2)
     k = torch.randn(B, H, D, N, generator=g, device="cpu").to(DEVICE, dtype).transpose(2, 3)  # D-major
     v = torch.randn(B, H, N, 2 * D, generator=g, device="cpu").to(DEVICE, dtype)[..., ::2]  # stride 2 along D
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
@@ -542,7 +544,8 @@ def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p, D, arch):
                           inputs, LINEAR_GRADS)
     assert mine[0].shape == (B, rows, H * D)
     grad = torch.zeros(B, N, H * D, dtype=dtype, device=DEVICE)
-    grad[:, :rows] = torch.randn(B, rows, H * D, generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(1)
+    grad[:, :rows] = torch.randn(B, rows, H * D, generator=g, device="cpu").to(DEVICE, dtype)
     full = run(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True), inputs, grad)
     assert torch.equal(mine[0], full[0][:, :rows])
     for name, got, want in zip(LINEAR_GRADS, mine[1], full[1]):

@@ -119,7 +119,7 @@ def test_a_hanging_path_loses_only_its_own_row_and_leaves_its_stack(tmp_path, mo
     assert "bias_gelu" not in ops and {"layer_norm", "attention", "patch_embed"} <= ops  # cases after it ran
     with open(out / "throughput.csv", newline="") as f:
         rows = {r["path"]: r for r in csv.DictReader(f)}
-    eager_paths = ("timm_eager", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "timm_compile")
+    eager_paths = ("timm_eager", "vit_fast", "timm_compile")  # the headline's paths (no graph on CPU)
     assert set(rows) == {*eager_paths, "vit_fast_compile"}
     assert "timed out" in rows["vit_fast_compile"]["error"]
     assert all(float(rows[p]["images_per_s"]) > 0 for p in eager_paths)

@@ -32,7 +32,8 @@ def hf_source(**kw):
 class Images(torch.utils.data.Dataset):
     def __init__(self, n=8, classes=3):
         g = torch.Generator().manual_seed(3)
-        self.x, self.y = torch.randn(n, 3, 32, 32, generator=g, device="cpu"), torch.randint(0, classes, (n,), generator=g, device="cpu")
+        self.x = torch.randn(n, 3, 32, 32, generator=g, device="cpu")
+        self.y = torch.randint(0, classes, (n,), generator=g, device="cpu")
 
     def __len__(self):
         return len(self.x)

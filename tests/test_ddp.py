@@ -27,7 +27,8 @@ def make_model(backend: str) -> vit_fast.VisionTransformer:
 
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, 3, 32, 32, generator=g, device="cpu"), torch.randint(0, 10, (BATCH,), generator=g, device="cpu")
+    return (torch.randn(BATCH, 3, 32, 32, generator=g, device="cpu"),
+            torch.randint(0, 10, (BATCH,), generator=g, device="cpu"))
 
 
 def grads_of(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, ddp=None) -> dict:

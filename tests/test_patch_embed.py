@@ -184,7 +184,8 @@ def test_non_contiguous_parameters(kind):
     """Strided and expanded (stride-0) weight, bias, pos_embed, cls_token and reg_tokens: same tokens and
     same leaf gradients (autograd routes them back through the views) as the float64 reference."""
     g = torch.Generator().manual_seed(13)
-    leaves = {n: torch.randn(shape, generator=g, device="cpu").requires_grad_() for n, (shape, _) in PARAM_VIEWS[kind].items()}
+    leaves = {n: torch.randn(shape, generator=g, device="cpu").requires_grad_()
+              for n, (shape, _) in PARAM_VIEWS[kind].items()}
     images = torch.randn(_B, _C, _H, _W, generator=g, device="cpu")
 
     def run(fn, params, x):

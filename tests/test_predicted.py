@@ -106,6 +106,9 @@ def test_classify_kernel_names():
         "pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
         "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": "embed",
         "cudnn::engines_precompiled::conv_wgrad_kernel": "embed",
+        # cuDNN's generated SDPA kernels: the helpers of its backward name no 'flash', and must not read as conv
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x1": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x64x64_4x1x1_kernel0_0": "attention",
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>": "norm",
         "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>": "elementwise",
         "void at::native::cunn_SoftMaxForward<4, float, float, LogSoftMaxForwardEpilogue>": "other",

@@ -78,11 +78,11 @@ def sum_partials_spec(out_type: str, block_n: int, note: str, width: int | None 
                    note, divisible_by_16=divisible_args(signature, values))
 
 
-def num_partials(row_tiles: int, col_tiles: int, device: torch.device) -> int:
+def num_partials(row_tiles: int, col_tiles: int, device: torch.device, per_sm: int = 4) -> int:
     """Programs along the rows of a backward launch (= rows of the fp32 partial buffer): enough
     programs over the whole grid to fill the GPU (``programs_to_fill``). Fixed per device and shape,
     so reproducible. Under the interpreter: a few partials, so the multi-program reduction is exercised."""
-    target = programs_to_fill(device, per_sm=4) if device.type == "cuda" else 3 * col_tiles
+    target = programs_to_fill(device, per_sm=per_sm) if device.type == "cuda" else 3 * col_tiles
     return max(1, min(row_tiles, cdiv(target, col_tiles)))
 
 

@@ -275,7 +275,9 @@ def classify_kernel(name: str) -> str:
         return "elementwise"
     if low.startswith("_") and low.endswith("_kernel"):  # vit_fast's @triton.jit kernels keep their names
         return triton_family(_kernel_modules().get(name, low), low)
-    if any(m in low for m in ("flash", "fmha", "attention", "softmax_warp", "softmax_forward", "softmax_backward")):
+    # cuDNN's attention kernels carry 'sdpa' (its generated backward names no 'flash'): before the conv marks
+    if any(m in low for m in ("flash", "fmha", "sdpa", "attention", "softmax_warp", "softmax_forward",
+                              "softmax_backward")):
         return "attention" if "log_softmax" not in low else "other"
     if any(m in low for m in _CONV_MARKS) and "elementwise" not in low:
         return "embed"

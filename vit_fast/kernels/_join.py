@@ -16,24 +16,22 @@ from ._utils import check_float, check_kernel_device, check_shape, dropout_keep_
 
 
 @triton.jit
-def dropout(v, SEED, offsets, p, HAS_DROPOUT: tl.constexpr):
-    """Inverted dropout of v; also its backward (the same mask and scale). SEED points at the Philox seed, drawn
-    on the device (kernels/_utils.next_seed: a CUDA graph's replays each read the seed drawn in them); it is
-    loaded where the mask is drawn, a cached load, so no register holds it across the kernels' row loops."""
+def dropout(v, seed, offsets, p, HAS_DROPOUT: tl.constexpr):
+    """Inverted dropout of v; also its backward (the same mask and scale)."""
     if HAS_DROPOUT:
-        v = tl.where(dropout_keep_mask(tl.load(SEED), offsets, p), v / (1.0 - p), 0.0)
+        v = tl.where(dropout_keep_mask(seed, offsets, p), v / (1.0 - p), 0.0)
     return v
 
 
 @triton.jit
-def residual_join_fwd(residual, x, bias, gamma, scale, SEED, offsets, p,
+def residual_join_fwd(residual, x, bias, gamma, scale, seed, offsets, p,
                       HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr):
     """residual + scale * gamma * dropout(x + bias), fp32 tiles (absent factors are not read)."""
     branch = x
     if HAS_BIAS:
         branch = branch + bias
-    branch = dropout(branch, SEED, offsets, p, HAS_DROPOUT)
+    branch = dropout(branch, seed, offsets, p, HAS_DROPOUT)
     if HAS_GAMMA:
         branch = branch * gamma
     if HAS_SCALE:
@@ -42,7 +40,7 @@ def residual_join_fwd(residual, x, bias, gamma, scale, SEED, offsets, p,
 
 
 @triton.jit
-def residual_join_bwd(g, x, bias, gamma, scale, SEED, offsets, p,
+def residual_join_bwd(g, x, bias, gamma, scale, seed, offsets, p,
                       HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr):
     """From g = d(out): (dx, dgamma term). dx = g * scale * gamma * mask/(1-p) (also d bias);
@@ -54,9 +52,9 @@ def residual_join_bwd(g, x, bias, gamma, scale, SEED, offsets, p,
         branch = x
         if HAS_BIAS:
             branch = branch + bias
-        dgamma_term = g * dropout(branch, SEED, offsets, p, HAS_DROPOUT)
+        dgamma_term = g * dropout(branch, seed, offsets, p, HAS_DROPOUT)
         g = g * gamma
-    return dropout(g, SEED, offsets, p, HAS_DROPOUT), dgamma_term
+    return dropout(g, seed, offsets, p, HAS_DROPOUT), dgamma_term
 
 
 def stores_dx(p: float, gamma, sample_scale, grad_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:

@@ -132,6 +132,11 @@ def _bias_dropout_add_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
+    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
+    if HAS_DROPOUT:
+        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
+    else:
+        seed = 0
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -140,7 +145,7 @@ def _bias_dropout_add_fwd_kernel(
     bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] if HAS_BIAS else 0.0
     gamma = tl.load(GAMMA + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] if HAS_GAMMA else 0.0
     scale = tl.load(SCALE + rows // tokens_per_sample, mask=rows < M, other=0.0)[:, None] if HAS_SCALE else 0.0
-    out = residual_join_fwd(res, x, bias, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
+    out = residual_join_fwd(res, x, bias, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
                             HAS_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
     tl.store(OUT + rows[:, None] * stride_om + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
@@ -168,7 +173,13 @@ def _bias_dropout_add_bwd_kernel(
         x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32) \
             if HAS_GAMMA else 0.0
         scale = tl.load(SCALE + rows // tokens_per_sample, mask=rows < M, other=0.0)[:, None] if HAS_SCALE else 0.0
-        dx, dgamma_term = residual_join_bwd(g, x, bias, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
+        # the Philox seed is read on the device (a CUDA graph's replays each see the seed drawn in them), once per
+        # step and kept int64: a cached load; held across the loop, or cut to int32, it spills on sm_90
+        if HAS_DROPOUT:
+            seed = tl.load(SEED)
+        else:
+            seed = 0
+        dx, dgamma_term = residual_join_bwd(g, x, bias, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
                                             HAS_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
         if STORE_DX:
             tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -204,13 +215,6 @@ def bwd_tile_config(n: int, arch: int = 80) -> RowTile:
     128 columns wide, 16 elements per thread on 8 warps."""
     block_n = min(128, next_power_of_2(n))
     return RowTile(max(1, 4096 // block_n), block_n, 8)
-
-
-def dropout_add_bwd_tile(n: int, arch: int = 80, gamma: bool = False, dropout: bool = False) -> RowTile:
-    """The bias_dropout_add backward's tile: the row-tile kernels' own, with half its rows where LayerScale and
-    dropout meet (the Philox draw beside the dgamma term spills 8 B/thread on sm_80 with triton 3.6 at 8 rows)."""
-    tile = tile_config(n, arch)
-    return RowTile(max(1, tile.block_m // 2), tile.block_n, tile.num_warps) if gamma and dropout else tile
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
@@ -328,8 +332,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
             num_warps=warps, **flags)
         return sum_partials(partial, param_dtype) if params else partial.new_empty((0, n))
     key = (bucket(m), n, str(dout.dtype), str(x.dtype), *flags.values())
-    static = dropout_add_bwd_tile(n, gamma=gamma is not None, dropout=p > 0)
-    candidates = _tuning.row_candidates(static, grow=False)
+    candidates = _tuning.row_candidates(tile_config(n), grow=False)
     return dx, launch(_tuning.choose("bias_dropout_add_bwd", key, candidates, launch, x.device))
 
 
@@ -465,10 +468,8 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                     note = f"N={width} gamma={gamma} drop_path={scale} dropout={drop}"
                     note += " fp32 stream" if stream is not types else ""
                     add("bias_dropout_add_fwd", _bias_dropout_add_fwd_kernel, width, c, warps, note, stream)
-                    bwd = dropout_add_bwd_tile(width, arch, gamma, drop)
                     add("bias_dropout_add_bwd", _bias_dropout_add_bwd_kernel, width,
-                        dict(c, BLOCK_M=bwd.block_m, STORE_DX=gamma or scale or drop or stream is not types),
-                        bwd.num_warps, note, stream)
+                        dict(c, STORE_DX=gamma or scale or drop or stream is not types), warps, note, stream)
     for n in sorted({width, mlp_hidden}):  # the reduction writes parameter grads
         specs.append(sum_partials_spec(par, sum_partials_block_n(n), f"N={n}", width=n))
     return specs

@@ -78,6 +78,11 @@ def _layer_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
+    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
+    if HAS_DROPOUT:
+        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
+    else:
+        seed = 0
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -88,7 +93,7 @@ def _layer_norm_fwd_kernel(
         bb = tl.load(BRANCH_BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_BRANCH_BIAS else 0.0
         gamma = tl.load(GAMMA + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_GAMMA else 0.0
         scale = tl.load(SCALE + rows // tokens_per_sample, mask=row_ok, other=0.0)[:, None] if HAS_SCALE else 0.0
-        h = residual_join_fwd(res, h, bb, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
+        h = residual_join_fwd(res, h, bb, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
                               HAS_BRANCH_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
         h = h.to(H_OUT.dtype.element_ty)
         tl.store(H_OUT + rows[:, None] * stride_hm + cols[None, :], h, mask=mask)
@@ -117,6 +122,11 @@ def _layer_norm_bwd_kernel(
     HAS_BRANCH_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
 ):
+    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
+    if HAS_DROPOUT:
+        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
+    else:
+        seed = 0
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -154,7 +164,7 @@ def _layer_norm_bwd_kernel(
             # registers saved around it went to the stack (8 B/thread) in drop-path variants
             scale = tl.load(SCALE + rows.to(tl.int32) // tokens_per_sample, mask=row_ok, other=0.0)[:, None] \
                 if HAS_SCALE else 0.0
-            dx, dgamma_term = residual_join_bwd(dh, x, bb, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
+            dx, dgamma_term = residual_join_bwd(dh, x, bb, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
                                                 HAS_BRANCH_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
             tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_GAMMA:

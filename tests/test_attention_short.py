@@ -112,7 +112,7 @@ def test_dropout_draws_the_flash_kernels_mask(N, arch, D, monkeypatch):
     """Forward and backward regenerate the mask ``attention_dropout_mask`` draws (the flash kernels' bits)."""
     B, H, p, seed = 2, 2, 0.25, 4321
     monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True, kernel="short"),
                    lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
@@ -123,7 +123,7 @@ def test_dropout_draws_the_flash_kernels_mask(N, arch, D, monkeypatch):
 def test_dropout_with_query_rows_and_the_bias_gradient(N, monkeypatch):
     """attention_linear with dropout, the first query only (class-token pooling) and the qkv bias's gradient."""
     B, H, D, p, seed = 2, 2, 32, 0.25, 77
-    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
+    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=1,
                                                       kernel="short"),

@@ -74,7 +74,7 @@ def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optiona
                  *more: Optional[torch.Tensor], bias_name: str = "bias",
                  p_name: str = "p") -> tuple[float, Optional[torch.Tensor]]:
     """Validate a residual join's inputs (x already checked) and pick its dropout: returns (p, seed),
-    seed a ``next_seed(x.device)`` tensor; p = 0 and seed None (nothing drawn from torch's generator) in eval
+    seed a ``next_seed()`` tensor; p = 0 and seed None (nothing drawn from torch's generator) in eval
     mode or for p = 0."""
     n = x.shape[-1]
     check_float(op, "residual", residual)
@@ -86,4 +86,4 @@ def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optiona
         raise ValueError(f"{op}: expected dropout probability {p_name} in [0, 1], got {p}")
     check_kernel_device(op, x, residual, bias, gamma, sample_scale, *more)
     p = float(p) if training else 0.0
-    return p, (next_seed(x.device) if p > 0 else None)
+    return p, (next_seed() if p > 0 else None)

@@ -19,10 +19,9 @@ same seed, the same dropout mask: offsets are the logical element index row * N 
 
 Dropout: the keep-mask is drawn in-kernel by ``_utils.dropout_keep_mask(seed, offset, p)``
 (Philox via tl.rand) and never stored; backward regenerates it from the same seed. The seed
-comes from ``_utils.next_seed`` once per call as a 1-element int64 tensor on the device (so
-``torch.manual_seed``, activation checkpointing and CUDA-graph replays handle it as any device draw;
-torch.compile traces the draw, no graph break), is read by the kernels through a pointer, and is saved
-for backward. ``p == 0`` or
+comes from ``_utils.next_seed()`` once per call as a 1-element CPU tensor (torch's CPU generator,
+so ``torch.manual_seed`` and activation checkpointing replay it; torch.compile traces the draw, no
+graph break), is read as an int only inside the custom ops, and is saved for backward. ``p == 0`` or
 ``training=False`` compiles the kernel without the draw (constexpr HAS_DROPOUT).
 
 Dtypes: x fp32/fp16/bf16; bias / gamma may be fp32 while x is half (autocast), grads then come
@@ -73,7 +72,7 @@ from ._rows import (
     sum_partials_spec,
 )
 from ._tuning import bucket
-from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, unit_stride
+from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, seed_value, unit_stride
 
 
 # -------------------------------------------------------------------------------------- jit kernels
@@ -128,15 +127,10 @@ def _bias_dropout_add_fwd_kernel(
     X, BIAS, RES, GAMMA, SCALE,  # (M, N), (N,) or None, (M, N), (N,) or None, (B,) fp32 or None
     stride_xm, stride_rm, stride_om,
     M, N, tokens_per_sample,  # row r belongs to sample r // tokens_per_sample
-    SEED, p,  # dropout: -> the Philox seed (int64 on the device) and the probability (read with HAS_DROPOUT)
+    seed, p,  # dropout seed (int) and probability (only read with HAS_DROPOUT)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
-    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
-    if HAS_DROPOUT:
-        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
-    else:
-        seed = 0
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -155,7 +149,7 @@ def _bias_dropout_add_bwd_kernel(
     DX, PARTIAL,  # (M, N) grad of x (only with STORE_DX); (K, G, N) fp32 partials: [dbias][, dgamma]
     DOUT, X, BIAS, GAMMA, SCALE,
     stride_dom, stride_xm, stride_dxm,
-    M, N, G, tokens_per_sample, SEED, p,
+    M, N, G, tokens_per_sample, seed, p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_DX: tl.constexpr,  # False when dx is dout itself (no dropout, gamma or scale)
@@ -173,12 +167,6 @@ def _bias_dropout_add_bwd_kernel(
         x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32) \
             if HAS_GAMMA else 0.0
         scale = tl.load(SCALE + rows // tokens_per_sample, mask=rows < M, other=0.0)[:, None] if HAS_SCALE else 0.0
-        # the Philox seed is read on the device (a CUDA graph's replays each see the seed drawn in them), once per
-        # step and kept int64: a cached load; held across the loop, or cut to int32, it spills on sm_90
-        if HAS_DROPOUT:
-            seed = tl.load(SEED)
-        else:
-            seed = 0
         dx, dgamma_term = residual_join_bwd(g, x, bias, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
                                             HAS_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
         if STORE_DX:
@@ -274,7 +262,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
                          gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor],
                          p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
     """x, residual: (..., N) of one shape; sample_scale (B,) with B dividing the rows M. p > 0 draws
-    dropout with seed (a 1-element int64 tensor on the device from ``next_seed``; None without dropout). The
+    dropout with seed (a 1-element int64 CPU tensor from ``next_seed``; None without dropout). The
     output is allocated in x's shape, not viewed from a rows tensor (FSDP2 warns on a block returning
     a view)."""
     shape, n = x.shape, x.shape[-1]
@@ -293,7 +281,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
         grid = (cdiv(m, block_m), cdiv(n, block_n))
         _bias_dropout_add_fwd_kernel[grid](
             out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
-            seed, p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
+            seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
     key = (bucket(m), n, str(x.dtype), str(residual.dtype), *flags.values())
     launch(_tuning.choose("bias_dropout_add_fwd", key, _tuning.row_candidates(tile_config(n)), launch, x.device))
     return full
@@ -328,7 +316,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
         partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
         _bias_dropout_add_bwd_kernel[(g, col_tiles)](
             dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0),
-            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
+            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, **flags)
         return sum_partials(partial, param_dtype) if params else partial.new_empty((0, n))
     key = (bucket(m), n, str(dout.dtype), str(x.dtype), *flags.values())
@@ -439,7 +427,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     partial-sum reduction. Activations in ``dtype``, parameters in ``param_dtype`` (autocast)."""
     act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     types = {"Y": act, "X": act, "DX": act, "DY": act, "DOUT": act, "OUT": act, "RES": act, "BIAS": par,
-             "GAMMA": par, "SCALE": "*fp32", "PARTIAL": "*fp32", "SEED": "*i64", "p": "fp32"}
+             "GAMMA": par, "SCALE": "*fp32", "PARTIAL": "*fp32", "seed": "i32", "p": "fp32"}
     specs = []
 
     def add(name, fn, n, constexprs, warps, note, arg_types=None):

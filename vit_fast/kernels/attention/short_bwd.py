@@ -107,7 +107,7 @@ def _attention_short_bwd_kernel(
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
     num_heads, seq_len, head_dim: tl.constexpr,
     q_len,  # query rows of out, dO and lse: the other q rows get zero gradient
-    scale, drop_threshold, inv_keep, SEED,
+    scale, drop_threshold, inv_keep, seed,
     ROWS0: tl.constexpr,  # query-row segments: powers of two, ROWS0 + ROWS1 + ROWS2 >= N (ROWS1, ROWS2 may be 0)
     ROWS1: tl.constexpr,
     ROWS2: tl.constexpr,
@@ -155,12 +155,6 @@ def _attention_short_bwd_kernel(
         v = _load(v_head, cols, col_ok, offs_d, d_ok, stride_vn, stride_vd, False)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        # the Philox seed is read on the device (a CUDA graph's replays each see the seed drawn in them), once per
-        # key block: a cached load, where a seed held across the loop spills on sm_80
-        if DROPOUT:
-            seed = tl.load(SEED)
-        else:
-            seed = 0
         dq0, dk, dv = _tile_pair(dq0, dk, dv, q0, do0, lse0, delta0, k, v, bh, 0, start_n, col_ok, qk_scale,
                                  drop_threshold, inv_keep, seed, ROWS0, BLOCK_N, DROPOUT, INPUT_PRECISION)
         if ROWS1:
@@ -251,7 +245,7 @@ def _attention_short_bwd_streamed_kernel(
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
     num_heads, seq_len, head_dim: tl.constexpr,
     q_len,  # query rows of out, dO and lse: the other q rows get zero gradient
-    scale, drop_threshold, inv_keep, SEED,
+    scale, drop_threshold, inv_keep, seed,
     BLOCK_M: tl.constexpr,  # q rows per inner step
     BLOCK_N: tl.constexpr,  # keys per outer step (their dK, dV held)
     BLOCK_D: tl.constexpr,
@@ -265,11 +259,6 @@ def _attention_short_bwd_streamed_kernel(
     (q tile, key block) pair computed once as in ``_tile_pair``. dQ accumulates in the head's fp32 workspace rows,
     which only this program touches, in a fixed key order: no atomics, bitwise repeatable. The barriers order one
     key block's workspace stores before the next block's loads of the same rows by other threads of the program."""
-    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
-    if DROPOUT:
-        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
-    else:
-        seed = 0
     bh = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim

@@ -212,7 +212,7 @@ def test_dropout_mask_depends_only_on_seed_head_and_position():
 def test_dropout_forward_and_backward_use_the_same_mask(monkeypatch, dtype):
     """Forward, dK/dV and dQ regenerate one mask: the kernel equals the reference handed that mask."""
     B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
-    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     qkv = make_qkv(B, N, H, D, dtype)
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
@@ -228,7 +228,7 @@ def test_split_head_dim_tables(monkeypatch, arch, p, D):
     B, N, H, seed = 1, 37, 2, 99
     assert AI._block_dims(D, True) == (64, 16) and A.attention_config(N, D, torch.float16, arch).fwd.split
     monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
     check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
                    lambda x: A.attention_ref(x, H, dropout_p=p, training=True, dropout_mask=keep),
@@ -244,7 +244,7 @@ def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
     steps), N = 64 none (no masked step at all), N = 208 exactly 16 and N = 209 17 (the boundary)."""
     B, H, D, seed = 1, 2, 64, 7
     monkeypatch.setattr(AI, "gpu_arch", lambda device: 90)
-    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     cfg = A.attention_config(N, D, torch.float16, 90, dropout=bool(p))
     assert (cfg.fwd.block_n, cfg.dkdv.block_m, cfg.dq.block_n) == (64, 32, 64)
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
@@ -259,7 +259,7 @@ def test_unpeeled_wide_16bit_heads_with_dropout(monkeypatch, arch):
     fp32 does; 16-bit D <= 64 and the D = 72 / 80 split peel."""
     B, N, H, D, p, seed = 1, 37, 2, 96, 0.25, 5
     monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     cfg = A.attention_config(N, D, torch.float16, arch, dropout=True)
     assert not (cfg.fwd.peel or cfg.dq.peel or cfg.dkdv.peel)
     assert A.attention_config(N, 64, torch.float16, arch, dropout=True).fwd.peel
@@ -291,7 +291,7 @@ def test_dropout_quantised_rate_same_mask_and_deterministic(monkeypatch):
     bound by far); forward, dK/dV (transposed tiles) and dQ use the mask the helper draws; two runs are
     bitwise equal in the output and the gradient."""
     B, N, H, D, p, seed = 1, 50, 2, 16, 0.1, 2024
-    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     qkv = make_qkv(B, N, H, D, torch.float32, seed=3)
     mine = check_2x_eager(lambda x: A.attention(x, H, dropout_p=p, training=True),
@@ -535,7 +535,7 @@ def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p, D, arch):
     sm_90 tables (128-row dQ tiles; 57 rows leave 25 past the 32-row dK/dV steps), head_dim 72 split too."""
     B, H, seed = 2, 2, 11
     monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
     inputs = make_linear(B, N, H, D, dtype)
     fn = lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=rows)  # noqa: E731
@@ -594,7 +594,7 @@ def test_attention_linear_under_autocast():
 def test_attention_linear_with_dropout(monkeypatch, dtype):
     """The mask regenerated in forward, dK/dV and dQ equals the reference handed the same mask."""
     B, N, H, D, p, seed = 2, 37, 2, 32, 0.25, 4321
-    monkeypatch.setattr(AI, "next_seed", lambda: torch.tensor([seed]))
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE)
     check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True),
                    lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True, dropout_mask=keep),

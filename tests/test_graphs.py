@@ -42,18 +42,16 @@ def test_fp16_and_zero_warmup_are_refused_before_anything_runs():
         CudaGraphStep(model, opt, F.cross_entropy, x, y, warmup_steps=0)
 
 
-def test_fused_dropout_refuses_to_draw_a_host_seed_during_capture(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="replay one dropout mask"):
-        _utils.next_seed()
-
-
-def test_seed_draw_outside_capture_follows_manual_seed():
+def test_dropout_seed_is_drawn_on_the_tensors_device_and_follows_manual_seed():
+    """The kernels' Philox seed is an int64 tensor drawn on the device of the tensors it serves (a CUDA graph
+    replays the draw with the device generator advanced), reproducible by torch.manual_seed."""
+    device = torch.device(DEVICE)
     torch.manual_seed(3)
-    a = _utils.next_seed()
+    a = _utils.next_seed(device)
+    assert a.device.type == device.type and a.dtype == torch.int64 and a.shape == (1,)
     torch.manual_seed(3)
-    assert torch.equal(a, _utils.next_seed())
+    assert torch.equal(a, _utils.next_seed(device))
+    assert not torch.equal(a, _utils.next_seed(device))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA-graph capture needs a CUDA device")
@@ -106,3 +104,25 @@ def test_train_cuda_graph_runs_and_learns(tmp_path):
     summary = train(resolve_args(["--cuda-graph", "--epochs", "1", "--amp", "bf16", "--output-dir", str(tmp_path),
                                   "--no-progress"]))
     assert summary["steps"] > 0 and summary["train_loss"] < 2.3
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA-graph capture needs a CUDA device")
+def test_captured_dropout_draws_fresh_masks_on_every_replay():
+    """Attention and projection dropout inside a captured forward: each replay draws its own masks (the seeds
+    are device draws the graph replays with the generator advanced), none is replayed from the capture."""
+    torch.manual_seed(0)
+    blk = vit_fast.Block(64, 4, proj_drop=0.2, attn_drop=0.1, backend="triton").to(DEVICE).train()
+    x = torch.randn(2, 17, 64, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(2):  # compile and tune outside the capture
+            blk(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = blk(x)
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    assert torch.isfinite(out).all() and not torch.equal(out, first)

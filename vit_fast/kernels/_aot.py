@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-TRITON_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+TRITON_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64"}
 
 # Triton's CUDA default (CUDAOptions.num_stages): what a launch that passes no num_stages compiles with.
 LAUNCH_DEFAULT_STAGES = 3

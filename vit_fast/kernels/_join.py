@@ -16,22 +16,24 @@ from ._utils import check_float, check_kernel_device, check_shape, dropout_keep_
 
 
 @triton.jit
-def dropout(v, seed, offsets, p, HAS_DROPOUT: tl.constexpr):
-    """Inverted dropout of v; also its backward (the same mask and scale)."""
+def dropout(v, SEED, offsets, p, HAS_DROPOUT: tl.constexpr):
+    """Inverted dropout of v; also its backward (the same mask and scale). SEED points at the Philox seed, drawn
+    on the device (kernels/_utils.next_seed: a CUDA graph's replays each read the seed drawn in them); it is
+    loaded where the mask is drawn, a cached load, so no register holds it across the kernels' row loops."""
     if HAS_DROPOUT:
-        v = tl.where(dropout_keep_mask(seed, offsets, p), v / (1.0 - p), 0.0)
+        v = tl.where(dropout_keep_mask(tl.load(SEED), offsets, p), v / (1.0 - p), 0.0)
     return v
 
 
 @triton.jit
-def residual_join_fwd(residual, x, bias, gamma, scale, seed, offsets, p,
+def residual_join_fwd(residual, x, bias, gamma, scale, SEED, offsets, p,
                       HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr):
     """residual + scale * gamma * dropout(x + bias), fp32 tiles (absent factors are not read)."""
     branch = x
     if HAS_BIAS:
         branch = branch + bias
-    branch = dropout(branch, seed, offsets, p, HAS_DROPOUT)
+    branch = dropout(branch, SEED, offsets, p, HAS_DROPOUT)
     if HAS_GAMMA:
         branch = branch * gamma
     if HAS_SCALE:
@@ -40,7 +42,7 @@ def residual_join_fwd(residual, x, bias, gamma, scale, seed, offsets, p,
 
 
 @triton.jit
-def residual_join_bwd(g, x, bias, gamma, scale, seed, offsets, p,
+def residual_join_bwd(g, x, bias, gamma, scale, SEED, offsets, p,
                       HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr):
     """From g = d(out): (dx, dgamma term). dx = g * scale * gamma * mask/(1-p) (also d bias);
@@ -52,9 +54,9 @@ def residual_join_bwd(g, x, bias, gamma, scale, seed, offsets, p,
         branch = x
         if HAS_BIAS:
             branch = branch + bias
-        dgamma_term = g * dropout(branch, seed, offsets, p, HAS_DROPOUT)
+        dgamma_term = g * dropout(branch, SEED, offsets, p, HAS_DROPOUT)
         g = g * gamma
-    return dropout(g, seed, offsets, p, HAS_DROPOUT), dgamma_term
+    return dropout(g, SEED, offsets, p, HAS_DROPOUT), dgamma_term
 
 
 def stores_dx(p: float, gamma, sample_scale, grad_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
@@ -74,7 +76,7 @@ def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optiona
                  *more: Optional[torch.Tensor], bias_name: str = "bias",
                  p_name: str = "p") -> tuple[float, Optional[torch.Tensor]]:
     """Validate a residual join's inputs (x already checked) and pick its dropout: returns (p, seed),
-    seed a ``next_seed()`` tensor; p = 0 and seed None (nothing drawn from torch's generator) in eval
+    seed a ``next_seed(x.device)`` tensor; p = 0 and seed None (nothing drawn from torch's generator) in eval
     mode or for p = 0."""
     n = x.shape[-1]
     check_float(op, "residual", residual)
@@ -86,4 +88,4 @@ def prepare_join(op: str, x: torch.Tensor, residual: torch.Tensor, bias: Optiona
         raise ValueError(f"{op}: expected dropout probability {p_name} in [0, 1], got {p}")
     check_kernel_device(op, x, residual, bias, gamma, sample_scale, *more)
     p = float(p) if training else 0.0
-    return p, (next_seed() if p > 0 else None)
+    return p, (next_seed(x.device) if p > 0 else None)

@@ -95,29 +95,18 @@ def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def next_seed() -> torch.Tensor:
-    """A fresh Philox seed for one kernel call: a 1-element int64 CPU tensor drawn from torch's
-    default CPU generator.
+def next_seed(device: torch.device) -> torch.Tensor:
+    """A fresh Philox seed for one kernel call: a 1-element int64 tensor drawn on ``device`` (the tensors'
+    own) from torch's generator of that device, which the kernels read through a pointer.
 
-    Drawing on the CPU generator never synchronises a GPU, follows ``torch.manual_seed``, and is
-    replayed by ``torch.utils.checkpoint`` (which restores the CPU RNG state before recomputing),
-    so a recomputed forward draws the same dropout mask. The seed stays a tensor up to the custom
-    ops, which read it with ``seed_value`` inside their implementation: torch.compile traces the
-    draw as a graph op (a fresh seed per call, no ``.item()`` graph break, no
-    ``capture_scalar_outputs`` needed). It is saved for backward, which regenerates the mask from it
-    instead of storing the mask.
+    On the device, the draw is part of the step: a CUDA graph replays the draw with its generator advanced
+    (torch registers the generator with the capture), so every replay gets a fresh dropout mask, and no host
+    sync is needed. It follows ``torch.manual_seed`` (which seeds every device), and
+    ``torch.utils.checkpoint`` restores the device's generator before recomputing, so a recomputed forward
+    draws the same mask. torch.compile traces the draw as a graph op (a fresh seed per call, no graph break).
+    The seed is saved for backward, which regenerates the mask from it instead of storing the mask.
     """
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("vit_fast: fused dropout draws its Philox seed on the host, so a CUDA graph would replay "
-                           "one dropout mask on every step; capture a step with the dropout rates at 0 "
-                           "(stochastic depth and torch's own nn.Dropout are graph-safe)")
-    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device="cpu")
-
-
-def seed_value(seed: torch.Tensor | None) -> int:
-    """The int a kernel launch takes from a ``next_seed()`` tensor (0 for None: no dropout, no draw).
-    Only called inside custom-op implementations, which dynamo does not trace."""
-    return int(seed.item()) if seed is not None else 0
+    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 
 
 @triton.jit

@@ -19,9 +19,10 @@ same seed, the same dropout mask: offsets are the logical element index row * N 
 
 Dropout: the keep-mask is drawn in-kernel by ``_utils.dropout_keep_mask(seed, offset, p)``
 (Philox via tl.rand) and never stored; backward regenerates it from the same seed. The seed
-comes from ``_utils.next_seed()`` once per call as a 1-element CPU tensor (torch's CPU generator,
-so ``torch.manual_seed`` and activation checkpointing replay it; torch.compile traces the draw, no
-graph break), is read as an int only inside the custom ops, and is saved for backward. ``p == 0`` or
+comes from ``_utils.next_seed`` once per call as a 1-element int64 tensor on the device (so
+``torch.manual_seed``, activation checkpointing and CUDA-graph replays handle it as any device draw;
+torch.compile traces the draw, no graph break), is read by the kernels through a pointer, and is saved
+for backward. ``p == 0`` or
 ``training=False`` compiles the kernel without the draw (constexpr HAS_DROPOUT).
 
 Dtypes: x fp32/fp16/bf16; bias / gamma may be fp32 while x is half (autocast), grads then come
@@ -72,7 +73,7 @@ from ._rows import (
     sum_partials_spec,
 )
 from ._tuning import bucket
-from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, seed_value, unit_stride
+from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, unit_stride
 
 
 # -------------------------------------------------------------------------------------- jit kernels
@@ -127,7 +128,7 @@ def _bias_dropout_add_fwd_kernel(
     X, BIAS, RES, GAMMA, SCALE,  # (M, N), (N,) or None, (M, N), (N,) or None, (B,) fp32 or None
     stride_xm, stride_rm, stride_om,
     M, N, tokens_per_sample,  # row r belongs to sample r // tokens_per_sample
-    seed, p,  # dropout seed (int) and probability (only read with HAS_DROPOUT)
+    SEED, p,  # dropout: -> the Philox seed (int64 on the device) and the probability (read with HAS_DROPOUT)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
@@ -139,7 +140,7 @@ def _bias_dropout_add_fwd_kernel(
     bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] if HAS_BIAS else 0.0
     gamma = tl.load(GAMMA + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] if HAS_GAMMA else 0.0
     scale = tl.load(SCALE + rows // tokens_per_sample, mask=rows < M, other=0.0)[:, None] if HAS_SCALE else 0.0
-    out = residual_join_fwd(res, x, bias, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
+    out = residual_join_fwd(res, x, bias, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
                             HAS_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
     tl.store(OUT + rows[:, None] * stride_om + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
@@ -149,7 +150,7 @@ def _bias_dropout_add_bwd_kernel(
     DX, PARTIAL,  # (M, N) grad of x (only with STORE_DX); (K, G, N) fp32 partials: [dbias][, dgamma]
     DOUT, X, BIAS, GAMMA, SCALE,
     stride_dom, stride_xm, stride_dxm,
-    M, N, G, tokens_per_sample, seed, p,
+    M, N, G, tokens_per_sample, SEED, p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_DX: tl.constexpr,  # False when dx is dout itself (no dropout, gamma or scale)
@@ -167,7 +168,7 @@ def _bias_dropout_add_bwd_kernel(
         x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32) \
             if HAS_GAMMA else 0.0
         scale = tl.load(SCALE + rows // tokens_per_sample, mask=rows < M, other=0.0)[:, None] if HAS_SCALE else 0.0
-        dx, dgamma_term = residual_join_bwd(g, x, bias, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
+        dx, dgamma_term = residual_join_bwd(g, x, bias, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
                                             HAS_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
         if STORE_DX:
             tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -203,6 +204,13 @@ def bwd_tile_config(n: int, arch: int = 80) -> RowTile:
     128 columns wide, 16 elements per thread on 8 warps."""
     block_n = min(128, next_power_of_2(n))
     return RowTile(max(1, 4096 // block_n), block_n, 8)
+
+
+def dropout_add_bwd_tile(n: int, arch: int = 80, gamma: bool = False, dropout: bool = False) -> RowTile:
+    """The bias_dropout_add backward's tile: the row-tile kernels' own, with half its rows where LayerScale and
+    dropout meet (the Philox draw beside the dgamma term spills 8 B/thread on sm_80 with triton 3.6 at 8 rows)."""
+    tile = tile_config(n, arch)
+    return RowTile(max(1, tile.block_m // 2), tile.block_n, tile.num_warps) if gamma and dropout else tile
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
@@ -262,7 +270,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
                          gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor],
                          p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
     """x, residual: (..., N) of one shape; sample_scale (B,) with B dividing the rows M. p > 0 draws
-    dropout with seed (a 1-element int64 CPU tensor from ``next_seed``; None without dropout). The
+    dropout with seed (a 1-element int64 tensor on the device from ``next_seed``; None without dropout). The
     output is allocated in x's shape, not viewed from a rows tensor (FSDP2 warns on a block returning
     a view)."""
     shape, n = x.shape, x.shape[-1]
@@ -281,7 +289,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
         grid = (cdiv(m, block_m), cdiv(n, block_n))
         _bias_dropout_add_fwd_kernel[grid](
             out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
-            seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
+            seed, p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
     key = (bucket(m), n, str(x.dtype), str(residual.dtype), *flags.values())
     launch(_tuning.choose("bias_dropout_add_fwd", key, _tuning.row_candidates(tile_config(n)), launch, x.device))
     return full
@@ -316,11 +324,12 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
         partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
         _bias_dropout_add_bwd_kernel[(g, col_tiles)](
             dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0),
-            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
+            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, **flags)
         return sum_partials(partial, param_dtype) if params else partial.new_empty((0, n))
     key = (bucket(m), n, str(dout.dtype), str(x.dtype), *flags.values())
-    candidates = _tuning.row_candidates(tile_config(n), grow=False)
+    static = dropout_add_bwd_tile(n, gamma=gamma is not None, dropout=p > 0)
+    candidates = _tuning.row_candidates(static, grow=False)
     return dx, launch(_tuning.choose("bias_dropout_add_bwd", key, candidates, launch, x.device))
 
 
@@ -427,7 +436,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     partial-sum reduction. Activations in ``dtype``, parameters in ``param_dtype`` (autocast)."""
     act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     types = {"Y": act, "X": act, "DX": act, "DY": act, "DOUT": act, "OUT": act, "RES": act, "BIAS": par,
-             "GAMMA": par, "SCALE": "*fp32", "PARTIAL": "*fp32", "seed": "i32", "p": "fp32"}
+             "GAMMA": par, "SCALE": "*fp32", "PARTIAL": "*fp32", "SEED": "*i64", "p": "fp32"}
     specs = []
 
     def add(name, fn, n, constexprs, warps, note, arg_types=None):
@@ -456,8 +465,10 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                     note = f"N={width} gamma={gamma} drop_path={scale} dropout={drop}"
                     note += " fp32 stream" if stream is not types else ""
                     add("bias_dropout_add_fwd", _bias_dropout_add_fwd_kernel, width, c, warps, note, stream)
+                    bwd = dropout_add_bwd_tile(width, arch, gamma, drop)
                     add("bias_dropout_add_bwd", _bias_dropout_add_bwd_kernel, width,
-                        dict(c, STORE_DX=gamma or scale or drop or stream is not types), warps, note, stream)
+                        dict(c, BLOCK_M=bwd.block_m, STORE_DX=gamma or scale or drop or stream is not types),
+                        bwd.num_warps, note, stream)
     for n in sorted({width, mlp_hidden}):  # the reduction writes parameter grads
         specs.append(sum_partials_spec(par, sum_partials_block_n(n), f"N={n}", width=n))
     return specs

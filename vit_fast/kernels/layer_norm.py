@@ -21,10 +21,10 @@ Dtypes: x fp32/fp16/bf16; weight, bias, branch_bias, gamma may be fp32 while x i
 their grads come back in their own dtype). ``layer_norm`` returns x.dtype. ``add_layer_norm``
 returns normed in x.dtype and h in ``promote_types(x.dtype, residual.dtype)`` (an fp32 residual
 stream stays fp32). mean and rstd are saved in fp32, one per row. Dropout: seed per call from
-``_utils.next_seed()`` (a 1-element CPU tensor, read as an int only inside the custom ops, so
-torch.compile traces it without a graph break), saved for backward, mask regenerated (never
-stored); offsets are the
-logical element index row * N + col (int64), the same as ``bias_dropout_add``.
+``_utils.next_seed`` (a 1-element int64 tensor on the device, read by the kernels through a pointer,
+so torch.compile traces it without a graph break and a CUDA graph redraws it per replay), saved for
+backward, mask regenerated (never stored); offsets are the logical element index row * N + col (int64),
+the same as ``bias_dropout_add``.
 
 Traffic per element (s = bytes of the activation dtype, 2 for bf16; per-row stats (8 bytes per
 row) and per-column parameters ignored). Launches per call in brackets:
@@ -60,7 +60,7 @@ from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._rows import RowTile, as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket
-from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, seed_value, unit_stride
+from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
@@ -73,7 +73,7 @@ def _layer_norm_fwd_kernel(
     X, RES, W, B, BRANCH_BIAS, GAMMA, SCALE,  # (M, N), (M, N) or None, (N,) x4, (B,) fp32 or None
     stride_xm, stride_rm, stride_ym, stride_hm,  # row strides (columns are contiguous)
     M, N, tokens_per_sample,  # rows, width; row r belongs to sample r // tokens_per_sample
-    eps, seed, p,  # runtime: LN epsilon, dropout seed and probability
+    eps, SEED, p,  # runtime: LN epsilon, -> the dropout seed (int64 on the device), dropout probability
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # rows per program, padded width
     HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, HAS_GAMMA: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -88,7 +88,7 @@ def _layer_norm_fwd_kernel(
         bb = tl.load(BRANCH_BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_BRANCH_BIAS else 0.0
         gamma = tl.load(GAMMA + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] if HAS_GAMMA else 0.0
         scale = tl.load(SCALE + rows // tokens_per_sample, mask=row_ok, other=0.0)[:, None] if HAS_SCALE else 0.0
-        h = residual_join_fwd(res, h, bb, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
+        h = residual_join_fwd(res, h, bb, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
                               HAS_BRANCH_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
         h = h.to(H_OUT.dtype.element_ty)
         tl.store(H_OUT + rows[:, None] * stride_hm + cols[None, :], h, mask=mask)
@@ -110,7 +110,7 @@ def _layer_norm_bwd_kernel(
     # (K, G, N) fp32 partial column sums: dw, db[, dgamma][, dbranch_bias]
     DY, DH_OUT, H, X, W, BRANCH_BIAS, GAMMA, SCALE, MEAN, RSTD,
     stride_dym, stride_dhom, stride_hm, stride_xm, stride_dhm, stride_dxm,
-    M, N, G, tokens_per_sample, seed, p,  # G = programs = partial rows per slice
+    M, N, G, tokens_per_sample, SEED, p,  # G = programs = partial rows per slice
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DH_OUT: tl.constexpr,  # a gradient flows into the new residual too
     STORE_DX: tl.constexpr,  # dx differs from dh (dropout, gamma, scale or dtype)
@@ -154,7 +154,7 @@ def _layer_norm_bwd_kernel(
             # registers saved around it went to the stack (8 B/thread) in drop-path variants
             scale = tl.load(SCALE + rows.to(tl.int32) // tokens_per_sample, mask=row_ok, other=0.0)[:, None] \
                 if HAS_SCALE else 0.0
-            dx, dgamma_term = residual_join_bwd(dh, x, bb, gamma, scale, seed, rows[:, None] * N + cols[None, :], p,
+            dx, dgamma_term = residual_join_bwd(dh, x, bb, gamma, scale, SEED, rows[:, None] * N + cols[None, :], p,
                                                 HAS_BRANCH_BIAS, HAS_GAMMA, HAS_SCALE, HAS_DROPOUT)
             tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_GAMMA:
@@ -217,7 +217,7 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
                        sample_scale: Optional[torch.Tensor], eps: float, p: float,
                        seed: Optional[torch.Tensor], out_dtype: Optional[torch.dtype] = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual: (M, N) with contiguous columns; seed: a ``next_seed()`` tensor (None without
+    """x, residual: (M, N) with contiguous columns; seed: a ``next_seed`` tensor (None without
     dropout). Returns (normed in ``out_dtype`` or x.dtype, h, mean, rstd); without a residual h is an
     empty placeholder (the plain LayerNorm)."""
     m, n = x.shape
@@ -239,7 +239,7 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
         _layer_norm_fwd_kernel[(cdiv(m, block_m),)](
             y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
             x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
-            m, n, tokens, eps, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
+            m, n, tokens, eps, seed, p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
     key = (bucket(m), n, str(x.dtype), str(h.dtype), str(y.dtype), *flags.values())
     launch(_tuning.choose("layer_norm_fwd", key, _tuning.row_candidates(ln_config(n)), launch, dev))
     return y, h, mean, rstd
@@ -281,7 +281,7 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
         _layer_norm_bwd_kernel[(g,)](
             dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
             dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), dh.stride(0),
-            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed_value(seed), p, BLOCK_M=block_m, BLOCK_N=block_n,
+            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, **flags)
         return sum_partials(partial, param_grad_dtype(params))
     arch = gpu_arch(dev)
@@ -447,7 +447,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     types = {name: act for name in ("Y", "H_OUT", "X", "RES", "DH", "DX", "DY", "DH_OUT", "H")}
     types.update({name: par for name in ("W", "B", "BRANCH_BIAS", "GAMMA")})
     types.update({"MEAN": "*fp32", "RSTD": "*fp32", "SCALE": "*fp32", "PARTIAL": "*fp32", "eps": "fp32",
-                  "seed": "i32", "p": "fp32"})
+                  "SEED": "*i64", "p": "fp32"})
     fwd_tile = ln_config(width, arch)
     block_m, block_n, warps = fwd_tile.block_m, fwd_tile.block_n, fwd_tile.num_warps
     specs = []

@@ -16,10 +16,9 @@ The rules a captured step must follow, checked before capture with a clear error
   - an optimizer whose step is capturable: ``capturable=True`` (Adam, AdamW, SGD's foreach/fused paths honour it);
   - no host synchronisation inside the step: gradient clipping through ``clip_grad_norm_`` (device-side, no
     ``.item()``) is fine, a GradScaler (fp16) is not supported here (its inf checks sync): use bf16;
-  - dropout inside vit_fast's fused kernels draws its Philox seed on the host (``kernels/_utils.next_seed``), so
-    a captured step would replay one mask forever: ``next_seed`` refuses to draw during capture, so a fused
-    path with dropout > 0 fails at construction with a clear error (stochastic depth and torch's own dropout
-    draw on the device and are graph-safe).
+  - dropout is graph-safe: the fused kernels read their Philox seed from a tensor drawn on the device inside
+    the step (``kernels/_utils.next_seed``), so each replay draws fresh masks, as stochastic depth and torch's
+    own dropout do; ``torch.manual_seed`` before construction still reproduces a run.
 
 The warm-up steps (kernel compilation, optimizer state) run on the example batch; the weights and optimizer state
 are put back afterwards, so the first call is the first step and the run trains as the eager loop would. Replays

@@ -51,9 +51,10 @@ b * H + h reads byte k of word w of the call at counter (j // 16, i, b * H + h, 
 (``_utils.dropout_keep_tile``). Every kernel regenerates the mask from (seed, head, i, j), never stored:
 the forward and dQ on their (q rows x keys) tiles, dK/dV on the same tile transposed, bitwise the same
 mask. One Philox per element (the former draw) cost 4-5x the loop's instructions; one per 16 costs about
-twice the loop without dropout. The seed is a 1-element CPU tensor from ``_utils.next_seed()`` (torch's CPU
-generator: ``torch.manual_seed`` and checkpointing replay it), read as an int only inside the custom ops
-(torch.compile traces it, no graph break) and saved for backward.
+twice the loop without dropout. The seed is a 1-element int64 tensor drawn on the
+tensors' device by ``_utils.next_seed`` (``torch.manual_seed``, checkpointing and CUDA-graph replays all handle
+it as any device draw), read by the kernels through a pointer (no host sync; torch.compile traces the draw, no
+graph break) and saved for backward.
 
 Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probability), head_dim
 1..128 (a non-power-of-two D is padded inside the kernel with masked loads, never in memory; a 16-bit

@@ -259,7 +259,7 @@ def _attention_bwd_kernel(
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
     num_heads, seq_len, head_dim: tl.constexpr,  # a constant: the d masks fold, loads vectorise at D = 72
     q_len,  # query rows of out, dO and lse (the forward's q_len): the other q rows get zero gradient
-    scale, drop_threshold, inv_keep, seed,
+    scale, drop_threshold, inv_keep, SEED,
     BLOCK: tl.constexpr,  # rows owned: k/v rows in the dK/dV phase, q rows in the dQ phase
     KV_BLOCK_M: tl.constexpr,  # dK/dV phase: q rows per loop step
     Q_BLOCK_N: tl.constexpr,  # dQ phase: k/v rows per loop step
@@ -274,6 +274,11 @@ def _attention_bwd_kernel(
 ):
     """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
     pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
+    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
+    if DROPOUT:
+        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
+    else:
+        seed = 0
     num_tiles = tl.cdiv(seq_len, BLOCK)
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles

@@ -58,7 +58,7 @@ def _attention_fwd_kernel(
     num_heads, seq_len, head_dim: tl.constexpr,  # a constant: the d masks fold, loads vectorise at D = 72
     q_len,  # query rows computed: the first q_len of the N (all N but for the last block under class pooling)
     scale,  # softmax scale
-    drop_threshold, inv_keep, seed,  # dropout: 8-bit threshold t, 256 / (256 - t) (0 when t == 256), Philox seed
+    drop_threshold, inv_keep, SEED,  # dropout: 8-bit threshold t, 256 / (256 - t) (0 when t == 256), -> Philox seed
     BLOCK_M: tl.constexpr,  # q rows per program
     BLOCK_N: tl.constexpr,  # k/v rows per loop step
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (>= 16), or its main part (see BLOCK_D_TAIL)
@@ -69,6 +69,11 @@ def _attention_fwd_kernel(
     HEAD_ALIGN: tl.constexpr = 1,  # every head's offset is a multiple of this many elements (_head_align)
     PEEL: tl.constexpr = True,  # full tiles unmasked, then the last one (Tile.peel); False: every tile masked
 ):
+    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
+    if DROPOUT:
+        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
+    else:
+        seed = 0
     bh, rows = _program_tile(q_len, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < q_len
@@ -163,9 +168,10 @@ def _attention_probs_kernel(
 
 
 @triton.jit
-def _attention_dropout_mask_kernel(Keep, seq_len, drop_threshold, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attention_dropout_mask_kernel(Keep, seq_len, drop_threshold, SEED, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Test helper: materialise the keep mask (B * H, N, N) exactly as the kernels draw it (program (tile, bh)
     writes BLOCK_M query rows of head bh, BLOCK_N keys at a time)."""
+    seed = tl.load(SEED).to(tl.int32)  # drawn on the device (kernels/_utils.next_seed)
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < seq_len

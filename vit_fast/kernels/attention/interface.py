@@ -27,7 +27,6 @@ from .._utils import (
     next_power_of_2,
     next_seed,
     run_op,
-    seed_value,
 )
 from .._utils import input_precision as dot_input_precision
 from .common import LAST_STEP, MAX_HEAD_DIM
@@ -170,7 +169,7 @@ def _dropout_args(dropout_p: float) -> tuple[bool, int, float]:
     return threshold > 0, threshold, (0.0 if threshold >= 256 else 256.0 / (256 - threshold))
 
 
-def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
+def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:
     """out (B, H, M, D) and lse (B, H, M) of the first M = out.shape[2] query rows (M <= N)."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
@@ -192,7 +191,7 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) ->
                           _fwd_candidates(static), launch, q.device))
 
 
-def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
+def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: Optional[torch.Tensor],
                 bias_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
     """One launch writes dq, dk, dv (which share one stride layout). With ``bias_dtype`` (the qkv bias's
     gradient is wanted) its programs also write fp32 column partials of dk, dv and dq into the three
@@ -225,7 +224,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
                                  launch, q.device))
 
 
-def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: int) -> None:
+def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:
     """The short-sequence forward (short_fwd.py): out and lse of the first M = out.shape[2] query rows; where one
     program cannot hold the head (``ShortConfig.fwd`` None), the flash forward (same out, lse and dropout bits)."""
     B, H, N, D = q.shape
@@ -243,7 +242,7 @@ def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: i
         num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages)
 
 
-def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: int,
+def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: Optional[torch.Tensor],
                       bias_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
     """The short-sequence backward (short_bwd.py), one program per (image, head), dQ in registers or, past
     ``SHORT_CAPACITY``, in an fp32 workspace; returns d(bias) as ``_launch_bwd`` does, from one partial row per
@@ -304,7 +303,7 @@ def _packed_fwd(launch, qkv, num_heads, scale, dropout_p, seed, query_rows):
     D = width // (3 * num_heads)
     out = _empty((B, query_rows, num_heads * D), qkv.dtype, qkv.device)
     lse = _empty((B, num_heads, query_rows), torch.float32, qkv.device)
-    launch(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p, seed_value(seed))
+    launch(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p, seed)
     return out, lse
 
 
@@ -318,7 +317,7 @@ def _packed_bwd(op, launch, grad_out, qkv, qkv_bias, out, lse, num_heads, scale,
         raise ValueError(f"{op}: expected grad_out of shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
     dqkv = _empty(qkv.shape, qkv.dtype, qkv.device)
     dbias = launch(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads),
-                   lse, *_split_packed(dqkv, num_heads), scale, dropout_p, seed_value(seed),
+                   lse, *_split_packed(dqkv, num_heads), scale, dropout_p, seed,
                    None if qkv_bias is None else qkv_bias.dtype)
     return dqkv, qkv.new_empty(0) if dbias is None else dbias
 
@@ -381,7 +380,7 @@ def attention_qkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     B, H, N, D = q.shape
     out = _empty((B, H, N, D), q.dtype, q.device)
     lse = _empty((B, H, N), torch.float32, q.device)
-    _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed_value(seed))
+    _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed)
     return out, lse
 
 
@@ -398,7 +397,7 @@ def attention_qkv_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if grad_out.shape != q.shape:
         raise ValueError(f"attention_qkv_bwd: expected grad_out of shape {tuple(q.shape)}, got {tuple(grad_out.shape)}")
     dq, dk, dv = (_empty(q.shape, q.dtype, q.device) for _ in range(3))
-    _launch_bwd(grad_out, q, k, v, out, lse, dq, dk, dv, scale, dropout_p, seed_value(seed))
+    _launch_bwd(grad_out, q, k, v, out, lse, dq, dk, dv, scale, dropout_p, seed)
     return dq, dk, dv
 
 
@@ -456,18 +455,19 @@ class AttentionQKVFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------- functional
-def _dropout_and_seed(dropout_p: float, training: bool) -> tuple[float, Optional[torch.Tensor]]:
-    """(p, seed): a ``next_seed()`` tensor only when dropout is active (else None, nothing drawn).
+def _dropout_and_seed(dropout_p: float, training: bool,
+                      device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
+    """(p, seed): a ``next_seed(device)`` tensor only when dropout is active (else None, nothing drawn).
     dropout_p was checked by the caller."""
     p = float(dropout_p) if training else 0.0
-    return p, (next_seed() if dropout_threshold(p) > 0 else None)
+    return p, (next_seed(device) if dropout_threshold(p) > 0 else None)
 
 
 def _attention_with_lse(qkv: torch.Tensor, num_heads: int, head_dim: int, scale: float | None, dropout_p: float,
                         training: bool, qkv_bias: torch.Tensor | None = None,
                         query_rows: int | None = None, kernel: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
     """The packed path after validation (done once, by the public functional that calls this)."""
-    p, seed = _dropout_and_seed(dropout_p, training)
+    p, seed = _dropout_and_seed(dropout_p, training, qkv.device)
     scale = head_dim**-0.5 if scale is None else float(scale)
     rows = qkv.shape[1] if query_rows is None else query_rows
     return AttentionFunction.apply(qkv, qkv_bias, num_heads, scale, p, seed, rows, kernel)
@@ -546,7 +546,7 @@ def attention_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     _check_dropout("attention_qkv", dropout_p)
     _check_scale("attention_qkv", scale)
     check_kernel_device("attention_qkv", q, k, v)
-    p, seed = _dropout_and_seed(dropout_p, training)
+    p, seed = _dropout_and_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return AttentionQKVFunction.apply(q, k, v, scale, p, seed)[0]
 
@@ -587,12 +587,13 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
     return probs
 
 
-def attention_dropout_mask(seed: int, batch: int, num_heads: int, seq_len: int, dropout_p: float,
+def attention_dropout_mask(seed: int | torch.Tensor, batch: int, num_heads: int, seq_len: int, dropout_p: float,
                            device="cpu") -> torch.Tensor:
     """Test helper: the bool keep mask (B, H, N, N) the kernels draw for ``seed`` (small sizes only); rate
     ``dropout_rate(dropout_p)``. Drawn in tiles of another shape than the training kernels' on purpose:
     the mask depends only on (seed, b * H + h, i, j)."""
     keep = _empty((batch * num_heads, seq_len, seq_len), torch.int8, torch.device(device))
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=device).reshape(1)
     block_m = 16
     _attention_dropout_mask_kernel[(cdiv(seq_len, block_m), batch * num_heads)](
         keep, seq_len, dropout_threshold(dropout_p), seed, BLOCK_M=block_m, BLOCK_N=32)
@@ -666,8 +667,8 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_gra
     elem = torch.empty((), dtype=dtype).element_size()
     aligned = {a: width * elem % 16 == 0 for a in ("K", "V", "DK", "DV")}  # k, v inside qkv / dqkv
     aligned.update(PK=width * 4 % 16 == 0, PV=width * 4 % 16 == 0)  # slabs 1, 2 of the (3, G, H * D) partials
-    pointer_types = dict(Lse="*fp32", Delta="*fp32", DQAcc="*fp32", P="*fp32", Rows="*i64", PQ="*fp32", PK="*fp32",
-                         PV="*fp32")
+    pointer_types = dict(Lse="*fp32", Delta="*fp32", DQAcc="*fp32", P="*fp32", Rows="*i64", SEED="*i64", PQ="*fp32",
+                         PK="*fp32", PV="*fp32")
     signature, divisible = {}, []
     for arg in fn.arg_names:
         if arg in constexprs:

@@ -44,14 +44,17 @@ def _row_segment(q_head, o_head, do_head, lse_head, start, q_len, head_dim,
 
 @triton.jit
 def _tile_pair(dq, dk, dv, q, do, lse2, delta, k, v, bh, row_start, start_n, col_ok, qk_scale,
-               drop_threshold, inv_keep, seed, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
+               drop_threshold, inv_keep, SEED, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
                INPUT_PRECISION: tl.constexpr):
-    """One (row segment x key step) pair: S and dP once, then its share of dQ (returned in full), dK, dV."""
+    """One (row segment x key step) pair: S and dP once, then its share of dQ (returned in full), dK, dV. SEED
+    points at the Philox seed drawn on the device (a CUDA graph's replays each see their own); it is loaded where the
+    mask is drawn, a cached load, since a seed held in a register across the key loop spills on sm_80."""
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
     # padded keys (loaded as 0) must get p = 0: exp(0 - lse) can overflow, and inf * 0 would reach dq as NaN
     p = tl.where(col_ok[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
     if DROPOUT:
+        seed = tl.load(SEED, volatile=True).to(tl.int32)  # volatile: not hoisted out of the key loop
         keep = dropout_keep_tile(seed, bh, row_start + tl.arange(0, ROWS), start_n, drop_threshold, BLOCK_N)
         dv += tl.dot(tl.trans(tl.where(keep, p * inv_keep, 0.0).to(do.dtype)), do, input_precision=INPUT_PRECISION)
         dp = tl.where(keep, dp * inv_keep, 0.0)
@@ -107,7 +110,7 @@ def _attention_short_bwd_kernel(
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
     num_heads, seq_len, head_dim: tl.constexpr,
     q_len,  # query rows of out, dO and lse: the other q rows get zero gradient
-    scale, drop_threshold, inv_keep, seed,
+    scale, drop_threshold, inv_keep, SEED,
     ROWS0: tl.constexpr,  # query-row segments: powers of two, ROWS0 + ROWS1 + ROWS2 >= N (ROWS1, ROWS2 may be 0)
     ROWS1: tl.constexpr,
     ROWS2: tl.constexpr,
@@ -156,13 +159,13 @@ def _attention_short_bwd_kernel(
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dq0, dk, dv = _tile_pair(dq0, dk, dv, q0, do0, lse0, delta0, k, v, bh, 0, start_n, col_ok, qk_scale,
-                                 drop_threshold, inv_keep, seed, ROWS0, BLOCK_N, DROPOUT, INPUT_PRECISION)
+                                 drop_threshold, inv_keep, SEED, ROWS0, BLOCK_N, DROPOUT, INPUT_PRECISION)
         if ROWS1:
             dq1, dk, dv = _tile_pair(dq1, dk, dv, q1, do1, lse1, delta1, k, v, bh, ROWS0, start_n, col_ok, qk_scale,
-                                     drop_threshold, inv_keep, seed, ROWS1, BLOCK_N, DROPOUT, INPUT_PRECISION)
+                                     drop_threshold, inv_keep, SEED, ROWS1, BLOCK_N, DROPOUT, INPUT_PRECISION)
         if ROWS2:
             dq2, dk, dv = _tile_pair(dq2, dk, dv, q2, do2, lse2, delta2, k, v, bh, ROWS0 + ROWS1, start_n, col_ok,
-                                     qk_scale, drop_threshold, inv_keep, seed, ROWS2, BLOCK_N, DROPOUT,
+                                     qk_scale, drop_threshold, inv_keep, SEED, ROWS2, BLOCK_N, DROPOUT,
                                      INPUT_PRECISION)
         sum_dk, sum_dv = _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d,
                                           d_ok, stride_dn, stride_dd, BLOCK_N, BIAS_GRAD)
@@ -198,7 +201,7 @@ def _workspace_rows(acc_head, rows, offs_d, BLOCK_D: tl.constexpr):
 def _streamed_key_block(q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, sum_dk,
                         sum_dv, bh, start_n, seq_len, q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd,
                         stride_vn, stride_vd, stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale,
-                        drop_threshold, inv_keep, seed, BLOCK_M: tl.constexpr, KEYS: tl.constexpr,
+                        drop_threshold, inv_keep, SEED, BLOCK_M: tl.constexpr, KEYS: tl.constexpr,
                         BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                         BIAS_GRAD: tl.constexpr):
     """One key block of the streamed backward: its dK, dV over every q tile, each tile's dQ share added to the
@@ -220,7 +223,7 @@ def _streamed_key_block(q_head, k_head, v_head, do_head, lse_head, delta_head, a
         delta = tl.load(delta_head + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         dq, dk, dv = _tile_pair(dq, dk, dv, q, do, lse2, delta, k, v, bh, start_m, start_n, col_ok, qk_scale,
-                                drop_threshold, inv_keep, seed, BLOCK_M, KEYS, DROPOUT, INPUT_PRECISION)
+                                drop_threshold, inv_keep, SEED, BLOCK_M, KEYS, DROPOUT, INPUT_PRECISION)
         acc = _workspace_rows(acc_head, rows, offs_d, BLOCK_D)
         dq += tl.load(acc, mask=row_ok[:, None] & (start_n > 0), other=0.0)
         tl.store(acc, dq, mask=row_ok[:, None])
@@ -245,7 +248,7 @@ def _attention_short_bwd_streamed_kernel(
     stride_db, stride_dh, stride_dn, stride_dd,  # dQ, dK and dV (same layout)
     num_heads, seq_len, head_dim: tl.constexpr,
     q_len,  # query rows of out, dO and lse: the other q rows get zero gradient
-    scale, drop_threshold, inv_keep, seed,
+    scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr,  # q rows per inner step
     BLOCK_N: tl.constexpr,  # keys per outer step (their dK, dV held)
     BLOCK_D: tl.constexpr,
@@ -290,7 +293,7 @@ def _attention_short_bwd_streamed_kernel(
         sum_dk, sum_dv = _streamed_key_block(
             q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, sum_dk, sum_dv, bh,
             start_n, seq_len, q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale, drop_threshold, inv_keep, seed, BLOCK_M,
+            stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale, drop_threshold, inv_keep, SEED, BLOCK_M,
             BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
 
     # every q row of the gradient is written, the rows past q_len as zeros

@@ -58,7 +58,7 @@ def _attention_short_fwd_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     num_heads, seq_len, head_dim: tl.constexpr,
     q_len,  # query rows computed: the first q_len of the N
-    scale, drop_threshold, inv_keep, seed,  # as the flash forward's
+    scale, drop_threshold, inv_keep, SEED,  # as the flash forward's
     BLOCK_M: tl.constexpr,  # q rows per program
     KEYS0: tl.constexpr,  # key segments: powers of two, KEYS0 + KEYS1 + KEYS2 >= N (KEYS1, KEYS2 may be 0)
     KEYS1: tl.constexpr,
@@ -68,6 +68,11 @@ def _attention_short_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HEAD_ALIGN: tl.constexpr = 1,
 ):
+    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
+    if DROPOUT:
+        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
+    else:
+        seed = 0
     bh, rows = _program_tile(q_len, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < q_len

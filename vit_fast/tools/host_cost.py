@@ -114,6 +114,15 @@ def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3,
             model.zero_grad(set_to_none=True)
         return step
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # host work is one thread; the CPU's arithmetic threads would only add their noise
+    try:
+        return _measure(paths, preset, steps, warmup, stepper)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(paths: Sequence[str], preset: str, steps: int, warmup: int, stepper) -> list[HostCost]:
     step_of = {path: stepper(_model(path, preset)) for path in paths}
     times: dict[str, list[float]] = {path: [] for path in paths}
     launches: dict[str, int] = {path: 0 for path in paths}

@@ -25,10 +25,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "Ru
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout, whichever interpreter pip installed into
 python3 -c "import torch, triton, vit_fast; print(torch.__version__, triton.__version__, vit_fast.__file__)"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-step attn 100 python3 bench/gpu_probe.py attn --dump-after 60
-step campaign 290 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --quick --budget 265 --out "$R/campaign"
-step gelubwd 60 python3 bench/gpu_probe.py gelubwd --dump-after 40
+# the headline (ViT-B/16 and S/16 b256: timm eager / compile, vit_fast eager / compile / CUDA graph, profile) first
+step campaign 320 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --quick --out "$R/campaign"
+# what only a GPU checks: graph replays draw fresh dropout masks, the compiled fused step, the short kernels
+step tests 100 python3 -m pytest -q -x tests/test_graphs.py tests/test_compile.py tests/test_attention_short.py -p no:cacheprovider
 step trace 45 python3 bench/gpu_probe.py trace --path vit_fast --dump-after 30
-step tests 60 python3 -m pytest -q tests/test_attention_short.py -p no:cacheprovider
+step attn 60 python3 bench/gpu_probe.py attn --dump-after 40
 echo "[session] done in $((SECONDS - start)) s"
 pack

@@ -157,6 +157,48 @@ def test_dweight_aligned_row_blocks(monkeypatch, case, dtype):
     check_against_reference(inputs, True, dtype)
 
 
+@pytest.fixture
+def library_dweight(monkeypatch):
+    """The dW GEMM on the library route (what the autotuner may pick on a GPU), for every launch of a test."""
+    monkeypatch.setattr(pe, "_dweight_candidates", lambda tile, dtype: [pe.LIBRARY_DWEIGHT])
+    monkeypatch.setattr(pe, "_patch_embed_dweight_kernel", None)  # launching the kernel would fail the test
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("case", ["p8_c3_cls", "p16_c1_regs_no_embed_class", "p14_c3_no_prefix", "p2_c5_regs"])
+def test_library_dweight_matches_reference(library_dweight, case, dtype):
+    """dW and dbias from the cuBLAS route (patches gathered once, fp32 accumulation) against float64, with the
+    prefix rows of the patch matrix zero (cls, registers, none)."""
+    P, C, H, W, D, cls, regs, covers = CASES[case]
+    inputs = make_inputs(2, C, H, W, P, D, cls, regs, covers, dtype, seed=20 + len(case))
+    check_against_reference(inputs, covers, dtype)
+
+
+def test_library_dweight_autocast_strided_images_repeatable(library_dweight):
+    """fp32 channels-last images under autocast and a strided dtokens: fp32 gradients within the 16-bit bound; two
+    backward passes give the same bits; a stride-0 dtokens (``.sum()``) gives dW = the patch sums, dbias = B * Np."""
+    inputs = make_inputs(3, 3, 32, 48, 16, 64, cls=True, regs=1, seed=21)
+    inputs["images"] = inputs["images"].detach().to(memory_format=torch.channels_last).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(patch_embed, inputs, True)
+    dtokens = torch.randn(out.shape[0], out.shape[1], 2 * out.shape[2])[..., ::2].to(torch.bfloat16)
+    out.backward(dtokens)
+    _, ref_grads = reference(inputs, True, dtokens)
+    for name, t in inputs.items():
+        assert t.grad.dtype == torch.float32, name
+        assert_close(t.grad, ref_grads[name], bound(torch.bfloat16, "dot"), f"d{name}")
+    args = [inputs[n].detach() for n in NAMES]
+    args[1:] = [None if a is None else a.to(torch.bfloat16) for a in args[1:]]
+    first = patch_embed_bwd(dtokens, *args, True, False)
+    second = patch_embed_bwd(dtokens, *args, True, False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    stride0 = torch.ones(1, 1, out.shape[2], dtype=torch.bfloat16).expand(out.shape)
+    dw, dbias = patch_embed_bwd(stride0, *args, True, False)[:2]
+    patches = inputs["images"].detach().to(torch.bfloat16).double().unfold(2, 16, 16).unfold(3, 16, 16)
+    assert_close(dw, patches.sum((0, 2, 3)).expand_as(dw), bound(torch.bfloat16, "dot"), "dW of a stride-0 gradient")
+    assert torch.equal(dbias, torch.full_like(dbias, 3 * 6))
+
+
 def test_sum_backward_and_strided_images():
     """.sum() gives a stride-0 dtokens; channels-last images are read through their strides."""
     inputs = make_inputs(2, 3, 32, 48, 8, 64, cls=True, regs=2, covers=False, seed=6)

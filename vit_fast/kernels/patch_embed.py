@@ -26,6 +26,9 @@ Backward (dY = dtokens, any strides, e.g. stride 0 from ``.sum()``):
               alike whole patch rows (224 px at P = 14: 64 rows = 4 patch rows), the offsets inside a block
               are loop-invariant and only the block's scalar start carries. dbias[n] = sum_m dY[m, n]:
               one extra program per n-block and split in the same launch, partials summed alike.
+              With 16-bit compute a library candidate (``LibraryDweight``) times beside the kernel's tiles: the
+              patches gathered once into a (B, T, K) matrix, dW = dY^T @ patches on cuBLAS with fp32
+              accumulation and output, dbias a torch sum; one partial row, the same reduction launch after it.
   dpos[t]   = sum_b dY[b, t] (t over all tokens, or the patches only), dcls = sum_b dY[b, 0],
   dreg[r]   = sum_b dY[b, 1+r]: fixed-order batch sums, extra programs of the reduction launch.
   dX[m, k]  = sum_n dY[m, n] * W[n, k] scattered back to the pixels (patches do not overlap, so every
@@ -432,6 +435,49 @@ def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True) -> P
                             reduce=ReduceTile(*_REDUCE), num_sms=SM_COUNT[arch])
 
 
+@dataclass(frozen=True)
+class LibraryDweight:
+    """The dW GEMM on the GPU's BLAS library (cuBLAS): a candidate of the ``patch_embed_dweight`` choice beside the
+    kernel's tiles, for 16-bit compute (the kernel measured 2.5 ms at ViT-B/16 b256 on an H200, 23 TFLOP/s:
+    docs/measured/nvidia-h200-2026-11-27.md). The autotuner times both on the user's GPU; the kernel stays the static
+    choice until a GPU measures this faster (PREDICTED about 0.2 ms: a 59 GFLOP GEMM plus one 230 MB copy)."""
+    library: str = "cublas"
+
+
+LIBRARY_DWEIGHT = LibraryDweight()
+
+
+def _dweight_candidates(tile: GemmTile, dtype: torch.dtype) -> list:
+    """The kernel's tiles, then (16-bit compute only: fp32 would follow a different TF32 flag than the
+    convolution's) the library GEMM."""
+    return _candidates(tile) + ([LIBRARY_DWEIGHT] if dtype in (torch.float16, torch.bfloat16) else [])
+
+
+def _dweight_by_library(dtokens: torch.Tensor, images: torch.Tensor, patch: int, prefix: int,
+                        has_bias: bool) -> torch.Tensor:
+    """``LibraryDweight``'s (1, D*K + D) fp32 partial row: dW (D, K) in the weight's (C, P, P) order, then dbias
+    (left unwritten without a bias, where the reduction does not read it). The patches are copied once into a
+    (B, T, C, P, P) matrix in dtokens' dtype whose prefix rows are zero, so the GEMM reads dtokens as it lies (a
+    (B * T, D) view) rather than a copy of its patch rows; the few zero rows cost prefix / Np of the GEMM."""
+    B, C, H, W = images.shape
+    T, D = dtokens.shape[1], dtokens.shape[2]
+    P, Hp, Wp = patch, H // patch, W // patch
+    K = C * P * P
+    patches = torch.empty((B, T, C, P, P), dtype=dtokens.dtype, device=images.device)
+    patches[:, :prefix].zero_()
+    gathered = images.unflatten(2, (Hp, P)).unflatten(4, (Wp, P)).permute(0, 2, 4, 1, 3, 5)  # (B, Hp, Wp, C, P, P)
+    patches[:, prefix:].view(B, Hp, Wp, C, P, P).copy_(gathered)
+    dy, rows = dtokens.reshape(B * T, D), patches.view(B * T, K)
+    partial = torch.empty((1, D * K + D), dtype=torch.float32, device=images.device)
+    if images.is_cuda:  # fp32 accumulation and output in cuBLAS, as the kernel's
+        partial[0, :D * K].view(D, K).copy_(torch.mm(dy.t(), rows, out_dtype=torch.float32))
+    else:  # CPU (the interpreter's tests): the same products of 16-bit values, summed in fp32
+        torch.mm(dy.t().float(), rows.float(), out=partial[0, :D * K].view(D, K))
+    if has_bias:
+        torch.sum(dtokens[:, prefix:], dim=(0, 1), dtype=torch.float32, out=partial[0, D * K:])
+    return partial
+
+
 def _dweight_split(M: int, D: int, k_tiles: int, tile: GemmTile, num_sms: int) -> tuple[int, int]:
     """(S, row blocks per split): a fixed cut of the patch axis for the dW partials (depends on shape only)."""
     tiles = cdiv(D, tile.block_n) * k_tiles
@@ -597,7 +643,9 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
     if needs_proj_grads:
-        def launch_dweight(tile: GemmTile) -> tuple[int, torch.Tensor]:
+        def launch_dweight(tile: GemmTile | LibraryDweight) -> tuple[int, torch.Tensor]:
+            if isinstance(tile, LibraryDweight):
+                return 1, _dweight_by_library(dtokens, images, P, prefix, bias is not None)
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
             splits, per_split = _dweight_split(M, D, k_tiles, tile, cfg.num_sms)
             partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
@@ -607,8 +655,8 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
                 M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None,
                 ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, consts["BLOCK_M"]), **consts, **opts)
             return splits, partials
-        splits, partials = launch_dweight(_tuning.choose("patch_embed_dweight", key, _candidates(cfg.dweight),
-                                                         launch_dweight, device))
+        splits, partials = launch_dweight(_tuning.choose(
+            "patch_embed_dweight", key, _dweight_candidates(cfg.dweight, dtokens.dtype), launch_dweight, device))
 
     red = cfg.reduce
     reduce_programs = cdiv(D * K + D, red.block) if needs_proj_grads else 0

@@ -26,10 +26,11 @@ def test_cli_passes_in_a_fresh_process():
         assert "Triton interpreter on CPU, reduced size" in out
     rows = ROW.findall(out)
     ops = {name.split(" ")[0] for name, *_ in rows}
-    assert ops - {"attention_short"} == {"layer_norm", "add_layer_norm", "bias_gelu", "linear_act",
-                                         "bias_dropout_add", "attention", "attention_linear", "patch_embed",
-                                         "model"}, out
-    assert ("attention_short" in ops) == torch.cuda.is_available(), out  # 16-bit only: bf16 on CUDA, fp32 here
+    assert ops - {"attention_short", "patch_embed_cublas_dw"} == {
+        "layer_norm", "add_layer_norm", "bias_gelu", "linear_act", "bias_dropout_add", "attention", "attention_linear",
+        "patch_embed", "model"}, out
+    # 16-bit only: bf16 on CUDA, fp32 here
+    assert ("attention_short" in ops) == ("patch_embed_cublas_dw" in ops) == torch.cuda.is_available(), out
     assert all(r[-1] == "PASS" for r in rows) and "FAIL" not in out
     assert any(name == "model logits" for name, *_ in rows)
     assert any(name.startswith("model dblocks.*.") for name, *_ in rows)
@@ -86,3 +87,10 @@ def test_bf16_check_covers_the_short_attention_kernels(capsys):
     assert check.main([*TINY, "--dtype", "bf16", "--ops", "attention"]) == 0
     rows = {name: result for name, *_, result in ROW.findall(capsys.readouterr().out)}
     assert rows["attention_short out"] == rows["attention_short dqkv"] == "PASS", rows
+
+
+def test_bf16_check_covers_the_library_patch_embedding_dweight(capsys):
+    """In 16 bits the patch embedding is checked twice: its dW GEMM by the kernel and on the library route."""
+    assert check.main([*TINY, "--dtype", "bf16", "--ops", "patch_embed"]) == 0
+    rows = {name: result for name, *_, result in ROW.findall(capsys.readouterr().out)}
+    assert rows["patch_embed_cublas_dw dweight"] == rows["patch_embed dweight"] == "PASS", rows

@@ -160,8 +160,9 @@ def test_dweight_aligned_row_blocks(monkeypatch, case, dtype):
 @pytest.fixture
 def library_dweight(monkeypatch):
     """The dW GEMM on the library route (what the autotuner may pick on a GPU), for every launch of a test."""
-    monkeypatch.setattr(pe, "_dweight_candidates", lambda tile, dtype: [pe.LIBRARY_DWEIGHT])
     monkeypatch.setattr(pe, "_patch_embed_dweight_kernel", None)  # launching the kernel would fail the test
+    with pe.library_dweight_only():
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)

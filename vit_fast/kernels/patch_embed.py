@@ -52,8 +52,10 @@ channels, as tl.dot needs K >= 16), H and W positive multiples of P, float image
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -445,12 +447,27 @@ class LibraryDweight:
 
 
 LIBRARY_DWEIGHT = LibraryDweight()
+_library_dweight_only = threading.local()
+
+
+@contextlib.contextmanager
+def library_dweight_only() -> Iterator[None]:
+    """Inside, every 16-bit dW launch of this thread takes the library route, whatever the autotuner would pick:
+    how `vit-fast check` and the tests compare that route with float64."""
+    before = getattr(_library_dweight_only, "on", False)
+    _library_dweight_only.on = True
+    try:
+        yield
+    finally:
+        _library_dweight_only.on = before
 
 
 def _dweight_candidates(tile: GemmTile, dtype: torch.dtype) -> list:
     """The kernel's tiles, then (16-bit compute only: fp32 would follow a different TF32 flag than the
     convolution's) the library GEMM."""
-    return _candidates(tile) + ([LIBRARY_DWEIGHT] if dtype in (torch.float16, torch.bfloat16) else [])
+    if dtype not in (torch.float16, torch.bfloat16):
+        return _candidates(tile)
+    return [LIBRARY_DWEIGHT] if getattr(_library_dweight_only, "on", False) else _candidates(tile) + [LIBRARY_DWEIGHT]
 
 
 def _dweight_by_library(dtokens: torch.Tensor, images: torch.Tensor, patch: int, prefix: int,

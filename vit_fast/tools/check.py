@@ -170,6 +170,10 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
                                                               if inputs[k] is not None]
         rows += check_op("patch_embed", lambda **a: P.patch_embed(**a), P.patch_embed_ref, inputs, grads, ["out"],
                          [(B, N, D)], "dot", dtype, g)
+        if dtype != torch.float32:  # the dW GEMM on cuBLAS, a candidate the autotuner may pick
+            with P.library_dweight_only():
+                rows += check_op("patch_embed_cublas_dw", lambda **a: P.patch_embed(**a), P.patch_embed_ref, inputs,
+                                 grads, ["out"], [(B, N, D)], "dot", dtype, g)
     return rows
 
 

@@ -321,44 +321,15 @@ def item_gelubwd(args) -> None:
 def item_trace(args) -> None:
     """Each distinct kernel of `--path`'s ViT training step (forward, loss, backward; no optimizer, as counted):
     launches and ms per step, its family; says which kernels a family's launch count is made of."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from vit_fast.presets import get_config
-    from vit_fast.tools import bench
-    from vit_fast.tools.predict import classify_kernel, device_kernels
+    from vit_fast.tools.predict import classify_kernel, profile_families
 
     overrides = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10) if args.tiny else {}
     batch = 2 if args.tiny else args.batch
-    cfg = get_config(args.preset, **overrides)
-    model = bench.build(args.path, args.preset, device=DEVICE, compile_backend=args.backend, **overrides)
-    x = torch.randn(batch, cfg.in_chans, cfg.img_size[0], cfg.img_size[1], device=DEVICE)
-    y = torch.randint(0, cfg.num_classes, (batch,), device=DEVICE)
-
-    def step():
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            out = model(x)
-        F.cross_entropy(out.float(), y).backward()
-        model.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    sync()
-    steps = 3
-    activity = ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            step()
-        sync()
-    kernels = device_kernels(prof.events()) if DEVICE == "cuda" else [
-        (e.name, e.self_cpu_time_total / 1e6) for e in prof.events() if e.name.startswith("aten::")]
-    by_name: dict[str, list] = {}
-    for name, seconds in kernels:
-        entry = by_name.setdefault(name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += seconds
-    for name, (launches, seconds) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
-        emit("trace", preset=args.preset, path=args.path, batch=batch, kernel=name[:200],
-             family=classify_kernel(name), launches_per_step=launches / steps, ms_per_step=seconds * 1e3 / steps)
+    profiled = profile_families(args.path, args.preset, batch, torch.bfloat16, steps=3, device=DEVICE,
+                                compile_backend=args.backend, by_kernel=True, **overrides)
+    for name, k in profiled["kernels"].items():
+        emit("trace", preset=args.preset, path=args.path, batch=batch, kernel=name[:200], family=classify_kernel(name),
+             launches_per_step=k["launches"], ms_per_step=k["seconds"] * 1e3)
 
 
 def main(argv=None) -> int:

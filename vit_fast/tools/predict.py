@@ -338,10 +338,12 @@ def gpu_kind(device_name: str) -> str:
 
 
 def profile_families(path: str, preset: str, batch: int, dtype: torch.dtype, steps: int = 5,
-                     warmup: int = 3, device: str = "cuda", compile_backend: str = "inductor", **overrides) -> dict:
+                     warmup: int = 3, device: str = "cuda", compile_backend: str = "inductor", by_kernel: bool = False,
+                     **overrides) -> dict:
     """Time `path`'s training step (forward + cross-entropy + backward, no optimizer, as counted): kernel time
     per family from torch.profiler over `steps` steps, and the median step (CUDA events). ``device='cpu'``
-    (the campaign's dry run): the aten ops' own CPU time stands in for kernels, the host clock for the step."""
+    (the campaign's dry run): the aten ops' own CPU time stands in for kernels, the host clock for the step.
+    ``by_kernel``: also "kernels", {kernel name: {"seconds", "launches"} per step}, slowest first."""
     cuda = device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise RuntimeError("timing needs a CUDA GPU")
@@ -385,9 +387,18 @@ def profile_families(path: str, preset: str, batch: int, dtype: torch.dtype, ste
     kernels = device_kernels(prof.events()) if cuda else [
         (e.name, e.self_cpu_time_total / 1e6) for e in prof.events() if e.name.startswith("aten::")]
     fams = measured_by_family(kernels)
-    return dict(families={f: dict(seconds=v["seconds"] / steps, launches=v["launches"] / steps)
-                          for f, v in fams.items()},
-                step_s=sorted(times)[len(times) // 2], gpu=torch.cuda.get_device_name() if cuda else "CPU")
+    result = dict(families={f: dict(seconds=v["seconds"] / steps, launches=v["launches"] / steps)
+                            for f, v in fams.items()},
+                  step_s=sorted(times)[len(times) // 2], gpu=torch.cuda.get_device_name() if cuda else "CPU")
+    if by_kernel:
+        totals: dict[str, list] = {}
+        for name, seconds in kernels:
+            entry = totals.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+        result["kernels"] = {name: dict(seconds=seconds / steps, launches=launches / steps)
+                             for name, (launches, seconds) in sorted(totals.items(), key=lambda kv: -kv[1][1])}
+    return result
 
 
 def measure_paths(preset: str, batch: int, dtype_name: str, paths, timeout: float = 1800) -> dict:

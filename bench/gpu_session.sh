@@ -11,7 +11,7 @@ export PROBE_ROWS=$R/rows.jsonl PROBE_DIR=$R PYTHONUNBUFFERED=1
 export VIT_FAST_CACHE_DIR=${VIT_FAST_CACHE_DIR:-/tmp/vit_fast_cache}
 start=$SECONDS
 pack() {  # the autotune cache too: every timed candidate lands there as it is measured, a killed tune's included
-  cp -r "$VIT_FAST_CACHE_DIR" "$R/autotune_cache" 2>/dev/null
+  rm -rf "$R/autotune_cache"; cp -r "$VIT_FAST_CACHE_DIR" "$R/autotune_cache" 2>/dev/null
   tar -czf "$OUT/results.tar.gz" -C "$OUT" results 2>/dev/null
 }
 step() {  # step NAME MAX_S CMD...: run unless the deadline is near

@@ -15,7 +15,7 @@ from .common import _head, _load, _q_row_tiles, _store_column_sums, _tile, _tile
 def _dkdv_step(
     dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh, tile, start_m,
     stride_qn, stride_qd, stride_on, stride_od, stride_gn, stride_gd,
-    q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+    q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
     MASK_ROWS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -45,6 +45,9 @@ def _dkdv_step(
     pT = tl.exp2(sT * qk_scale - lse2[None, :])
     if DROPOUT:
         # drawn as the (q rows x k/v rows) tile the forward and dQ draw, then transposed: the same bits
+        # SEED: the Philox seed drawn on the device (each CUDA-graph replay sees its own), loaded where the mask is
+        # drawn (volatile: not held in a register across the loop, which spills the D = 72 build on sm_90)
+        seed = tl.load(SEED, volatile=True).to(tl.int32)
         keep = tl.trans(dropout_keep_tile(seed, bh, rows, tile * BLOCK_N, drop_threshold, BLOCK_N))
         pT_drop = tl.where(keep, pT * inv_keep, 0.0).to(do.dtype)
         dv += tl.dot(pT_drop, do, input_precision=INPUT_PRECISION)
@@ -67,7 +70,7 @@ def _bwd_dkdv(
     dk_head, dv_head, PK, PV, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
     BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr, PEEL: tl.constexpr,
@@ -100,24 +103,24 @@ def _bwd_dkdv(
         for start_m in range(0, full_end, BLOCK_M):
             dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
                                             tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
                                             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
         rest = q_len - full_end  # < BLOCK_M
         if rest > TAIL_M:
             dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
                                             tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
                                             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
         elif rest > 0:
             dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
                                             tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
                                             TAIL_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
     else:  # every q tile through the masked step (Tile.peel)
         for start_m in range(0, q_len, BLOCK_M):
             dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
                                             tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
                                             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
@@ -143,7 +146,7 @@ def _bwd_dkdv(
 def _dq_step(
     dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    seq_len, head_dim, qk_scale, drop_threshold, inv_keep, seed,
+    seq_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
     MASK_KEYS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -170,6 +173,7 @@ def _dq_step(
         # the row is very negative, and inf * 0 in ds @ k would put NaN into real rows of dq.
         p = tl.where(col_ok[None, :], p, 0.0)
     if DROPOUT:
+        seed = tl.load(SEED, volatile=True).to(tl.int32)  # as in _dkdv_step
         dp = tl.where(dropout_keep_tile(seed, bh, rows, start_n, drop_threshold, BLOCK_N), dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=INPUT_PRECISION)
@@ -183,7 +187,7 @@ def _bwd_dq(
     dq_head, PQ, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+    seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
     BLOCK_D_TAIL: tl.constexpr, TAIL_N: tl.constexpr, PEEL: tl.constexpr,
@@ -215,21 +219,21 @@ def _bwd_dq(
         for start_n in range(0, full_end, BLOCK_N):
             dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
                                 stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
-                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+                                inv_keep, SEED, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
         rest = keys - full_end  # < BLOCK_N
         if rest > TAIL_N:
             dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
                                 stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
-                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+                                inv_keep, SEED, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
         elif rest > 0:
             dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, full_end,
                                 stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
-                                inv_keep, seed, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+                                inv_keep, SEED, TAIL_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
     else:  # every k/v tile through the masked step (Tile.peel)
         for start_n in range(0, keys, BLOCK_N):
             dq, dq_t = _dq_step(dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
                                 stride_kn, stride_kd, stride_vn, stride_vd, seq_len, head_dim, qk_scale, drop_threshold,
-                                inv_keep, seed, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+                                inv_keep, SEED, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
 
     dq = dq * scale
     store_ok = rows < seq_len  # every q row of the gradient is written, the rows past q_len as zeros
@@ -274,11 +278,6 @@ def _attention_bwd_kernel(
 ):
     """Program (b, h, t) writes dK, dV of k/v rows t * BLOCK.., then dQ of the same q rows: one launch, no delta
     pre-pass, and each head's q, k, v, out, dO read from DRAM once (re-reads across its tiles hit L2)."""
-    # the Philox seed is read on the device: a CUDA graph's replays each see the seed drawn in them
-    if DROPOUT:
-        seed = tl.load(SEED).to(tl.int32)  # seeds are < 2**31: one 32-bit register
-    else:
-        seed = 0
     num_tiles = tl.cdiv(seq_len, BLOCK)
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
@@ -293,7 +292,7 @@ def _attention_bwd_kernel(
               _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PQ,
             _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
@@ -303,5 +302,5 @@ def _attention_bwd_kernel(
             _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
-            seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, seed,
+            seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
             BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)

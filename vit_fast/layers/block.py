@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..backend import check_backend, resolve_backend
+from . import fused_block
 from .attention import Attention
 from .common import has_hooks
 from .mlp import make_mlp
@@ -118,11 +119,17 @@ class Block(nn.Module):
         if resolve_backend(self.backend, residual) == "torch":
             x = self(residual)[:, :keep_rows]
             return (next_norm(x) if next_norm is not None else None), x
+        plan, signature = fused_block.plan_for(self, hidden, residual, next_norm, keep_rows)
+        if plan is not None and fused_block.ready(signature):
+            return fused_block.run_block(self, plan, hidden, residual, next_norm)
         branch = self.attn.branch(hidden, keep_rows)
         residual = residual if keep_rows is None else residual[:, :keep_rows]
         hidden, residual = self._join(branch, residual, self.attn, self.ls1, self.drop_path1, self.norm2)
         branch = self.mlp.branch(hidden)
-        return self._join(branch, residual, self.mlp, self.ls2, self.drop_path2, next_norm)
+        out = self._join(branch, residual, self.mlp, self.ls2, self.drop_path2, next_norm)
+        if plan is not None:  # the parts' functionals checked this signature: its next calls run as one Function
+            fused_block.mark_checked(signature)
+        return out
 
     def _join(self, branch: torch.Tensor, residual: torch.Tensor, part: nn.Module, ls: nn.Module, dp: nn.Module,
               norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:

@@ -1,0 +1,206 @@
+"""A fused block as one autograd Function (vit_fast/layers/fused_block.py) against the per-part path it replaces.
+
+The per-part path (the parts' functionals, each block a chain of autograd Functions) is compared with float64 by
+tests/test_fused_model.py and the kernel tests; the one-Function block must give bitwise its outputs and every
+gradient, with the same random draws (dropout, drop-path) for the same seed. The first call of each input
+signature runs the per-part path (its functionals check the inputs), later calls the one Function.
+"""
+import copy
+
+import pytest
+import torch
+
+import vit_fast
+from vit_fast.layers import fused_block
+from vit_fast.route import Route, apply_route
+
+from .test_fused_model import TINY, loss_of, make_pair
+
+CONFIGS = {
+    "fp32": dict(TINY),
+    "layerscale_droppath_dropout": dict(TINY, init_values=0.1, drop_path_rate=0.5, proj_drop_rate=0.2,
+                                        attn_drop_rate=0.25, global_pool="avg"),
+    "no_qkv_bias_tanh": dict(TINY, qkv_bias=False, act="gelu_tanh", global_pool="avg"),
+    "quick_gelu_depth3": dict(TINY, act="quick_gelu", depth=3),
+}
+
+
+class BlockCalls:
+    """Counts the blocks that ran as one Function, and lets a test force the per-part path."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        real = fused_block.run_block
+
+        def counted(*args):
+            self.count += 1
+            return real(*args)
+
+        monkeypatch.setattr(fused_block, "run_block", counted)
+        self.per_part = False
+        ready = fused_block.ready
+        monkeypatch.setattr(fused_block, "ready", lambda signature: not self.per_part and ready(signature))
+
+    @staticmethod
+    def forget_checked():
+        fused_block._checked.clear()
+
+
+def step(model, x, seed, autocast=False):
+    """Logits and every parameter's gradient of one training step, from ``seed``."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    loss_of(out).backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_bitwise(a, b):
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert torch.equal(out_a, out_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert grads_a[name].dtype == grads_b[name].dtype, name
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def per_part_then_one_function(model, x, calls, autocast=False, seed=3):
+    calls.forget_checked()
+    calls.count = 0
+    calls.per_part = True
+    per_part = step(model, x, seed, autocast)
+    calls.per_part = False
+    assert calls.count == 0
+    one_function = step(model, x, seed, autocast)
+    assert calls.count >= 1
+    return per_part, one_function
+
+
+def without_drop1(model):
+    """timm's proj_drop_rate also sets the MLP's first dropout (drop1), which the one Function does not run: off,
+    so the joins' dropout (proj_drop, drop2) is tested."""
+    for block in model.blocks:
+        block.mlp.drop1.p = 0.0
+    return model
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_one_function_block_is_bitwise_the_per_part_path(monkeypatch, config):
+    calls = BlockCalls(monkeypatch)
+    model = without_drop1(make_pair(**config)[0])
+    model.train()
+    x = torch.randn(2, 3, 32, 32)
+    per_part, one_function = per_part_then_one_function(model, x, calls)
+    # the last block stays on the per-part path: token 0 only (class-token pooling) or no norm after it (avg)
+    assert calls.count == config["depth"] - 1
+    assert_bitwise(per_part, one_function)
+
+
+@pytest.mark.parametrize("route", ["fused", "short"])
+def test_one_function_block_under_autocast(monkeypatch, route):
+    """bf16 autocast: the GEMMs' weight copies and their fp32 gradients as autograd casts them; the short
+    attention kernels on the 'short' route."""
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, depth=3, global_pool="avg", init_values=0.1))
+    apply_route(model, Route(attention=route))
+    x = torch.randn(2, 3, 32, 32)
+    per_part, one_function = per_part_then_one_function(model, x, calls, autocast=True)
+    assert calls.count == 2
+    assert_bitwise(per_part, one_function)
+    assert all(g.dtype == torch.float32 for g in one_function[1].values())
+
+
+def test_frozen_parameters_get_no_gradient_and_the_rest_match(monkeypatch):
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg"))
+    frozen = {n for n, _ in model.named_parameters() if ".attn." in n or n.endswith("fc1.weight")}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    per_part, one_function = per_part_then_one_function(model, torch.randn(2, 3, 32, 32), calls)
+    assert not frozen & one_function[1].keys()
+    assert_bitwise(per_part, one_function)
+
+
+def test_no_grad_and_eval_forward_match(monkeypatch):
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg", drop_path_rate=0.5, proj_drop_rate=0.3))
+    model.eval()
+    x = torch.randn(2, 3, 32, 32)
+    calls.forget_checked()
+    with torch.no_grad():
+        first = model(x)
+        assert calls.count == 0
+        second = model(x)
+    assert calls.count == 1 and torch.equal(first, second)
+
+
+def test_grad_checkpointing_recomputes_the_same_block(monkeypatch):
+    """Activation checkpointing (non-reentrant: saved-tensor hooks) drops the block's saved tensors and
+    recomputes them with the same dropout masks: the same gradients as without it."""
+    calls = BlockCalls(monkeypatch)
+    model = without_drop1(make_pair(**CONFIGS["layerscale_droppath_dropout"])[0])
+    x = torch.randn(2, 3, 32, 32)
+    _, plain = per_part_then_one_function(model, x, calls)
+    model.set_grad_checkpointing(True)
+    calls.count = 0
+    checkpointed = step(model, x, 3)
+    assert calls.count == 2  # forward and the recomputation
+    assert_bitwise(plain, checkpointed)
+
+
+def test_bad_input_after_a_checked_signature_gets_the_parts_errors(monkeypatch):
+    """Another signature is checked again by the parts' functionals: a residual of the wrong width or dtype is
+    refused with their messages, never launched."""
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg"))
+    block, next_norm = model.blocks[0], model.blocks[1].norm1
+    hidden = torch.randn(2, 17, 64, requires_grad=True)
+    residual = torch.randn(2, 17, 64, requires_grad=True)
+    calls.forget_checked()
+    for _ in range(2):
+        block.forward_pair(hidden, residual, next_norm)
+    assert calls.count == 1
+    with pytest.raises(ValueError, match=r"add_layer_norm: expected residual of shape \(2, 17, 64\)"):
+        block.forward_pair(hidden, residual[..., :48], next_norm)
+    with pytest.raises(ValueError, match="add_layer_norm: expected residual with dtype in"):
+        block.forward_pair(hidden, residual.to(torch.int32), next_norm)
+    assert calls.count == 1
+
+
+def test_parts_that_are_not_stock_run_per_part(monkeypatch):
+    """A subclassed MLP, a proj dropout before fc1 (drop1) in training, hooks: the per-part path runs."""
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg", proj_drop_rate=0.1))
+    x = torch.randn(2, 3, 32, 32)
+    calls.forget_checked()
+    for _ in range(2):
+        step(model, x, 0)
+    assert calls.count == 0  # drop1 (the MLP's first dropout, proj_drop_rate) is active in training
+    model.eval()
+    with torch.no_grad():
+        model(x)
+        model(x)
+    assert calls.count == 1
+    handle = model.blocks[0].mlp.fc1.register_forward_hook(lambda *args: None)
+    calls.count = 0
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    assert calls.count == 0
+
+
+def test_torch_compile_traces_the_parts_not_the_block_function(monkeypatch):
+    """Under torch.compile the custom ops of the per-part path are traced (FakeTensor mode)."""
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg", depth=1))
+    x = torch.randn(2, 3, 32, 32)
+    eager = copy.deepcopy(model)
+    for _ in range(2):
+        eager(x)
+    calls.count = 0
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    out = compiled(x)
+    assert calls.count == 0
+    assert torch.equal(out, eager(x))
+    vit_fast  # noqa: B018 (the package's custom ops registered)

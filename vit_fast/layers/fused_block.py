@@ -1,0 +1,263 @@
+"""A whole fused block as one autograd Function, for eager training where the host time per step counts.
+
+``Block.forward_pair`` on the fused route runs five autograd pieces per block: the qkv GEMM (autograd's addmm and
+autocast's weight copy), ``AttentionFunction``, the proj GEMM, ``AddLayerNormFunction`` twice and
+``LinearActFunction``, each behind its public functional's checks. ``FusedBlockFunction`` runs the same pieces in
+one Function: the parts' own Functions' ``forward`` and ``backward`` are called in order with a ``_PartContext``
+in place of autograd's ctx, the two plain GEMMs and their weight casts run as eager autograd would run them
+(the same mm calls, in the same layouts), and the checks run once per input signature (``_checked``). Its
+outputs and gradients are bitwise those of ``forward_pair``'s per-part path (tests/test_fused_block.py).
+
+It runs where nothing needs the parts one by one: eager mode (torch.compile, FakeTensor and other dispatch modes
+trace the custom ops of the per-part path), plain CUDA tensors (or CPU under the interpreter), the block's route
+fully fused (flash or short attention kernels, ``linear_act`` MLP, fused joins), stock modules (no hooks, plain or
+fusable Linears, LayerScale / DropPath or Identity), every token kept and a LayerNorm after the block.
+``eligible_plan`` says whether a call qualifies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ..adapters import effective_bias, effective_weight, fusable_linear
+from ..backend import resolve_backend
+from ..kernels._utils import compute_dtype_for, next_seed, unit_stride
+from ..kernels.attention.interface import AttentionFunction, _dropout_and_seed
+from ..kernels.layer_norm import AddLayerNormFunction
+from ..kernels.linear_act import LinearActFunction
+
+
+class _PartContext:
+    """What a part's Function uses of autograd's ctx, for a part run inside ``FusedBlockFunction``: its saved
+    tensors pass through the block's one ``save_for_backward`` (so saved-tensor hooks, e.g. activation
+    checkpointing, see them all); the other attributes are the part's own."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...] = ()):
+        self.needs_input_grad = needs_input_grad
+        self.to_save: tuple = ()
+        self.saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.to_save = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass  # the block passes None for an absent gradient, as the parts expect
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass  # the attention's lse stays inside the block
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What stays fixed for one block and input signature: the parts' sizes, rates and kernel choices."""
+
+    num_heads: int
+    scale: float
+    attention_kernel: str  # 'flash' | 'short'
+    attn_p: float
+    proj_p: float
+    norm2_eps: float
+    activation: str
+    mlp_p: float
+    next_eps: float
+    compute_dtype: torch.dtype
+    autocast: bool  # the checks accept fp32 weights with 16-bit activations only under autocast
+    training: bool
+
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def _stock_parts(block) -> bool:
+    """The block's parts are the stock modules ``FusedBlockFunction`` reproduces."""
+    from .attention import Attention
+    from .block import DropPath, LayerScale
+    from .mlp import Mlp
+
+    attn, mlp = block.attn, block.mlp
+    return (type(attn).branch is Attention.branch and type(mlp).branch is Mlp.branch and isinstance(mlp, Mlp)
+            and not isinstance(attn.q_norm, nn.LayerNorm) and isinstance(mlp.norm, nn.Identity)
+            and all(isinstance(m, (LayerScale, nn.Identity)) for m in (block.ls1, block.ls2))
+            and all(isinstance(m, (DropPath, nn.Identity)) for m in (block.drop_path1, block.drop_path2))
+            and all(fusable_linear(m) for m in (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)))
+
+
+def eligible_plan(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.Module],
+                  keep_rows: Optional[int]) -> Optional[BlockPlan]:
+    """The plan of ``block`` for this call, or None where the per-part path must run (module docstring)."""
+    if (keep_rows is not None or next_norm is None or torch.compiler.is_compiling()
+            or _get_current_dispatch_mode() is not None or block.join_impl != "fused"):
+        return None
+    for t in (hidden, residual):
+        if type(t) not in _PLAIN_TENSORS or t.device.type not in ("cuda", "cpu"):
+            return None
+    attn, mlp = block.attn, block.mlp
+    if attn.impl not in ("fused", "short") or mlp.impl != "fused" or any(
+            resolve_backend(m.backend, hidden) != "triton" for m in (block, attn, mlp)):
+        return None
+    training = block.training
+    if (training and mlp.drop1.p > 0) or not _stock_parts(block):
+        return None
+    dtype = compute_dtype_for(hidden)
+    return BlockPlan(num_heads=attn.num_heads, scale=attn.scale,
+                     attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop.p,
+                     proj_p=attn.proj_drop.p, norm2_eps=block.norm2.eps, activation=mlp.act_name, mlp_p=mlp.drop2.p,
+                     next_eps=next_norm.eps, compute_dtype=dtype,
+                     autocast=torch.is_autocast_enabled(hidden.device.type), training=training)
+
+
+def _sample_scale(drop_path: nn.Module, like: torch.Tensor) -> Optional[torch.Tensor]:
+    from .block import DropPath
+
+    return drop_path.sample_scale(like) if isinstance(drop_path, DropPath) else None
+
+
+def _gamma(layer_scale: nn.Module) -> Optional[torch.Tensor]:
+    from .block import LayerScale
+
+    return layer_scale.gamma if isinstance(layer_scale, LayerScale) else None
+
+
+# Signatures the per-part path has run (its functionals checked every input then): the input shapes, strides,
+# dtypes and devices, the parameters' shapes and dtypes and the plan (rates, eps, autocast's dtype).
+_checked: set = set()
+
+
+def plan_for(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.Module],
+             keep_rows: Optional[int]) -> tuple[Optional[BlockPlan], Optional[tuple]]:
+    """(plan, signature) of this call; plan None where the per-part path must run. ``ready(signature)``: the
+    per-part path has run it, so its checks hold; until then the caller runs the per-part path and then calls
+    ``mark_checked(signature)``."""
+    plan = eligible_plan(block, hidden, residual, next_norm, keep_rows)
+    if plan is None:
+        return None, None
+    return plan, (plan, _layout(hidden), _layout(residual),
+                  *((None if p is None else (p.shape, p.dtype, p.device)) for p in _params(block, next_norm)))
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def ready(signature: tuple) -> bool:
+    return signature in _checked
+
+
+def mark_checked(signature: tuple) -> None:
+    _checked.add(signature)
+
+
+def _params(block, next_norm: nn.LayerNorm) -> tuple:
+    """The 14 parameters ``FusedBlockFunction`` reads (None where a part has none)."""
+    attn, mlp = block.attn, block.mlp
+    return (effective_weight(attn.qkv), effective_bias(attn.qkv), effective_weight(attn.proj),
+            effective_bias(attn.proj), block.norm2.weight, block.norm2.bias, _gamma(block.ls1),
+            effective_weight(mlp.fc1), effective_bias(mlp.fc1), effective_weight(mlp.fc2), effective_bias(mlp.fc2),
+            next_norm.weight, next_norm.bias, _gamma(block.ls2))
+
+
+def run_block(block, plan: BlockPlan, hidden: torch.Tensor, residual: torch.Tensor,
+              next_norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block.forward_pair(hidden, residual, next_norm)`` as one Function, for a checked signature. The random
+    draws come in the per-part path's order: attention's seed, drop-path 1, join 1's seed, drop-path 2, join 2's
+    seed."""
+    device = hidden.device
+    _, attn_seed = _dropout_and_seed(plan.attn_p, plan.training, device)
+    scale1 = _sample_scale(block.drop_path1, hidden)
+    join1_p, join1_seed = _join_dropout(plan.proj_p, plan.training, device)
+    scale2 = _sample_scale(block.drop_path2, hidden)
+    join2_p, join2_seed = _join_dropout(plan.mlp_p, plan.training, device)
+    return FusedBlockFunction.apply(plan, hidden, residual, *map(unit_stride, _params(block, next_norm)), scale1,
+                                    scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)
+
+
+def _join_dropout(p: float, training: bool, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
+    """``prepare_join``'s dropout choice (its checks ran on the per-part path)."""
+    p = float(p) if training else 0.0
+    return p, (next_seed(device) if p > 0 else None)
+
+
+def _linear_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, needs_input: bool,
+                     needs_weight: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The gradients eager autograd computes for ``F.linear(input, weight)`` (input (..., K) contiguous, weight
+    row-major), with its mm backward's layouts: d(input) = grad @ weight, d(weight) = grad^T @ input, on rows."""
+    grad2 = grad.reshape(-1, grad.shape[-1])
+    d_input = grad2.mm(weight).view(input.shape) if needs_input else None
+    return d_input, (grad2.t().mm(input.reshape(-1, input.shape[-1])) if needs_weight else None)
+
+
+class FusedBlockFunction(torch.autograd.Function):
+    """(normed, residual') = ``Block.forward_pair(hidden, residual, next_norm)`` in one node (module docstring).
+    Inputs after the plan: hidden, residual, the 14 parameters of ``_params`` (None where absent), the two
+    drop-path scales, three seeds and the joins' dropout rates."""
+
+    @staticmethod
+    def forward(ctx, plan: BlockPlan, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1, fc1_w,
+                fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed,
+                join1_p, join2_p):
+        ctx.set_materialize_grads(False)
+        needs = ctx.needs_input_grad
+        dtype = plan.compute_dtype
+        # attention: the qkv GEMM with its bias as a constant (its gradient comes from the attention backward)
+        qkv_wc = qkv_w.to(dtype)  # autocast's weight copy (the weight itself when it has the dtype)
+        qkv = F.linear(hidden, qkv_wc, qkv_b)
+        attn_ctx = _PartContext()
+        out, _ = AttentionFunction.forward(attn_ctx, qkv, qkv_b if needs[4] else None, plan.num_heads,
+                                           float(plan.scale), plan.attn_p if plan.training else 0.0, attn_seed,
+                                           qkv.shape[1], plan.attention_kernel)
+        proj_wc = proj_w.to(dtype)
+        branch = F.linear(out, proj_wc)
+        join1_ctx = _PartContext()
+        normed, stream = AddLayerNormFunction.forward(join1_ctx, branch, residual, n2_w, n2_b, proj_b, gamma1, scale1,
+                                                      float(plan.norm2_eps), join1_p, join1_seed)
+        # the MLP (``linear_act``): weights in the GEMMs' dtype with unit column stride
+        fc1_wc, fc2_wc = (w if w.stride(-1) == 1 else w.contiguous() for w in (fc1_w.to(dtype), fc2_w.to(dtype)))
+        normed_needs = any(needs[1:10])
+        needs_du = normed_needs or needs[10] or needs[11]
+        mlp_ctx = _PartContext((normed_needs, needs[10], needs[11], needs[12]))
+        y = LinearActFunction.forward(mlp_ctx, normed.to(dtype), fc1_wc, fc1_b, fc2_wc, plan.activation, needs_du)
+        join2_ctx = _PartContext()
+        normed_out, stream_out = AddLayerNormFunction.forward(join2_ctx, y, stream, next_w, next_b, fc2_b, gamma2,
+                                                              scale2, float(plan.next_eps), join2_p, join2_seed)
+        ctx.parts = (attn_ctx, join1_ctx, mlp_ctx, join2_ctx)
+        ctx.counts = [len(part.to_save) for part in ctx.parts]
+        ctx.weight_dtypes = (qkv_w.dtype, proj_w.dtype, fc1_w.dtype, fc2_w.dtype)
+        ctx.save_for_backward(*(t for part in ctx.parts for t in part.to_save), hidden, qkv_wc, out, proj_wc)
+        for part in ctx.parts:
+            part.to_save = ()
+        return normed_out, stream_out
+
+    @staticmethod
+    def backward(ctx, d_normed, d_stream):
+        saved = ctx.saved_tensors
+        start = 0
+        for part, count in zip(ctx.parts, ctx.counts):
+            part.saved_tensors = saved[start:start + count]
+            start += count
+        hidden, qkv_wc, out, proj_wc = saved[start:]
+        attn_ctx, join1_ctx, mlp_ctx, join2_ctx = ctx.parts
+        needs = ctx.needs_input_grad
+        qkv_dtype, proj_dtype, fc1_dtype, fc2_dtype = ctx.weight_dtypes
+        dy, d_stream1, d_next_w, d_next_b, d_fc2_b, d_gamma2 = AddLayerNormFunction.backward(
+            join2_ctx, d_normed, d_stream)[:6]
+        d_normed1, d_fc1_w, d_fc1_b, d_fc2_w = LinearActFunction.backward(mlp_ctx, dy)[:4]
+        d_branch, d_residual, d_n2_w, d_n2_b, d_proj_b, d_gamma1 = AddLayerNormFunction.backward(
+            join1_ctx, d_normed1, d_stream1)[:6]
+        d_out, d_proj_w = _linear_backward(d_branch, out, proj_wc, True, needs[5])
+        d_qkv, d_qkv_b = AttentionFunction.backward(attn_ctx, d_out.view(out.shape), None)[:2]
+        d_hidden, d_qkv_w = _linear_backward(d_qkv, hidden, qkv_wc, needs[1], needs[3])
+        for part in ctx.parts:
+            part.saved_tensors = ()
+        return (None, d_hidden, d_residual, _to(d_qkv_w, qkv_dtype), d_qkv_b, _to(d_proj_w, proj_dtype), d_proj_b,
+                d_n2_w, d_n2_b, d_gamma1, _to(d_fc1_w, fc1_dtype), d_fc1_b, _to(d_fc2_w, fc2_dtype), d_fc2_b,
+                d_next_w, d_next_b, d_gamma2, None, None, None, None, None, None, None)
+
+
+def _to(grad: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The gradient of a weight through autocast's copy: cast back to the weight's dtype."""
+    return None if grad is None else grad.to(dtype)

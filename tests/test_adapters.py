@@ -56,7 +56,8 @@ def assert_same_training_step(ref: nn.Module, fast: nn.Module, x: torch.Tensor) 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts of the fused entry points the layers call (attention_linear, linear_act)."""
+    """Counts of the fused entry points the layers call (attention_linear, linear_act), also inside a block run
+    as one Function (vit_fast/layers/fused_block.py)."""
     calls = {"attention_linear": 0, "linear_act": 0}
     real_attention, real_linear_act = vit_fast.kernels.attention.attention_linear, vit_fast.layers.mlp.linear_act
 
@@ -68,8 +69,16 @@ def kernel_calls(monkeypatch):
         calls["linear_act"] += 1
         return real_linear_act(*args, **kwargs)
 
+    real_block = vit_fast.layers.fused_block.run_block
+
+    def run_block(*args):  # a block as one Function runs both parts on the weights it read
+        calls["attention_linear"] += 1
+        calls["linear_act"] += 1
+        return real_block(*args)
+
     monkeypatch.setattr(vit_fast.kernels.attention, "attention_linear", attention_linear)
     monkeypatch.setattr(vit_fast.layers.mlp, "linear_act", linear_act)
+    monkeypatch.setattr(vit_fast.layers.fused_block, "run_block", run_block)
     return calls
 
 

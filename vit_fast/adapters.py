@@ -30,7 +30,8 @@ _PLAIN = (nn.Linear, nn.Conv2d)
 
 def _is_plain(module: nn.Module) -> bool:
     """An nn.Linear / nn.Conv2d whose forward is the stock one (subclasses that only add attributes pass)."""
-    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in _PLAIN)
+    cls = type(module)
+    return cls in _PLAIN or any(isinstance(module, c) and cls.forward is c.forward for c in _PLAIN)
 
 
 def _is_lora(module: nn.Module) -> bool:
@@ -105,6 +106,8 @@ def _applies_adapters(module: nn.Module) -> bool:
 
 def effective_weight(module: nn.Module) -> torch.Tensor:
     """The weight of the affine map ``module`` computes (call only where ``fusable_linear`` holds)."""
+    if type(module) in _PLAIN:
+        return module.weight
     if isinstance(module, PackedLinear):
         return torch.cat([effective_weight(part) for part in module.parts])
     if not _is_lora(module):
@@ -118,6 +121,8 @@ def effective_weight(module: nn.Module) -> torch.Tensor:
 
 def effective_bias(module: nn.Module) -> Optional[torch.Tensor]:
     """The bias of the affine map ``module`` computes, or None (call only where ``fusable_linear`` holds)."""
+    if type(module) in _PLAIN:
+        return module.bias
     if isinstance(module, PackedLinear):
         return _cat_biases([effective_bias(part) for part in module.parts], module.parts)
     if not _is_lora(module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -28,12 +29,33 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE_VALUES
 
 
+class _Direct(threading.local):
+    on = False  # set by ``direct_ops`` for this thread
+
+
+_direct = _Direct()
+
+
+class direct_ops:
+    """``with direct_ops():`` the caller has checked what ``run_op`` checks (eager mode, no dispatch mode,
+    plain CUDA tensors or CPU ones under the interpreter), for every tensor the ops inside will see: ``run_op``
+    calls the ops' Python functions without asking again (a fused block runs its parts so)."""
+
+    def __enter__(self):
+        self.was, _direct.on = _direct.on, True
+
+    def __exit__(self, *exc):
+        _direct.on = self.was
+
+
 def run_op(op, *args):
     """Call the custom op ``op`` from an autograd Function. On plain CUDA tensors (or CPU ones under the
     interpreter) with nothing tracing, its Python function runs directly: the dispatcher's round trip through
     the custom op (autograd redispatch, backend lookup) costs tens of microseconds per call and buys nothing
     there. torch.compile, fake or meta tensors and dispatch modes (FakeTensorMode, counting modes) get the
     custom op, whose fake implementation and schema they need."""
+    if _direct.on and not torch.autograd.profiler._is_profiler_enabled:
+        return custom_op_function(op)(*args)
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return op(*args)
     for a in args:

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..adapters import effective_bias, effective_weight, fusable_linear
 from ..backend import resolve_backend
-from ..kernels._utils import compute_dtype_for, next_seed, unit_stride
+from ..kernels._utils import compute_dtype_for, direct_ops, next_seed, unit_stride
 from ..kernels.attention.interface import AttentionFunction, _dropout_and_seed
 from ..kernels.layer_norm import AddLayerNormFunction
 from ..kernels.linear_act import LinearActFunction
@@ -129,15 +129,16 @@ _checked: set = set()
 
 
 def plan_for(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.Module],
-             keep_rows: Optional[int]) -> tuple[Optional[BlockPlan], Optional[tuple]]:
-    """(plan, signature) of this call; plan None where the per-part path must run. ``ready(signature)``: the
-    per-part path has run it, so its checks hold; until then the caller runs the per-part path and then calls
-    ``mark_checked(signature)``."""
+             keep_rows: Optional[int]) -> tuple[Optional[BlockPlan], tuple, tuple]:
+    """(plan, params, signature) of this call; plan None where the per-part path must run. ``ready(signature)``:
+    the per-part path has run it, so its checks hold; until then the caller runs the per-part path and then
+    calls ``mark_checked(signature)``."""
     plan = eligible_plan(block, hidden, residual, next_norm, keep_rows)
     if plan is None:
-        return None, None
-    return plan, (plan, _layout(hidden), _layout(residual),
-                  *((None if p is None else (p.shape, p.dtype, p.device)) for p in _params(block, next_norm)))
+        return None, (), ()
+    params = _params(block, next_norm)
+    return plan, params, (plan, _layout(hidden), _layout(residual),
+                          *((None if p is None else (p.shape, p.dtype, p.device)) for p in params))
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -161,18 +162,18 @@ def _params(block, next_norm: nn.LayerNorm) -> tuple:
             next_norm.weight, next_norm.bias, _gamma(block.ls2))
 
 
-def run_block(block, plan: BlockPlan, hidden: torch.Tensor, residual: torch.Tensor,
-              next_norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block.forward_pair(hidden, residual, next_norm)`` as one Function, for a checked signature. The random
-    draws come in the per-part path's order: attention's seed, drop-path 1, join 1's seed, drop-path 2, join 2's
-    seed."""
+def run_block(block, plan: BlockPlan, params: tuple, hidden: torch.Tensor,
+              residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block.forward_pair(hidden, residual, next_norm)`` as one Function, for a checked signature (``params``
+    from ``plan_for``). The random draws come in the per-part path's order: attention's seed, drop-path 1, join
+    1's seed, drop-path 2, join 2's seed."""
     device = hidden.device
     _, attn_seed = _dropout_and_seed(plan.attn_p, plan.training, device)
     scale1 = _sample_scale(block.drop_path1, hidden)
     join1_p, join1_seed = _join_dropout(plan.proj_p, plan.training, device)
     scale2 = _sample_scale(block.drop_path2, hidden)
     join2_p, join2_seed = _join_dropout(plan.mlp_p, plan.training, device)
-    return FusedBlockFunction.apply(plan, hidden, residual, *map(unit_stride, _params(block, next_norm)), scale1,
+    return FusedBlockFunction.apply(plan, hidden, residual, *map(unit_stride, params), scale1,
                                     scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)
 
 
@@ -201,6 +202,14 @@ class FusedBlockFunction(torch.autograd.Function):
                 fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed,
                 join1_p, join2_p):
         ctx.set_materialize_grads(False)
+        with direct_ops():
+            return FusedBlockFunction._forward(ctx, plan, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b,
+                                               gamma1, fc1_w, fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2, scale1,
+                                               scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)
+
+    @staticmethod
+    def _forward(ctx, plan, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1, fc1_w, fc1_b, fc2_w,
+                 fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p):
         needs = ctx.needs_input_grad
         dtype = plan.compute_dtype
         # attention: the qkv GEMM with its bias as a constant (its gradient comes from the attention backward)
@@ -234,6 +243,11 @@ class FusedBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_normed, d_stream):
+        with direct_ops():
+            return FusedBlockFunction._backward(ctx, d_normed, d_stream)
+
+    @staticmethod
+    def _backward(ctx, d_normed, d_stream):
         saved = ctx.saved_tensors
         start = 0
         for part, count in zip(ctx.parts, ctx.counts):

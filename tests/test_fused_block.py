@@ -37,7 +37,8 @@ class BlockCalls:
             return real(*args)
 
         monkeypatch.setattr(fused_block, "run_block", counted)
-        self.per_part = False
+        monkeypatch.setattr(fused_block, "enabled", True)
+        self.per_part = False  # every block per part, signatures still marked as checked
         ready = fused_block.ready
         monkeypatch.setattr(fused_block, "ready", lambda signature: not self.per_part and ready(signature))
 
@@ -92,8 +93,8 @@ def test_one_function_block_is_bitwise_the_per_part_path(monkeypatch, config):
     model.train()
     x = torch.randn(2, 3, 32, 32)
     per_part, one_function = per_part_then_one_function(model, x, calls)
-    # the last block stays on the per-part path: token 0 only (class-token pooling) or no norm after it (avg)
-    assert calls.count == config["depth"] - 1
+    # class-token pooling: the last block (token 0 only) stays on the per-part path
+    assert calls.count == config["depth"] - (config.get("global_pool", "token") == "token")
     assert_bitwise(per_part, one_function)
 
 
@@ -106,7 +107,7 @@ def test_one_function_block_under_autocast(monkeypatch, route):
     apply_route(model, Route(attention=route))
     x = torch.randn(2, 3, 32, 32)
     per_part, one_function = per_part_then_one_function(model, x, calls, autocast=True)
-    assert calls.count == 2
+    assert calls.count == 3
     assert_bitwise(per_part, one_function)
     assert all(g.dtype == torch.float32 for g in one_function[1].values())
 
@@ -132,7 +133,7 @@ def test_no_grad_and_eval_forward_match(monkeypatch):
         first = model(x)
         assert calls.count == 0
         second = model(x)
-    assert calls.count == 1 and torch.equal(first, second)
+    assert calls.count == 2 and torch.equal(first, second)
 
 
 def test_grad_checkpointing_recomputes_the_same_block(monkeypatch):
@@ -145,7 +146,7 @@ def test_grad_checkpointing_recomputes_the_same_block(monkeypatch):
     model.set_grad_checkpointing(True)
     calls.count = 0
     checkpointed = step(model, x, 3)
-    assert calls.count == 2  # forward and the recomputation
+    assert calls.count == 4  # forward and the recomputation, both blocks
     assert_bitwise(plain, checkpointed)
 
 
@@ -169,7 +170,7 @@ def test_bad_input_after_a_checked_signature_gets_the_parts_errors(monkeypatch):
 
 
 def test_parts_that_are_not_stock_run_per_part(monkeypatch):
-    """A subclassed MLP, a proj dropout before fc1 (drop1) in training, hooks: the per-part path runs."""
+    """The MLP's first dropout (drop1) in training, a hook in the block: the per-part path runs."""
     calls = BlockCalls(monkeypatch)
     model, _ = make_pair(**dict(TINY, global_pool="avg", proj_drop_rate=0.1))
     x = torch.randn(2, 3, 32, 32)
@@ -181,13 +182,14 @@ def test_parts_that_are_not_stock_run_per_part(monkeypatch):
     with torch.no_grad():
         model(x)
         model(x)
-    assert calls.count == 1
-    handle = model.blocks[0].mlp.fc1.register_forward_hook(lambda *args: None)
+    assert calls.count == 2
+    fired = []
+    handle = model.blocks[0].mlp.fc1.register_forward_hook(lambda *args: fired.append(1))
     calls.count = 0
     with torch.no_grad():
         model(x)
     handle.remove()
-    assert calls.count == 0
+    assert fired == [1] and calls.count == 1  # the hooked block module by module, the other one as one Function
 
 
 def test_torch_compile_traces_the_parts_not_the_block_function(monkeypatch):
@@ -204,3 +206,13 @@ def test_torch_compile_traces_the_parts_not_the_block_function(monkeypatch):
     assert calls.count == 0
     assert torch.equal(out, eager(x))
     vit_fast  # noqa: B018 (the package's custom ops registered)
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    calls = BlockCalls(monkeypatch)
+    monkeypatch.setattr(fused_block, "enabled", False)
+    model, _ = make_pair(**dict(TINY, global_pool="avg"))
+    x = torch.randn(2, 3, 32, 32)
+    for _ in range(2):
+        step(model, x, 0)
+    assert calls.count == 0

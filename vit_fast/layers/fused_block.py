@@ -16,6 +16,7 @@ fusable Linears, LayerScale / DropPath or Identity), every token kept and a Laye
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,8 +29,11 @@ from ..adapters import effective_bias, effective_weight, fusable_linear
 from ..backend import resolve_backend
 from ..kernels._utils import compute_dtype_for, direct_ops, next_seed, unit_stride
 from ..kernels.attention.interface import AttentionFunction, _dropout_and_seed
+from ..kernels.bias_gelu import BiasDropoutAddFunction
 from ..kernels.layer_norm import AddLayerNormFunction
 from ..kernels.linear_act import LinearActFunction
+from .attention import Attention
+from .mlp import Mlp
 
 
 class _PartContext:
@@ -64,7 +68,7 @@ class BlockPlan:
     norm2_eps: float
     activation: str
     mlp_p: float
-    next_eps: float
+    next_eps: Optional[float]  # None: no LayerNorm after the block (its second join is ``bias_dropout_add``)
     compute_dtype: torch.dtype
     autocast: bool  # the checks accept fp32 weights with 16-bit activations only under autocast
     training: bool
@@ -75,22 +79,40 @@ _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 def _stock_parts(block) -> bool:
     """The block's parts are the stock modules ``FusedBlockFunction`` reproduces."""
-    from .attention import Attention
-    from .block import DropPath, LayerScale
-    from .mlp import Mlp
-
+    layer_scale, drop_path = _block_types()
     attn, mlp = block.attn, block.mlp
-    return (type(attn).branch is Attention.branch and type(mlp).branch is Mlp.branch and isinstance(mlp, Mlp)
-            and not isinstance(attn.q_norm, nn.LayerNorm) and isinstance(mlp.norm, nn.Identity)
-            and all(isinstance(m, (LayerScale, nn.Identity)) for m in (block.ls1, block.ls2))
-            and all(isinstance(m, (DropPath, nn.Identity)) for m in (block.drop_path1, block.drop_path2))
-            and all(fusable_linear(m) for m in (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)))
+    return ((type(attn) is Attention or type(attn).branch is Attention.branch)
+            and (type(mlp) is Mlp or (isinstance(mlp, Mlp) and type(mlp).branch is Mlp.branch))
+            and not isinstance(attn.q_norm, nn.LayerNorm) and type(mlp.norm) is nn.Identity
+            and type(block.ls1) in (layer_scale, nn.Identity) and type(block.ls2) in (layer_scale, nn.Identity)
+            and type(block.drop_path1) in (drop_path, nn.Identity)
+            and type(block.drop_path2) in (drop_path, nn.Identity)
+            and fusable_linear(attn.qkv) and fusable_linear(attn.proj) and fusable_linear(mlp.fc1)
+            and fusable_linear(mlp.fc2))
+
+
+_types: tuple = ()
+
+
+def _block_types() -> tuple:
+    """(LayerScale, DropPath), from block.py (which imports this module)."""
+    global _types
+    if not _types:
+        from .block import DropPath, LayerScale
+
+        _types = (LayerScale, DropPath)
+    return _types
+
+
+# The switch: VIT_FAST_BLOCK_FUNCTION=0 (or false / off / no) at import, or ``fused_block.enabled = False``, runs
+# every block per part (an A/B of the host work on a GPU; the same numbers either way).
+enabled = os.environ.get("VIT_FAST_BLOCK_FUNCTION", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def eligible_plan(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.Module],
                   keep_rows: Optional[int]) -> Optional[BlockPlan]:
     """The plan of ``block`` for this call, or None where the per-part path must run (module docstring)."""
-    if (keep_rows is not None or next_norm is None or torch.compiler.is_compiling()
+    if (not enabled or keep_rows is not None or torch.compiler.is_compiling()
             or _get_current_dispatch_mode() is not None or block.join_impl != "fused"):
         return None
     for t in (hidden, residual):
@@ -107,20 +129,16 @@ def eligible_plan(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm
     return BlockPlan(num_heads=attn.num_heads, scale=attn.scale,
                      attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop.p,
                      proj_p=attn.proj_drop.p, norm2_eps=block.norm2.eps, activation=mlp.act_name, mlp_p=mlp.drop2.p,
-                     next_eps=next_norm.eps, compute_dtype=dtype,
+                     next_eps=None if next_norm is None else next_norm.eps, compute_dtype=dtype,
                      autocast=torch.is_autocast_enabled(hidden.device.type), training=training)
 
 
 def _sample_scale(drop_path: nn.Module, like: torch.Tensor) -> Optional[torch.Tensor]:
-    from .block import DropPath
-
-    return drop_path.sample_scale(like) if isinstance(drop_path, DropPath) else None
+    return drop_path.sample_scale(like) if type(drop_path) is _block_types()[1] else None
 
 
 def _gamma(layer_scale: nn.Module) -> Optional[torch.Tensor]:
-    from .block import LayerScale
-
-    return layer_scale.gamma if isinstance(layer_scale, LayerScale) else None
+    return layer_scale.gamma if type(layer_scale) is _block_types()[0] else None
 
 
 # Signatures the per-part path has run (its functionals checked every input then): the input shapes, strides,
@@ -153,13 +171,13 @@ def mark_checked(signature: tuple) -> None:
     _checked.add(signature)
 
 
-def _params(block, next_norm: nn.LayerNorm) -> tuple:
+def _params(block, next_norm: Optional[nn.LayerNorm]) -> tuple:
     """The 14 parameters ``FusedBlockFunction`` reads (None where a part has none)."""
     attn, mlp = block.attn, block.mlp
     return (effective_weight(attn.qkv), effective_bias(attn.qkv), effective_weight(attn.proj),
             effective_bias(attn.proj), block.norm2.weight, block.norm2.bias, _gamma(block.ls1),
             effective_weight(mlp.fc1), effective_bias(mlp.fc1), effective_weight(mlp.fc2), effective_bias(mlp.fc2),
-            next_norm.weight, next_norm.bias, _gamma(block.ls2))
+            *((None, None) if next_norm is None else (next_norm.weight, next_norm.bias)), _gamma(block.ls2))
 
 
 def run_block(block, plan: BlockPlan, params: tuple, hidden: torch.Tensor,
@@ -231,9 +249,14 @@ class FusedBlockFunction(torch.autograd.Function):
         mlp_ctx = _PartContext((normed_needs, needs[10], needs[11], needs[12]))
         y = LinearActFunction.forward(mlp_ctx, normed.to(dtype), fc1_wc, fc1_b, fc2_wc, plan.activation, needs_du)
         join2_ctx = _PartContext()
-        normed_out, stream_out = AddLayerNormFunction.forward(join2_ctx, y, stream, next_w, next_b, fc2_b, gamma2,
-                                                              scale2, float(plan.next_eps), join2_p, join2_seed)
-        ctx.parts = (attn_ctx, join1_ctx, mlp_ctx, join2_ctx)
+        if plan.next_eps is None:
+            normed_out, stream_out = None, BiasDropoutAddFunction.forward(join2_ctx, y, fc2_b, stream, gamma2, scale2,
+                                                                          join2_p, join2_seed)
+        else:
+            normed_out, stream_out = AddLayerNormFunction.forward(join2_ctx, y, stream, next_w, next_b, fc2_b,
+                                                                  gamma2, scale2, float(plan.next_eps), join2_p,
+                                                                  join2_seed)
+        ctx.parts, ctx.plan = (attn_ctx, join1_ctx, mlp_ctx, join2_ctx), plan
         ctx.counts = [len(part.to_save) for part in ctx.parts]
         ctx.weight_dtypes = (qkv_w.dtype, proj_w.dtype, fc1_w.dtype, fc2_w.dtype)
         ctx.save_for_backward(*(t for part in ctx.parts for t in part.to_save), hidden, qkv_wc, out, proj_wc)
@@ -257,8 +280,14 @@ class FusedBlockFunction(torch.autograd.Function):
         attn_ctx, join1_ctx, mlp_ctx, join2_ctx = ctx.parts
         needs = ctx.needs_input_grad
         qkv_dtype, proj_dtype, fc1_dtype, fc2_dtype = ctx.weight_dtypes
-        dy, d_stream1, d_next_w, d_next_b, d_fc2_b, d_gamma2 = AddLayerNormFunction.backward(
-            join2_ctx, d_normed, d_stream)[:6]
+        if ctx.plan.next_eps is not None:
+            dy, d_stream1, d_next_w, d_next_b, d_fc2_b, d_gamma2 = AddLayerNormFunction.backward(
+                join2_ctx, d_normed, d_stream)[:6]
+        elif d_stream is None:  # the stream, the only output, unused
+            return (None,) * 24
+        else:
+            dy, d_fc2_b, d_stream1, d_gamma2 = BiasDropoutAddFunction.backward(join2_ctx, d_stream)[:4]
+            d_next_w = d_next_b = None
         d_normed1, d_fc1_w, d_fc1_b, d_fc2_w = LinearActFunction.backward(mlp_ctx, dy)[:4]
         d_branch, d_residual, d_n2_w, d_n2_b, d_proj_b, d_gamma1 = AddLayerNormFunction.backward(
             join1_ctx, d_normed1, d_stream1)[:6]

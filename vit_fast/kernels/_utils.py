@@ -190,9 +190,16 @@ def gpu_arch(device: torch.device) -> int:
     interpreted programs are what an A100 would run).
     """
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return 90 if major >= 9 else 80
+        index = torch.cuda.current_device() if device.index is None else device.index
+        arch = _ARCH_OF_DEVICE.get(index)
+        if arch is None:  # asked at every launch: the capability query is kept per device
+            major, _ = torch.cuda.get_device_capability(index)
+            arch = _ARCH_OF_DEVICE[index] = 90 if major >= 9 else 80
+        return arch
     return 80
+
+
+_ARCH_OF_DEVICE: dict = {}
 
 
 def input_precision(dtype: torch.dtype) -> str:

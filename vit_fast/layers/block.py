@@ -119,9 +119,9 @@ class Block(nn.Module):
         if resolve_backend(self.backend, residual) == "torch":
             x = self(residual)[:, :keep_rows]
             return (next_norm(x) if next_norm is not None else None), x
-        plan, params, signature = fused_block.plan_for(self, hidden, residual, next_norm, keep_rows)
+        plan, parts, params, signature = fused_block.plan_for(self, hidden, residual, next_norm, keep_rows)
         if plan is not None and fused_block.ready(signature):
-            return fused_block.run_block(self, plan, params, hidden, residual)
+            return fused_block.run_block(plan, parts, params, hidden, residual)
         branch = self.attn.branch(hidden, keep_rows)
         residual = residual if keep_rows is None else residual[:, :keep_rows]
         hidden, residual = self._join(branch, residual, self.attn, self.ls1, self.drop_path1, self.norm2)

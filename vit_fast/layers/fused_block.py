@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..adapters import effective_bias, effective_weight, fusable_linear
-from ..backend import resolve_backend
 from ..kernels._utils import compute_dtype_for, direct_ops, next_seed, unit_stride
 from ..kernels.attention.interface import AttentionFunction, _dropout_and_seed
 from ..kernels.bias_gelu import BiasDropoutAddFunction
@@ -34,6 +33,7 @@ from ..kernels.layer_norm import AddLayerNormFunction
 from ..kernels.linear_act import LinearActFunction
 from .attention import Attention
 from .mlp import Mlp
+from .norm import LayerNorm
 
 
 class _PartContext:
@@ -77,30 +77,65 @@ class BlockPlan:
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
-def _stock_parts(block) -> bool:
-    """The block's parts are the stock modules ``FusedBlockFunction`` reproduces."""
-    layer_scale, drop_path = _block_types()
+class _Parts(NamedTuple):
+    """The modules of a block that ``FusedBlockFunction`` reads."""
+
+    attn: nn.Module
+    mlp: nn.Module
+    qkv: nn.Module
+    proj: nn.Module
+    fc1: nn.Module
+    fc2: nn.Module
+    norm2: nn.Module
+    ls1: nn.Module
+    ls2: nn.Module
+    drop_path1: nn.Module
+    drop_path2: nn.Module
+
+
+def _parts(block) -> Optional[_Parts]:
+    """The block's parts (None unless its attention and MLP are vit_fast's Attention and Mlp), read from the
+    module dicts where every type on the way is a stock one (nothing can shadow a registered submodule there;
+    nn.Module.__getattr__ costs about half a microsecond a read), by attribute otherwise (a linked transformers
+    model's parts are descriptors)."""
+    if type(block) is _block_types()[2]:
+        modules = block._modules
+        attn, mlp = modules["attn"], modules["mlp"]
+        if type(attn) is Attention and type(mlp) is Mlp:
+            attn_modules, mlp_modules = attn._modules, mlp._modules
+            return _Parts(attn, mlp, attn_modules["qkv"], attn_modules["proj"], mlp_modules["fc1"], mlp_modules["fc2"],
+                          modules["norm2"], modules["ls1"], modules["ls2"], modules["drop_path1"],
+                          modules["drop_path2"])
     attn, mlp = block.attn, block.mlp
+    if not (isinstance(attn, Attention) and isinstance(mlp, Mlp)):
+        return None
+    return _Parts(attn, mlp, attn.qkv, attn.proj, mlp.fc1, mlp.fc2, block.norm2, block.ls1, block.ls2,
+                  block.drop_path1, block.drop_path2)
+
+
+def _stock_parts(parts: _Parts) -> bool:
+    """The block's parts are the stock modules ``FusedBlockFunction`` reproduces."""
+    layer_scale, drop_path, _ = _block_types()
+    attn, mlp = parts.attn, parts.mlp
     return ((type(attn) is Attention or type(attn).branch is Attention.branch)
             and (type(mlp) is Mlp or (isinstance(mlp, Mlp) and type(mlp).branch is Mlp.branch))
             and not isinstance(attn.q_norm, nn.LayerNorm) and type(mlp.norm) is nn.Identity
-            and type(block.ls1) in (layer_scale, nn.Identity) and type(block.ls2) in (layer_scale, nn.Identity)
-            and type(block.drop_path1) in (drop_path, nn.Identity)
-            and type(block.drop_path2) in (drop_path, nn.Identity)
-            and fusable_linear(attn.qkv) and fusable_linear(attn.proj) and fusable_linear(mlp.fc1)
-            and fusable_linear(mlp.fc2))
+            and type(parts.ls1) in (layer_scale, nn.Identity) and type(parts.ls2) in (layer_scale, nn.Identity)
+            and type(parts.drop_path1) in (drop_path, nn.Identity)
+            and type(parts.drop_path2) in (drop_path, nn.Identity)
+            and all(fusable_linear(m) for m in (parts.qkv, parts.proj, parts.fc1, parts.fc2)))
 
 
 _types: tuple = ()
 
 
 def _block_types() -> tuple:
-    """(LayerScale, DropPath), from block.py (which imports this module)."""
+    """(LayerScale, DropPath, Block), from block.py (which imports this module)."""
     global _types
     if not _types:
-        from .block import DropPath, LayerScale
+        from .block import Block, DropPath, LayerScale
 
-        _types = (LayerScale, DropPath)
+        _types = (LayerScale, DropPath, Block)
     return _types
 
 
@@ -109,27 +144,28 @@ def _block_types() -> tuple:
 enabled = os.environ.get("VIT_FAST_BLOCK_FUNCTION", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def eligible_plan(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.Module],
-                  keep_rows: Optional[int]) -> Optional[BlockPlan]:
-    """The plan of ``block`` for this call, or None where the per-part path must run (module docstring)."""
+def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Tensor,
+                  next_norm: Optional[nn.Module], keep_rows: Optional[int]) -> Optional[BlockPlan]:
+    """The plan of ``block`` for this call (the block itself resolved to the Triton backend), or None where the
+    per-part path must run (module docstring)."""
     if (not enabled or keep_rows is not None or torch.compiler.is_compiling()
             or _get_current_dispatch_mode() is not None or block.join_impl != "fused"):
         return None
     for t in (hidden, residual):
         if type(t) not in _PLAIN_TENSORS or t.device.type not in ("cuda", "cpu"):
             return None
-    attn, mlp = block.attn, block.mlp
-    if attn.impl not in ("fused", "short") or mlp.impl != "fused" or any(
-            resolve_backend(m.backend, hidden) != "triton" for m in (block, attn, mlp)):
+    attn, mlp = parts.attn, parts.mlp
+    if (attn.impl not in ("fused", "short") or mlp.impl != "fused" or attn.backend != block.backend
+            or mlp.backend != block.backend):
         return None
     training = block.training
-    if (training and mlp.drop1.p > 0) or not _stock_parts(block):
+    if (training and mlp.drop1.p > 0) or not _stock_parts(parts):
         return None
     dtype = compute_dtype_for(hidden)
     return BlockPlan(num_heads=attn.num_heads, scale=attn.scale,
                      attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop.p,
-                     proj_p=attn.proj_drop.p, norm2_eps=block.norm2.eps, activation=mlp.act_name, mlp_p=mlp.drop2.p,
-                     next_eps=None if next_norm is None else next_norm.eps, compute_dtype=dtype,
+                     proj_p=attn.proj_drop.p, norm2_eps=parts.norm2.eps, activation=mlp.act_name,
+                     mlp_p=mlp.drop2.p, next_eps=None if next_norm is None else next_norm.eps, compute_dtype=dtype,
                      autocast=torch.is_autocast_enabled(hidden.device.type), training=training)
 
 
@@ -138,7 +174,20 @@ def _sample_scale(drop_path: nn.Module, like: torch.Tensor) -> Optional[torch.Te
 
 
 def _gamma(layer_scale: nn.Module) -> Optional[torch.Tensor]:
-    return layer_scale.gamma if type(layer_scale) is _block_types()[0] else None
+    return layer_scale._parameters["gamma"] if type(layer_scale) is _block_types()[0] else None
+
+
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A fusable Linear's (or a LayerNorm's) weight and bias."""
+    if type(module) in _STOCK_AFFINE:
+        parameters = module._parameters
+        return parameters["weight"], parameters["bias"]
+    if isinstance(module, nn.LayerNorm):
+        return module.weight, module.bias
+    return effective_weight(module), effective_bias(module)
+
+
+_STOCK_AFFINE = (nn.Linear, nn.LayerNorm, LayerNorm)
 
 
 # Signatures the per-part path has run (its functionals checked every input then): the input shapes, strides,
@@ -147,15 +196,16 @@ _checked: set = set()
 
 
 def plan_for(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.Module],
-             keep_rows: Optional[int]) -> tuple[Optional[BlockPlan], tuple, tuple]:
-    """(plan, params, signature) of this call; plan None where the per-part path must run. ``ready(signature)``:
+             keep_rows: Optional[int]) -> tuple[Optional[BlockPlan], Optional[_Parts], tuple, tuple]:
+    """(plan, parts, params, signature) of this call; plan None where the per-part path must run. ``ready(signature)``:
     the per-part path has run it, so its checks hold; until then the caller runs the per-part path and then
     calls ``mark_checked(signature)``."""
-    plan = eligible_plan(block, hidden, residual, next_norm, keep_rows)
+    parts = _parts(block) if enabled else None
+    plan = None if parts is None else eligible_plan(block, parts, hidden, residual, next_norm, keep_rows)
     if plan is None:
-        return None, (), ()
-    params = _params(block, next_norm)
-    return plan, params, (plan, _layout(hidden), _layout(residual),
+        return None, None, (), ()
+    params = _params(parts, next_norm)
+    return plan, parts, params, (plan, _layout(hidden), _layout(residual),
                           *((None if p is None else (p.shape, p.dtype, p.device)) for p in params))
 
 
@@ -171,25 +221,23 @@ def mark_checked(signature: tuple) -> None:
     _checked.add(signature)
 
 
-def _params(block, next_norm: Optional[nn.LayerNorm]) -> tuple:
+def _params(parts: _Parts, next_norm: Optional[nn.LayerNorm]) -> tuple:
     """The 14 parameters ``FusedBlockFunction`` reads (None where a part has none)."""
-    attn, mlp = block.attn, block.mlp
-    return (effective_weight(attn.qkv), effective_bias(attn.qkv), effective_weight(attn.proj),
-            effective_bias(attn.proj), block.norm2.weight, block.norm2.bias, _gamma(block.ls1),
-            effective_weight(mlp.fc1), effective_bias(mlp.fc1), effective_weight(mlp.fc2), effective_bias(mlp.fc2),
-            *((None, None) if next_norm is None else (next_norm.weight, next_norm.bias)), _gamma(block.ls2))
+    return (*_weight_and_bias(parts.qkv), *_weight_and_bias(parts.proj), *_weight_and_bias(parts.norm2),
+            _gamma(parts.ls1), *_weight_and_bias(parts.fc1), *_weight_and_bias(parts.fc2),
+            *((None, None) if next_norm is None else _weight_and_bias(next_norm)), _gamma(parts.ls2))
 
 
-def run_block(block, plan: BlockPlan, params: tuple, hidden: torch.Tensor,
+def run_block(plan: BlockPlan, parts: _Parts, params: tuple, hidden: torch.Tensor,
               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block.forward_pair(hidden, residual, next_norm)`` as one Function, for a checked signature (``params``
-    from ``plan_for``). The random draws come in the per-part path's order: attention's seed, drop-path 1, join
-    1's seed, drop-path 2, join 2's seed."""
+    """``block.forward_pair(hidden, residual, next_norm)`` as one Function, for a checked signature (``parts`` and
+    ``params`` from ``plan_for``). The random draws come in the per-part path's order: attention's seed,
+    drop-path 1, join 1's seed, drop-path 2, join 2's seed."""
     device = hidden.device
     _, attn_seed = _dropout_and_seed(plan.attn_p, plan.training, device)
-    scale1 = _sample_scale(block.drop_path1, hidden)
+    scale1 = _sample_scale(parts.drop_path1, hidden)
     join1_p, join1_seed = _join_dropout(plan.proj_p, plan.training, device)
-    scale2 = _sample_scale(block.drop_path2, hidden)
+    scale2 = _sample_scale(parts.drop_path2, hidden)
     join2_p, join2_seed = _join_dropout(plan.mlp_p, plan.training, device)
     return FusedBlockFunction.apply(plan, hidden, residual, *map(unit_stride, params), scale1,
                                     scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)

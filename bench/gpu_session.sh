@@ -30,6 +30,8 @@ python3 -c "import torch, triton, vit_fast; print(torch.__version__, triton.__ve
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 # the headline (ViT-B/16 and S/16 b256: timm eager / compile, vit_fast eager / compile / CUDA graph, profile) first
 step campaign 320 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --quick --out "$R/campaign"
+# the host work's A/B: ViT-S/16 b256 eager with each block as one autograd Function (the default) and per part
+step host_ab 60 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 256 --paths vit_fast vit_fast_per_part timm_eager --steps 20 --warmup 5 --out "$R/host_ab"
 # every part's candidates timed on ViT-B/16 b256 (the MLP's cuBLAS + bias_gelu route was never measured), as JSON
 step tune 110 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" tune --model vit_base_patch16_224 --batch 256 --json "$R/tune_b16_b256.json"
 # what only a GPU checks: graph replays draw fresh dropout masks, the compiled fused step, the short kernels

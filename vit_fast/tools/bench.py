@@ -1,10 +1,12 @@
 """`vit-fast bench`: training throughput on a CUDA GPU, timm and vit_fast side by side (CONTRIBUTING.md 6).
 
-For every preset x batch x dtype, eight paths run in one process: timm eager, timm + torch.compile,
+For every preset x batch x dtype, nine paths run in one process: timm eager, timm + torch.compile,
 vit_fast (backend='triton'), vit_fast with its attention on the SDPA route (``vit_fast_sdpa``, vit_fast/route.py)
 or on the short-sequence kernels (``vit_fast_short``),
 vit_fast + torch.compile, vit_fast with its whole step captured in a CUDA graph
-(``vit_fast_graph``; ``timm_graph`` on request), vit_fast with residual_in_fp32=False. A step is
+(``vit_fast_graph``; ``timm_graph`` on request), vit_fast with residual_in_fp32=False, and vit_fast with every block
+run per part (``vit_fast_per_part``: the one-Function block off, vit_fast/layers/fused_block.py; the host work's
+A/B, same numbers). A step is
 forward under torch.autocast (fp32 master weights; no autocast for fp32) + cross-entropy + backward +
 optimizer step. After warm-up
 (which includes compilation) each step is timed with CUDA events; the report gives the median step
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "vit_fast_compile",
-         "vit_fast_graph", "vit_fast_bf16_residual")
+         "vit_fast_graph", "vit_fast_bf16_residual", "vit_fast_per_part")
 # vit_fast with one part on another route than the measured default (vit_fast/route.py)
 ROUTE_PATHS = {"vit_fast_sdpa": dict(attention="sdpa"), "vit_fast_short": dict(attention="short")}
 # Paths whose whole training step is captured in a CUDA graph (vit_fast.training.graphs.CudaGraphStep).
@@ -146,6 +148,23 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
                 peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
+class _block_function:
+    """``with _block_function(on):`` the one-Function block (vit_fast/layers/fused_block.py) on or off."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        from vit_fast.layers import fused_block
+
+        self.was, fused_block.enabled = fused_block.enabled, self.on and fused_block.enabled
+
+    def __exit__(self, *exc):
+        from vit_fast.layers import fused_block
+
+        fused_block.enabled = self.was
+
+
 def measure(meta: dict, preset: str, dtype_name: str, batch: int, path: str, steps: int, warmup: int,
             peak: float | None, device: str = "cuda", compile_backend: str = "inductor", **overrides) -> dict:
     """One row: build the path's model, time its training step, derive images/s, TFLOP/s and MFU.
@@ -160,8 +179,9 @@ def measure(meta: dict, preset: str, dtype_name: str, batch: int, path: str, ste
         if path in GRAPH_PATHS and not device.startswith("cuda"):
             raise ValueError(f"{path}: a CUDA-graph step needs a CUDA device, got {device}")
         model = build(path, preset, device, compile_backend, **overrides)
-        row.update(time_training(model, batch, DTYPES[dtype_name], cfg.img_size[0], cfg.num_classes, steps, warmup,
-                                 device=device, graph=path in GRAPH_PATHS))
+        with _block_function(path != "vit_fast_per_part"):
+            row.update(time_training(model, batch, DTYPES[dtype_name], cfg.img_size[0], cfg.num_classes, steps,
+                                     warmup, device=device, graph=path in GRAPH_PATHS))
         row["images_per_s"] = batch / row["step_ms"] * 1e3
         achieved = train_flops * row["images_per_s"] / 1e12
         row["tflops"] = achieved

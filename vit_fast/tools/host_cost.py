@@ -11,6 +11,9 @@ counted here as launches) and the CUDA launch of each aten op (counted as aten c
 time goes, not a GPU speed figure.
 
 Per op: torch.profiler's CPU time per vit_fast custom op (inclusive) and per top-level aten op, with call counts.
+The aten GEMMs still do their arithmetic here (a few tens of microseconds each at these shapes, on both paths):
+the report gives it apart, and the ratio with and without it. ``vit_fast_per_part`` runs every block per part
+instead of as one autograd Function (vit_fast/layers/fused_block.py): the same numbers, more host work.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ import torch
 import torch.nn.functional as F
 
 # Shapes: the preset's depth, heads and head dim at two heads' width, one 32 px image of 16 px patches (5 tokens):
-# the host path is the one the full model takes (same ops, same branches), the arithmetic negligible.
+# the host path is the one the full model takes (same ops, same branches); the aten GEMMs' arithmetic is reported apart.
 HOST_OVERRIDES = dict(img_size=32, num_classes=10)
+PATHS = ("vit_fast", "vit_fast_per_part", "timm_eager")
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class HostCost:
     custom_ops: int = 0  # vit_fast:: custom-op calls per step
     aten_calls: int = 0  # top-level aten calls per step (each a kernel launch or more on a GPU)
     autograd_nodes: int = 0  # backward nodes run per step
+    gemm_us: float = 0.0  # self CPU time of the aten GEMMs (mm, addmm, bmm): their arithmetic, one launch each on a GPU
     per_op: list = field(default_factory=list)  # (name, calls per step, us per step), slowest first
 
 
@@ -103,14 +109,18 @@ class _quiet_stderr:
 
 
 def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3, batch: int = 1) -> list[HostCost]:
-    """Median host microseconds per training step of each path ('vit_fast', 'timm_eager'), with counts. The
-    paths' steps alternate, so a busy or throttled CPU slows them alike and their ratio holds."""
+    """Median host microseconds per training step of each path ('vit_fast', 'vit_fast_per_part': every block per
+    part instead of as one autograd Function, 'timm_eager'), with counts. The paths' steps alternate, so a busy or
+    throttled CPU slows them alike and their ratios hold."""
     x = torch.randn(batch, 3, HOST_OVERRIDES["img_size"], HOST_OVERRIDES["img_size"])
     y = torch.randint(0, HOST_OVERRIDES["num_classes"], (batch,))
 
-    def stepper(model):
+    def stepper(model, path):
+        from .bench import _block_function
+
         def step():
-            F.cross_entropy(model(x).float(), y).backward()
+            with _block_function(path != "vit_fast_per_part"):
+                F.cross_entropy(model(x).float(), y).backward()
             model.zero_grad(set_to_none=True)
         return step
 
@@ -123,7 +133,7 @@ def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3,
 
 
 def _measure(paths: Sequence[str], preset: str, steps: int, warmup: int, stepper) -> list[HostCost]:
-    step_of = {path: stepper(_model(path, preset)) for path in paths}
+    step_of = {path: stepper(_model(path, preset), path) for path in paths}
     times: dict[str, list[float]] = {path: [] for path in paths}
     launches: dict[str, int] = {path: 0 for path in paths}
     results = []
@@ -159,6 +169,8 @@ def _count_ops(result: HostCost, events) -> None:
             result.aten_calls += 1
         elif e.name.startswith("autograd::engine::evaluate_function"):
             result.autograd_nodes += 1
+        if e.name in GEMMS:
+            result.gemm_us += e.self_cpu_time_total
         if e.name.startswith("vit_fast::") or (e.name.startswith("aten::") and top_level):
             entry = per_op.setdefault(e.name, [0, 0.0])
             entry[0] += 1
@@ -171,15 +183,19 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
     lines = [f"vit-fast host: {preset} (depth as the preset, {o['num_heads']} heads of {o['embed_dim'] // 2}, one "
              f"{o['img_size']} px image): host work per training step (forward + cross-entropy + backward) on CPU, "
              "kernel launches stubbed; not a GPU timing", "",
-             f"{'path':<12} {'host us/step':>12} {'launches':>9} {'custom ops':>10} {'aten calls':>10} "
-             f"{'autograd nodes':>14}"]
+             f"{'path':<17} {'host us/step':>12} {'of it GEMMs':>11} {'launches':>9} {'custom ops':>10} "
+             f"{'aten calls':>10} {'autograd nodes':>14}"]
     for r in results:
-        lines.append(f"{r.path:<12} {r.step_us:>12.0f} {r.launches:>9} {r.custom_ops:>10} {r.aten_calls:>10} "
-                     f"{r.autograd_nodes:>14}")
+        lines.append(f"{r.path:<17} {r.step_us:>12.0f} {r.gemm_us:>11.0f} {r.launches:>9} {r.custom_ops:>10} "
+                     f"{r.aten_calls:>10} {r.autograd_nodes:>14}")
     by = {r.path: r for r in results}
-    if "vit_fast" in by and "timm_eager" in by:
-        lines.append(f"\nvit_fast / timm eager host time: {by['vit_fast'].step_us / by['timm_eager'].step_us:.2f}x "
-                     "(Triton's launcher and the CUDA launches, not run here, add to both on a GPU)")
+    lines.append("(of it GEMMs: the aten GEMMs' CPU arithmetic, from one profiled step; on a GPU each is one launch)")
+    for path in ("vit_fast", "vit_fast_per_part"):
+        if path in by and "timm_eager" in by:
+            mine, timm = by[path], by["timm_eager"]
+            lines.append(f"{path} / timm eager host time: {mine.step_us / timm.step_us:.2f}x, without the GEMMs' "
+                         f"arithmetic {(mine.step_us - mine.gemm_us) / (timm.step_us - timm.gemm_us):.2f}x")
+    lines.append("(Triton's launcher and the CUDA launches, not run here, add to both on a GPU)")
     for r in results:
         lines += ["", f"{r.path}: slowest ops (us per step, inclusive; calls)"]
         for name, calls, us in r.per_op[:top]:
@@ -190,7 +206,7 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vit-fast host", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="vit_base_patch16_224", help="preset (depth and head dim are kept)")
-    parser.add_argument("--paths", nargs="+", default=["vit_fast", "timm_eager"], choices=["vit_fast", "timm_eager"])
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported; default 20)")
     parser.add_argument("--top", type=int, default=12, help="ops listed per path (default 12)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -101,9 +101,10 @@ def test_one_function_block_is_bitwise_the_per_part_path(monkeypatch, config):
 @pytest.mark.parametrize("route", ["fused", "short"])
 def test_one_function_block_under_autocast(monkeypatch, route):
     """bf16 autocast: the GEMMs' weight copies and their fp32 gradients as autograd casts them; the short
-    attention kernels on the 'short' route."""
+    attention kernels on the 'short' route; attention and join dropout, drop-path."""
     calls = BlockCalls(monkeypatch)
-    model, _ = make_pair(**dict(TINY, depth=3, global_pool="avg", init_values=0.1))
+    model = without_drop1(make_pair(**dict(TINY, depth=3, global_pool="avg", init_values=0.1, drop_path_rate=0.3,
+                                           attn_drop_rate=0.25, proj_drop_rate=0.2))[0])
     apply_route(model, Route(attention=route))
     x = torch.randn(2, 3, 32, 32)
     per_part, one_function = per_part_then_one_function(model, x, calls, autocast=True)

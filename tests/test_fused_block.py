@@ -54,7 +54,7 @@ def step(model, x, seed, autocast=False):
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
         out = model(x)
     loss_of(out).backward()
-    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_bitwise(a, b):
@@ -151,7 +151,7 @@ def test_grad_checkpointing_recomputes_the_same_block(monkeypatch):
     assert_bitwise(plain, checkpointed)
 
 
-def test_bad_input_after_a_checked_signature_gets_the_parts_errors(monkeypatch):
+def test_bad_input_in_a_new_signature_gets_the_parts_errors(monkeypatch):
     """Another signature is checked again by the parts' functionals: a residual of the wrong width or dtype is
     refused with their messages, never launched."""
     calls = BlockCalls(monkeypatch)
@@ -217,3 +217,111 @@ def test_the_switch_turns_it_off(monkeypatch):
     for _ in range(2):
         step(model, x, 0)
     assert calls.count == 0
+
+
+def replica_of(model):
+    """``model`` as nn.parallel.replicate leaves a replica: every parameter a plain attribute (a non-leaf copy),
+    the parameter dicts empty."""
+    replica = copy.deepcopy(model)
+    for module in replica.modules():
+        params, module._parameters = dict(module._parameters), {}
+        for name, p in params.items():
+            setattr(module, name, None if p is None else p * 1)
+    return replica
+
+
+def test_a_data_parallel_replica_runs_as_one_function(monkeypatch):
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg", init_values=0.1))
+    x = torch.randn(2, 3, 32, 32)
+    outs = []
+    for per_part in (True, False):
+        calls.forget_checked()
+        calls.count, calls.per_part = 0, per_part
+        replica = replica_of(model)
+        for _ in range(2):  # the first call of a signature runs per part
+            out = replica(x)
+        outs.append(out)
+        assert calls.count == (0 if per_part else 2)
+    assert torch.equal(*outs)
+
+
+def test_mixed_training_flags_and_an_unconverted_stream_run_per_part(monkeypatch):
+    """A block in training with its attention in eval (attention dropout off there), or an fp32 hidden under
+    autocast (the qkv GEMM's input cast by autocast): the per-part path runs, as it reads those."""
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg", attn_drop_rate=0.25))
+    block, next_norm = model.blocks[0], model.blocks[1].norm1
+    hidden = torch.randn(2, 17, 64, requires_grad=True)
+    residual = torch.randn(2, 17, 64, requires_grad=True)
+    model.train()
+    block.attn.eval()
+    for _ in range(2):
+        block.forward_pair(hidden, residual, next_norm)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            _, stream = block.forward_pair(hidden, residual, next_norm)
+    stream.float().sum().backward()
+    assert calls.count == 0 and hidden.grad.dtype == torch.float32
+
+
+def test_no_grad_runs_no_backward_work_and_frozen_parts_none(monkeypatch):
+    """Under no_grad the MLP keeps no activation derivative; with attention frozen and the inputs needing no
+    gradient, the attention backward does not run (as autograd would skip its node)."""
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg"))
+    block, next_norm = model.blocks[0], model.blocks[1].norm1
+    stored, backwards = [], []
+    mlp_forward, attention_backward = fused_block._mlp_forward, fused_block._attention_backward
+    monkeypatch.setattr(fused_block, "_mlp_forward", lambda *a: stored.append(a[-1]) or mlp_forward(*a))
+    monkeypatch.setattr(fused_block, "_attention_backward", lambda *a: backwards.append(1) or attention_backward(*a))
+    hidden, residual = torch.randn(2, 17, 64), torch.randn(2, 17, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            block.forward_pair(hidden, residual, next_norm)
+    assert calls.count == 1 and stored == [False]
+    for p in block.attn.parameters():
+        p.requires_grad_(False)
+    for _ in range(2):
+        normed, stream = block.forward_pair(hidden, residual, next_norm)
+    (normed.sum() + stream.sum()).backward()
+    assert calls.count == 3 and stored[-1] is True and backwards == []
+    assert block.norm2.weight.grad is not None and block.attn.proj.weight.grad is None
+
+
+def test_compiled_autograd_and_dispatch_modes_see_the_parts_ops_in_backward(monkeypatch):
+    from torch._dynamo import compiled_autograd
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "vit_fast" in str(func):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg"))
+    x = torch.randn(2, 3, 32, 32)
+    per_part, eager = per_part_then_one_function(model, x, calls, seed=0)
+    out = model(x)
+    with Ops() as ops:
+        loss_of(out).backward()
+    calls.per_part = True
+    out = model(x)
+    with Ops() as ops_of_parts:
+        loss_of(out).backward()
+    ops_per_part = ops_of_parts.seen
+    calls.per_part = False
+    assert sorted(ops.seen) == sorted(ops_per_part) and ops.seen
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        loss_of(out).backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, eager[1][name], rtol=1e-5, atol=1e-7), name
+    assert_bitwise(per_part, eager)

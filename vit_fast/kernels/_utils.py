@@ -37,9 +37,10 @@ _direct = _Direct()
 
 
 class direct_ops:
-    """``with direct_ops():`` the caller has checked what ``run_op`` checks (eager mode, no dispatch mode,
-    plain CUDA tensors or CPU ones under the interpreter), for every tensor the ops inside will see: ``run_op``
-    calls the ops' Python functions without asking again (a fused block runs its parts so)."""
+    """``with direct_ops():`` the caller has checked that every tensor the ops inside will see is a plain CUDA
+    tensor (or a CPU one under the interpreter): ``run_op`` calls the ops' Python functions without looking at
+    the arguments again (a fused block runs its parts so). Tracing (torch.compile, compiled autograd, a dispatch
+    mode) still gets the custom ops."""
 
     def __enter__(self):
         self.was, _direct.on = _direct.on, True
@@ -54,9 +55,10 @@ def run_op(op, *args):
     the custom op (autograd redispatch, backend lookup) costs tens of microseconds per call and buys nothing
     there. torch.compile, fake or meta tensors and dispatch modes (FakeTensorMode, counting modes) get the
     custom op, whose fake implementation and schema they need."""
-    if _direct.on and not torch.autograd.profiler._is_profiler_enabled:
+    tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    if _direct.on and not tracing and not torch.autograd.profiler._is_profiler_enabled:
         return custom_op_function(op)(*args)
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if tracing:
         return op(*args)
     for a in args:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.device.type not in ("cuda", "cpu")):

@@ -114,16 +114,21 @@ def _parts(block) -> Optional[_Parts]:
 
 
 def _stock_parts(parts: _Parts) -> bool:
-    """The block's parts are the stock modules ``FusedBlockFunction`` reproduces."""
+    """The block's parts are the stock modules ``FusedBlockFunction`` reproduces (subclasses that override none
+    of the methods the per-part path calls pass: a linked transformers model's parts)."""
     layer_scale, drop_path, _ = _block_types()
     attn, mlp = parts.attn, parts.mlp
-    return ((type(attn) is Attention or type(attn).branch is Attention.branch)
-            and (type(mlp) is Mlp or (isinstance(mlp, Mlp) and type(mlp).branch is Mlp.branch))
+    return (all(getattr(type(attn), name) is getattr(Attention, name) for name in _ATTENTION_METHODS)
+            and all(getattr(type(mlp), name) is getattr(Mlp, name) for name in _MLP_METHODS)
             and not isinstance(attn.q_norm, nn.LayerNorm) and type(mlp.norm) is nn.Identity
             and type(parts.ls1) in (layer_scale, nn.Identity) and type(parts.ls2) in (layer_scale, nn.Identity)
             and type(parts.drop_path1) in (drop_path, nn.Identity)
             and type(parts.drop_path2) in (drop_path, nn.Identity)
             and all(fusable_linear(m) for m in (parts.qkv, parts.proj, parts.fc1, parts.fc2)))
+
+
+_ATTENTION_METHODS = ("branch", "fused", "kernel_family", "join_terms")
+_MLP_METHODS = ("branch", "join_terms")
 
 
 _types: tuple = ()
@@ -159,9 +164,12 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
             or mlp.backend != block.backend):
         return None
     training = block.training
-    if (training and mlp.drop1.p > 0) or not _stock_parts(parts):
+    if (training and mlp.drop1.p > 0) or not _stock_parts(parts) or any(
+            m.training != training for m in (attn, mlp, parts.drop_path1, parts.drop_path2)):
         return None
     dtype = compute_dtype_for(hidden)
+    if hidden.dtype != dtype:  # the qkv GEMM's input as the fused chain hands it over (autocast would cast it)
+        return None
     return BlockPlan(num_heads=attn.num_heads, scale=attn.scale,
                      attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop.p,
                      proj_p=attn.proj_drop.p, norm2_eps=parts.norm2.eps, activation=mlp.act_name,
@@ -174,14 +182,20 @@ def _sample_scale(drop_path: nn.Module, like: torch.Tensor) -> Optional[torch.Te
 
 
 def _gamma(layer_scale: nn.Module) -> Optional[torch.Tensor]:
-    return layer_scale._parameters["gamma"] if type(layer_scale) is _block_types()[0] else None
+    return _param(layer_scale, "gamma") if type(layer_scale) is _block_types()[0] else None
+
+
+def _param(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """``getattr(module, name)`` for a stock module's parameter, from its parameter dict where it is registered
+    there (a DataParallel replica keeps its parameters as plain attributes)."""
+    parameters = module._parameters
+    return parameters[name] if name in parameters else getattr(module, name)
 
 
 def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A fusable Linear's (or a LayerNorm's) weight and bias."""
     if type(module) in _STOCK_AFFINE:
-        parameters = module._parameters
-        return parameters["weight"], parameters["bias"]
+        return _param(module, "weight"), _param(module, "bias")
     if isinstance(module, nn.LayerNorm):
         return module.weight, module.bias
     return effective_weight(module), effective_bias(module)
@@ -218,7 +232,12 @@ def ready(signature: tuple) -> bool:
 
 
 def mark_checked(signature: tuple) -> None:
+    if len(_checked) >= _MAX_CHECKED:  # shapes that keep changing: check again rather than grow without end
+        _checked.clear()
     _checked.add(signature)
+
+
+_MAX_CHECKED = 4096
 
 
 def _params(parts: _Parts, next_norm: Optional[nn.LayerNorm]) -> tuple:
@@ -239,8 +258,10 @@ def run_block(plan: BlockPlan, parts: _Parts, params: tuple, hidden: torch.Tenso
     join1_p, join1_seed = _join_dropout(plan.proj_p, plan.training, device)
     scale2 = _sample_scale(parts.drop_path2, hidden)
     join2_p, join2_seed = _join_dropout(plan.mlp_p, plan.training, device)
-    return FusedBlockFunction.apply(plan, hidden, residual, *map(unit_stride, params), scale1,
-                                    scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)
+    qkv_w, qkv_b, proj_w, *rest = params  # the qkv and proj GEMMs read their parameters as they are
+    return FusedBlockFunction.apply(plan, torch.is_grad_enabled(), hidden, residual, qkv_w, qkv_b, proj_w,
+                                    *map(unit_stride, rest), scale1, scale2, attn_seed, join1_seed, join2_seed,
+                                    join1_p, join2_p)
 
 
 def _join_dropout(p: float, training: bool, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
@@ -249,106 +270,143 @@ def _join_dropout(p: float, training: bool, device: torch.device) -> tuple[float
     return p, (next_seed(device) if p > 0 else None)
 
 
-def _linear_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, needs_input: bool,
+def _linear_backward(grad: torch.Tensor, input: Optional[torch.Tensor], weight: torch.Tensor, needs_input: bool,
                      needs_weight: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The gradients eager autograd computes for ``F.linear(input, weight)`` (input (..., K) contiguous, weight
-    row-major), with its mm backward's layouts: d(input) = grad @ weight, d(weight) = grad^T @ input, on rows."""
+    """The gradients eager autograd's mm backward computes for ``F.linear(input, weight)`` on rows (input (..., K)
+    contiguous; only read for d(weight)), in its layouts: d(input) = grad @ weight; d(weight) = grad^T @ input for
+    a row-major weight, (input^T @ grad)^T for a column-major one."""
     grad2 = grad.reshape(-1, grad.shape[-1])
-    d_input = grad2.mm(weight).view(input.shape) if needs_input else None
-    return d_input, (grad2.t().mm(input.reshape(-1, input.shape[-1])) if needs_weight else None)
+    d_input = grad2.mm(weight).view(*grad.shape[:-1], weight.shape[1]) if needs_input else None
+    if not needs_weight:
+        return d_input, None
+    input2 = input.reshape(-1, input.shape[-1])
+    row_major = weight.stride(1) == 1 and weight.stride(0) == weight.shape[1]  # mm_mat2_backward's test
+    return d_input, (grad2.t().mm(input2) if row_major else input2.t().mm(grad2).t())
+
+
+# The parts' Functions' bodies as plain functions: compiled autograd traces a call made through an autograd.Function
+# class as that Function's own backward, with its ctx; these calls pass a ``_PartContext``.
+_attention_forward, _attention_backward = AttentionFunction.forward, AttentionFunction.backward
+_join_forward, _join_backward = AddLayerNormFunction.forward, AddLayerNormFunction.backward
+_add_forward, _add_backward = BiasDropoutAddFunction.forward, BiasDropoutAddFunction.backward
+_mlp_forward, _mlp_backward = LinearActFunction.forward, LinearActFunction.backward
+
+
+class _Needs(NamedTuple):
+    """Which parts of the block's backward run (autograd would run a part's node only when an input of it needs a
+    gradient), from the Function's ``needs_input_grad`` and the grad mode at the call."""
+
+    attention: bool  # hidden, the qkv weight or bias: the attention backward and the proj GEMM's dgrad
+    proj_weight: bool
+    join1: bool  # anything before the MLP
+    mlp: bool  # the MLP's input or parameters
+
+    @staticmethod
+    def of(needs: tuple[bool, ...]) -> "_Needs":
+        join1 = any(needs[2:11])
+        return _Needs(needs[2] or needs[4] or needs[5], needs[6], join1, join1 or any(needs[11:14]))
 
 
 class FusedBlockFunction(torch.autograd.Function):
     """(normed, residual') = ``Block.forward_pair(hidden, residual, next_norm)`` in one node (module docstring).
-    Inputs after the plan: hidden, residual, the 14 parameters of ``_params`` (None where absent), the two
-    drop-path scales, three seeds and the joins' dropout rates."""
+    Inputs after the plan and the grad mode of the call: hidden, residual, the 14 parameters of ``_params`` (None
+    where absent), the two drop-path scales, three seeds and the joins' dropout rates."""
 
     @staticmethod
-    def forward(ctx, plan: BlockPlan, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1, fc1_w,
-                fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed,
+    def forward(ctx, plan: BlockPlan, grad: bool, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1,
+                fc1_w, fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed,
                 join1_p, join2_p):
         ctx.set_materialize_grads(False)
+        needs = ctx.needs_input_grad if grad else (False,) * 25  # set from requires_grad, also under no_grad
         with direct_ops():
-            return FusedBlockFunction._forward(ctx, plan, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b,
-                                               gamma1, fc1_w, fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2, scale1,
-                                               scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)
+            return FusedBlockFunction._forward(ctx, plan, needs, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w,
+                                               n2_b, gamma1, fc1_w, fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2,
+                                               scale1, scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)
 
     @staticmethod
-    def _forward(ctx, plan, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1, fc1_w, fc1_b, fc2_w,
-                 fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p):
-        needs = ctx.needs_input_grad
+    def _forward(ctx, plan, needs, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1, fc1_w, fc1_b,
+                 fc2_w, fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed, join1_p,
+                 join2_p):
+        wants = _Needs.of(needs)
         dtype = plan.compute_dtype
         # attention: the qkv GEMM with its bias as a constant (its gradient comes from the attention backward)
         qkv_wc = qkv_w.to(dtype)  # autocast's weight copy (the weight itself when it has the dtype)
         qkv = F.linear(hidden, qkv_wc, qkv_b)
         attn_ctx = _PartContext()
-        out, _ = AttentionFunction.forward(attn_ctx, qkv, qkv_b if needs[4] else None, plan.num_heads,
-                                           float(plan.scale), plan.attn_p if plan.training else 0.0, attn_seed,
-                                           qkv.shape[1], plan.attention_kernel)
+        out, _ = _attention_forward(attn_ctx, qkv, qkv_b if needs[5] else None, plan.num_heads, float(plan.scale),
+                                    plan.attn_p if plan.training else 0.0, attn_seed, qkv.shape[1],
+                                    plan.attention_kernel)
         proj_wc = proj_w.to(dtype)
         branch = F.linear(out, proj_wc)
         join1_ctx = _PartContext()
-        normed, stream = AddLayerNormFunction.forward(join1_ctx, branch, residual, n2_w, n2_b, proj_b, gamma1, scale1,
-                                                      float(plan.norm2_eps), join1_p, join1_seed)
+        normed, stream = _join_forward(join1_ctx, branch, residual, n2_w, n2_b, proj_b, gamma1, scale1,
+                                       float(plan.norm2_eps), join1_p, join1_seed)
         # the MLP (``linear_act``): weights in the GEMMs' dtype with unit column stride
         fc1_wc, fc2_wc = (w if w.stride(-1) == 1 else w.contiguous() for w in (fc1_w.to(dtype), fc2_w.to(dtype)))
-        normed_needs = any(needs[1:10])
-        needs_du = normed_needs or needs[10] or needs[11]
-        mlp_ctx = _PartContext((normed_needs, needs[10], needs[11], needs[12]))
-        y = LinearActFunction.forward(mlp_ctx, normed.to(dtype), fc1_wc, fc1_b, fc2_wc, plan.activation, needs_du)
+        mlp_ctx = _PartContext((wants.join1, needs[11], needs[12], needs[13]))
+        y = _mlp_forward(mlp_ctx, normed.to(dtype), fc1_wc, fc1_b, fc2_wc, plan.activation,
+                         wants.join1 or needs[11] or needs[12])
         join2_ctx = _PartContext()
         if plan.next_eps is None:
-            normed_out, stream_out = None, BiasDropoutAddFunction.forward(join2_ctx, y, fc2_b, stream, gamma2, scale2,
-                                                                          join2_p, join2_seed)
+            normed_out, stream_out = None, _add_forward(join2_ctx, y, fc2_b, stream, gamma2, scale2, join2_p,
+                                                        join2_seed)
         else:
-            normed_out, stream_out = AddLayerNormFunction.forward(join2_ctx, y, stream, next_w, next_b, fc2_b,
-                                                                  gamma2, scale2, float(plan.next_eps), join2_p,
-                                                                  join2_seed)
-        ctx.parts, ctx.plan = (attn_ctx, join1_ctx, mlp_ctx, join2_ctx), plan
-        ctx.counts = [len(part.to_save) for part in ctx.parts]
+            normed_out, stream_out = _join_forward(join2_ctx, y, stream, next_w, next_b, fc2_b, gamma2, scale2,
+                                                   float(plan.next_eps), join2_p, join2_seed)
+        # saved: what the backward parts that will run read (as autograd keeps only its live nodes' tensors)
+        kept = ((attn_ctx, wants.attention), (join1_ctx, wants.join1), (mlp_ctx, wants.mlp), (join2_ctx, True))
+        ctx.parts, ctx.plan, ctx.wants = tuple(part for part, _ in kept), plan, wants
+        ctx.counts = [len(part.to_save) if keep else 0 for part, keep in kept]
         ctx.weight_dtypes = (qkv_w.dtype, proj_w.dtype, fc1_w.dtype, fc2_w.dtype)
-        ctx.save_for_backward(*(t for part in ctx.parts for t in part.to_save), hidden, qkv_wc, out, proj_wc)
+        ctx.needs = needs
+        ctx.save_for_backward(*(t for part, keep in kept if keep for t in part.to_save),
+                              *((hidden, qkv_wc, proj_wc) if wants.attention else (None, None, None)),
+                              out if wants.proj_weight else None)
         for part in ctx.parts:
             part.to_save = ()
         return normed_out, stream_out
 
     @staticmethod
     def backward(ctx, d_normed, d_stream):
+        saved = ctx.saved_tensors  # unpacked first: a checkpointed region recomputes here, with every check on
+        if torch.compiler.is_compiling():  # compiled autograd traces the parts' custom ops
+            return FusedBlockFunction._backward(ctx, saved, d_normed, d_stream)
         with direct_ops():
-            return FusedBlockFunction._backward(ctx, d_normed, d_stream)
+            return FusedBlockFunction._backward(ctx, saved, d_normed, d_stream)
 
     @staticmethod
-    def _backward(ctx, d_normed, d_stream):
-        saved = ctx.saved_tensors
+    def _backward(ctx, saved, d_normed, d_stream):
         start = 0
         for part, count in zip(ctx.parts, ctx.counts):
             part.saved_tensors = saved[start:start + count]
             start += count
-        hidden, qkv_wc, out, proj_wc = saved[start:]
+        hidden, qkv_wc, proj_wc, out = saved[start:]
         attn_ctx, join1_ctx, mlp_ctx, join2_ctx = ctx.parts
-        needs = ctx.needs_input_grad
+        needs, wants = ctx.needs, ctx.wants
         qkv_dtype, proj_dtype, fc1_dtype, fc2_dtype = ctx.weight_dtypes
+        grads = dict.fromkeys(range(25))
         if ctx.plan.next_eps is not None:
-            dy, d_stream1, d_next_w, d_next_b, d_fc2_b, d_gamma2 = AddLayerNormFunction.backward(
-                join2_ctx, d_normed, d_stream)[:6]
+            dy, d_stream1, grads[15], grads[16], grads[14], grads[17] = _join_backward(join2_ctx, d_normed,
+                                                                                       d_stream)[:6]
         elif d_stream is None:  # the stream, the only output, unused
-            return (None,) * 24
+            return (None,) * 25
         else:
-            dy, d_fc2_b, d_stream1, d_gamma2 = BiasDropoutAddFunction.backward(join2_ctx, d_stream)[:4]
-            d_next_w = d_next_b = None
-        d_normed1, d_fc1_w, d_fc1_b, d_fc2_w = LinearActFunction.backward(mlp_ctx, dy)[:4]
-        d_branch, d_residual, d_n2_w, d_n2_b, d_proj_b, d_gamma1 = AddLayerNormFunction.backward(
-            join1_ctx, d_normed1, d_stream1)[:6]
-        d_out, d_proj_w = _linear_backward(d_branch, out, proj_wc, True, needs[5])
-        d_qkv, d_qkv_b = AttentionFunction.backward(attn_ctx, d_out.view(out.shape), None)[:2]
-        d_hidden, d_qkv_w = _linear_backward(d_qkv, hidden, qkv_wc, needs[1], needs[3])
+            dy, grads[14], d_stream1, grads[17] = _add_backward(join2_ctx, d_stream)[:4]
+        if wants.mlp:
+            d_normed1, d_fc1_w, grads[12], d_fc2_w = _mlp_backward(mlp_ctx, dy)[:4]
+            grads[11], grads[13] = _to(d_fc1_w, fc1_dtype), _to(d_fc2_w, fc2_dtype)
+        if wants.join1:
+            d_branch, grads[3], grads[8], grads[9], grads[7], grads[10] = _join_backward(join1_ctx, d_normed1,
+                                                                                        d_stream1)[:6]
+            d_out, d_proj_w = _linear_backward(d_branch, out, proj_wc, wants.attention, needs[6])
+            grads[6] = _to(d_proj_w, proj_dtype)
+            if wants.attention:
+                d_qkv, grads[5] = _attention_backward(attn_ctx, d_out, None)[:2]
+                grads[2], d_qkv_w = _linear_backward(d_qkv, hidden, qkv_wc, needs[2], needs[4])
+                grads[4] = _to(d_qkv_w, qkv_dtype)
         for part in ctx.parts:
             part.saved_tensors = ()
-        return (None, d_hidden, d_residual, _to(d_qkv_w, qkv_dtype), d_qkv_b, _to(d_proj_w, proj_dtype), d_proj_b,
-                d_n2_w, d_n2_b, d_gamma1, _to(d_fc1_w, fc1_dtype), d_fc1_b, _to(d_fc2_w, fc2_dtype), d_fc2_b,
-                d_next_w, d_next_b, d_gamma2, None, None, None, None, None, None, None)
-
-
+        return tuple(grads.values())
 def _to(grad: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The gradient of a weight through autocast's copy: cast back to the weight's dtype."""
     return None if grad is None else grad.to(dtype)

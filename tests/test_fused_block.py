@@ -325,3 +325,27 @@ def test_compiled_autograd_and_dispatch_modes_see_the_parts_ops_in_backward(monk
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, eager[1][name], rtol=1e-5, atol=1e-7), name
     assert_bitwise(per_part, eager)
+
+
+def test_a_linked_transformers_dinov2_runs_as_one_function(monkeypatch):
+    """transformers' DINOv2 through vit_fast.optimize: its parts (LayerScale included) are read from the source
+    modules; the blocks run as one Function each, bitwise the per-part path."""
+    transformers = pytest.importorskip("transformers")
+    calls = BlockCalls(monkeypatch)
+    torch.manual_seed(0)
+    source = transformers.Dinov2Model(transformers.Dinov2Config(hidden_size=64, num_hidden_layers=2,
+                                                                num_attention_heads=4, image_size=32, patch_size=8,
+                                                                layerscale_value=0.5))
+    model = vit_fast.optimize(source, backend="triton").train()
+    x = torch.randn(2, 3, 32, 32)
+    results = []
+    for per_part in (True, False):
+        calls.forget_checked()
+        calls.count, calls.per_part = 0, per_part
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            out = model(pixel_values=x).pooler_output
+            out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        assert calls.count == (0 if per_part else 2 * 2 - 1)  # every block but the first call's
+    assert_bitwise(*results)

@@ -121,9 +121,8 @@ def _stock_parts(parts: _Parts) -> bool:
     return (all(getattr(type(attn), name) is getattr(Attention, name) for name in _ATTENTION_METHODS)
             and all(getattr(type(mlp), name) is getattr(Mlp, name) for name in _MLP_METHODS)
             and not isinstance(attn.q_norm, nn.LayerNorm) and type(mlp.norm) is nn.Identity
-            and type(parts.ls1) in (layer_scale, nn.Identity) and type(parts.ls2) in (layer_scale, nn.Identity)
-            and type(parts.drop_path1) in (drop_path, nn.Identity)
-            and type(parts.drop_path2) in (drop_path, nn.Identity)
+            and all(isinstance(m, layer_scale) or type(m) is nn.Identity for m in (parts.ls1, parts.ls2))
+            and all(isinstance(m, drop_path) or type(m) is nn.Identity for m in (parts.drop_path1, parts.drop_path2))
             and all(fusable_linear(m) for m in (parts.qkv, parts.proj, parts.fc1, parts.fc2)))
 
 
@@ -178,11 +177,11 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
 
 
 def _sample_scale(drop_path: nn.Module, like: torch.Tensor) -> Optional[torch.Tensor]:
-    return drop_path.sample_scale(like) if type(drop_path) is _block_types()[1] else None
+    return drop_path.sample_scale(like) if isinstance(drop_path, _block_types()[1]) else None
 
 
 def _gamma(layer_scale: nn.Module) -> Optional[torch.Tensor]:
-    return _param(layer_scale, "gamma") if type(layer_scale) is _block_types()[0] else None
+    return _param(layer_scale, "gamma") if isinstance(layer_scale, _block_types()[0]) else None
 
 
 def _param(module: nn.Module, name: str) -> Optional[torch.Tensor]:

@@ -272,6 +272,7 @@ def test_fused_backend_trains_like_the_reference(tmp_path, monkeypatch):
         return fused_join(ctx, x, residual, *args)
 
     monkeypatch.setattr(AddLayerNormFunction, "forward", staticmethod(counted))
+    monkeypatch.setattr("vit_fast.layers.fused_block._join_forward", counted)
     steps = ["--batch-size", "8", "--stop-at-step", "3", "--log-every", "1", "--drop-path-rate", "0.1"]
 
     def losses(backend):

@@ -259,7 +259,7 @@ def test_mixed_training_flags_and_an_unconverted_stream_run_per_part(monkeypatch
     for _ in range(2):
         block.forward_pair(hidden, residual, next_norm)
     model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
         for _ in range(2):
             _, stream = block.forward_pair(hidden, residual, next_norm)
     stream.float().sum().backward()

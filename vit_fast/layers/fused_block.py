@@ -11,8 +11,9 @@ outputs and gradients are bitwise those of ``forward_pair``'s per-part path (tes
 It runs where nothing needs the parts one by one: eager mode (torch.compile, FakeTensor and other dispatch modes
 trace the custom ops of the per-part path), plain CUDA tensors (or CPU under the interpreter), the block's route
 fully fused (flash or short attention kernels, ``linear_act`` MLP, fused joins), stock modules (no hooks, plain or
-fusable Linears, LayerScale / DropPath or Identity), every token kept and a LayerNorm after the block.
-``eligible_plan`` says whether a call qualifies.
+fusable Linears, LayerScale / DropPath or Identity, one train/eval mode), the stream in the GEMMs' dtype and every
+token kept; after it a LayerNorm (``add_layer_norm``) or nothing (``bias_dropout_add``). ``eligible_plan`` says
+whether a call qualifies. Its backward runs the parts autograd would run, no more (``_Needs``).
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ Run by bench/gpu_probe.sh, one subprocess per item under its own timeout, with
                             vit_fast's kernel, at ViT lengths; fwd and fwd+bwd, CUDA-graph timed; bitwise repeat
   micro                     every fused op vs its eager ops at ViT-B/16 b256: plain do_bench (host included)
                             and CUDA-graph replay (kernel time), plus a profiler table per fused op
-  gemm                      cuBLAS fc1 (+ bias_gelu kernel, + cuBLASLt GELU epilogue) against linear_act
+  gemm                      cuBLAS fc1 (+ bias_gelu kernel, + cuBLASLt GELU epilogue) against linear_act; its two
+                            Triton GEMMs alone, pointer and persistent TMA kernels, and whether they agree
   gelubwd                   the bias_gelu backward kernel at ViT-B/16's fc1 (50432 x 3072 bf16) over row tiles,
                             warps and partial-row counts (programs per SM), CUDA-graph timed
   trace --preset --path     every kernel of one path's training step (torch.profiler): name, family,
@@ -27,6 +28,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -243,6 +245,7 @@ def profile_fwd_bwd(case, fn, report: list) -> dict:
 
 # ------------------------------------------------------------------------------------------------ gemm
 def item_gemm(args) -> None:
+    from vit_fast.kernels import linear_act as la
     from vit_fast.kernels.bias_gelu import bias_gelu
     from vit_fast.kernels.linear_act import linear_act
 
@@ -266,6 +269,32 @@ def item_gemm(args) -> None:
         "cublas_mlp_fwd": lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2),
         "linear_act_mlp_fwd": lambda: linear_act(x, w1, b1, w2),
     }
+    # linear_act's two Triton GEMMs alone, on the static tiles: pointer kernels and the persistent TMA kernels
+    fwd_tile = la.linear_act_config(bf16, 90).fwd
+    bwd_tile = la.linear_act_config(bf16, 90).bwd
+    h_out, dact_out, du_out = (torch.empty(rows, K, device=DEVICE, dtype=bf16) for _ in range(3))
+    dy = torch.randn(rows, C, device=DEVICE, dtype=bf16)
+    for tma in (False, True):
+        suffix = "tma" if tma else "pointer"
+        cases[f"linear_act_fwd_kernel_{suffix}"] = lambda tma=tma: la.launch_fwd(
+            h_out, dact_out, x, w1, b1, "gelu", True, replace(fwd_tile, tma=tma))
+        cases[f"linear_act_dgrad_kernel_{suffix}"] = lambda tma=tma: la.launch_bwd(
+            du_out, dy, w2, dact_out, True, replace(bwd_tile, tma=tma))
+
+    def agreement():
+        outs = {}
+        for tma in (False, True):
+            h, d, du = (torch.full((rows, K), float("nan"), device=DEVICE, dtype=bf16) for _ in range(3))
+            la.launch_fwd(h, d, x, w1, b1, "gelu", True, replace(fwd_tile, tma=tma))
+            partial = la.launch_bwd(du, dy, w2, d, True, replace(bwd_tile, tma=tma))
+            outs[tma] = (h, d, du, partial)
+        emit("gemm", case="linear_act_tma_vs_pointer", **{
+            f"{name}_bitwise_equal": torch.equal(a, b) for name, a, b in zip(("h", "dact", "du", "partial"),
+                                                                            outs[False], outs[True])},
+             **{f"{name}_max_abs_diff": (a.float() - b.float()).abs().max().item()
+                for name, a, b in zip(("h", "du"), outs[False], outs[True])})
+
+    safe("gemm", agreement, case="linear_act_tma_vs_pointer")
     flops = 2.0 * rows * C * K
     for name, fn in cases.items():
         def measure(name=name, fn=fn):

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import vit_fast.kernels.attention.interface as A
@@ -26,11 +27,13 @@ def test_cli_passes_in_a_fresh_process():
         assert "Triton interpreter on CPU, reduced size" in out
     rows = ROW.findall(out)
     ops = {name.split(" ")[0] for name, *_ in rows}
-    assert ops - {"attention_short", "patch_embed_cublas_dw"} == {
+    assert ops - {"attention_short", "patch_embed_cublas_dw", "linear_act_tma"} == {
         "layer_norm", "add_layer_norm", "bias_gelu", "linear_act", "bias_dropout_add", "attention", "attention_linear",
         "patch_embed", "model"}, out
     # 16-bit only: bf16 on CUDA, fp32 here
     assert ("attention_short" in ops) == ("patch_embed_cublas_dw" in ops) == torch.cuda.is_available(), out
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    assert ("linear_act_tma" in ops) == hopper, out
     assert all(r[-1] == "PASS" for r in rows) and "FAIL" not in out
     assert any(name == "model logits" for name, *_ in rows)
     assert any(name.startswith("model dblocks.*.") for name, *_ in rows)
@@ -94,3 +97,13 @@ def test_bf16_check_covers_the_library_patch_embedding_dweight(capsys):
     assert check.main([*TINY, "--dtype", "bf16", "--ops", "patch_embed"]) == 0
     rows = {name: result for name, *_, result in ROW.findall(capsys.readouterr().out)}
     assert rows["patch_embed_cublas_dw dweight"] == rows["patch_embed dweight"] == "PASS", rows
+
+
+def test_bf16_check_covers_the_tma_linear_act_kernels(capsys):
+    """In 16 bits (on sm_90+ GPUs, or in the interpreter) linear_act is checked twice: on the autotuner's choice
+    and on the persistent TMA kernels."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA kernels need sm_90+")
+    assert check.main([*TINY, "--dtype", "bf16", "--ops", "linear_act"]) == 0
+    rows = {name: result for name, *_, result in ROW.findall(capsys.readouterr().out)}
+    assert rows["linear_act_tma out"] == rows["linear_act_tma dx"] == rows["linear_act_tma dw1"] == "PASS", rows

@@ -41,12 +41,17 @@ GELU inside fc2's operand loads) moved 10C s and 24C s but was issue-bound (a 35
 sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate GELU and GELU backward): 18C s
 and 32C s. Memory held for backward: x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
-main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config.
+main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config. On sm_90+ in 16 bits the same
+tiles also run on persistent TMA kernels (linear_act_tma.py; ``GemmTile.tma``): an autotuning candidate, and
+what ``tma_only()`` forces for checks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import contextlib
+import functools
+import threading
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +192,8 @@ class GemmTile:
     block_k: int  # reduction step
     num_warps: int
     num_stages: int
+    # linear_act only: the persistent TMA kernels (linear_act_tma.py; sm_90+, 16-bit, TMA-compatible operands)
+    tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -248,22 +255,60 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     arch = gpu_arch(x.device)
 
     def launch(t: GemmTile) -> None:
-        grid = (cdiv(m, t.block_m) * cdiv(n, t.block_n),)
-        _linear_act_fwd_kernel[grid](
-            h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
-            HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation],
-            INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
+        launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
 
     key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact)
     static = linear_act_config(x.dtype, arch, precision, activation).fwd
-    launch(_tuning.choose("linear_act_fwd", key, _candidates(static), launch, x.device))
+    launch(_tuning.choose("linear_act_fwd", key, _candidates_now(static, x.dtype, arch), launch, x.device))
     return h, dact
 
 
-def _candidates(static: GemmTile) -> list[GemmTile]:
-    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage."""
-    return _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
+def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor], activation: str, store_dact: bool, t: GemmTile) -> None:
+    """The forward kernel on tile ``t``: the TMA kernel where ``t.tma`` and the operands allow it, else the
+    pointer kernel on the same tile."""
+    if t.tma and linear_act_tma.tma_compatible(h, x, weight, *((dact,) if store_dact else ())):
+        return linear_act_tma.launch_fwd(h, dact, x, weight, bias, store_dact, ACTIVATIONS[activation], t)
+    m, k = x.shape
+    n = weight.shape[0]
+    _linear_act_fwd_kernel[(cdiv(m, t.block_m) * cdiv(n, t.block_n),)](
+        h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
+        HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation],
+        INPUT_PRECISION=input_precision(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+_tma_only = threading.local()
+
+
+@contextlib.contextmanager
+def tma_only() -> Iterator[None]:
+    """Inside, every 16-bit launch of this thread runs the static tile on the TMA kernels (where the operands
+    allow), whatever the architecture or the autotuner would pick: how `vit-fast check` and the tests compare
+    those kernels with float64."""
+    before = getattr(_tma_only, "on", False)
+    _tma_only.on = True
+    try:
+        yield
+    finally:
+        _tma_only.on = before
+
+
+def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int) -> tuple[GemmTile, ...]:
+    return _candidates(static, dtype, arch, getattr(_tma_only, "on", False))
+
+
+@functools.lru_cache(maxsize=None)  # asked on every launch
+def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, tma: bool = False) -> tuple[GemmTile, ...]:
+    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage and, on
+    sm_90+ in 16 bits, the static tile on the persistent TMA kernels (one more compile per op, not three).
+    ``tma`` (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
+    if tma and dtype in (torch.float16, torch.bfloat16):
+        return (replace(static, tma=True),)
+    tiles = _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
+    if arch >= 90 and dtype in (torch.float16, torch.bfloat16):
+        tiles.append(replace(static, tma=True))
+    return tuple(_tuning.unique(tiles))
 
 
 @linear_act_fwd.register_fake
@@ -288,19 +333,33 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
     arch = gpu_arch(dact.device)
 
     def launch(t: GemmTile) -> Optional[torch.Tensor]:
-        row_tiles = cdiv(m, t.block_m)
-        partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
-        _linear_act_bwd_kernel[(row_tiles * cdiv(k, t.block_n),)](
-            du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
-            HAS_BIAS=has_bias, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
-        return partial
+        return launch_bwd(du, dy, weight, dact, has_bias, t)
 
     key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias)
     static = linear_act_config(dact.dtype, arch, precision).bwd
-    partial = launch(_tuning.choose("linear_act_bwd", key, _candidates(static), launch, dact.device))
+    partial = launch(_tuning.choose("linear_act_bwd", key, _candidates_now(static, dact.dtype, arch), launch,
+                                    dact.device))
     dbias = sum_partials(partial, bias.dtype)[0] if has_bias else dact.new_empty(0)
     return du, dbias
+
+
+def launch_bwd(du: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, dact: torch.Tensor, has_bias: bool,
+               t: GemmTile) -> Optional[torch.Tensor]:
+    """The dgrad kernel on tile ``t`` (TMA where ``t.tma`` and the operands allow it); returns the fp32
+    partial column sums of du (1, row tiles, K) with ``has_bias``, else None."""
+    m, k = dact.shape
+    n = weight.shape[0]
+    row_tiles = cdiv(m, t.block_m)
+    partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
+    if t.tma and linear_act_tma.tma_compatible(du, dy, weight, dact):
+        linear_act_tma.launch_bwd(du, partial, dy, weight, dact, t)
+        return partial
+    _linear_act_bwd_kernel[(row_tiles * cdiv(k, t.block_n),)](
+        du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
+        HAS_BIAS=has_bias, INPUT_PRECISION=input_precision(dact.dtype), num_warps=t.num_warps,
+        num_stages=t.num_stages)
+    return partial
 
 
 @linear_act_bwd.register_fake
@@ -432,3 +491,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             f"C={c} H={hid}")
     specs.append(sum_partials_spec(par, sum_partials_block_n(hid), f"N={hid} (db1)", width=hid))
     return specs
+
+
+# the TMA kernels inline this module's jit helpers (_act_fwd_bwd, _tile_of), so they are imported after them
+from . import linear_act_tma  # noqa: E402

@@ -1,0 +1,149 @@
+"""kernels/linear_act_tma.py: linear_act's persistent TMA GEMMs (the sm_90+ 16-bit candidates) against float64,
+forward and every gradient, each activation, 197-token and ragged shapes with several tiles per program, the
+pointer kernels' outputs on the same tile, bitwise repeatability, the fall-back where TMA's rules fail, the
+candidate lists and the ahead-of-time specs. Run through linear_act with its static tiles switched to TMA."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.numerics import DEVICE, assert_close, bound, check_matches_reference, randn
+from tests.test_linear_act import eager_mlp, inputs
+from vit_fast.kernels import linear_act as la
+from vit_fast.kernels import linear_act_tma
+from vit_fast.kernels._utils import interpreter_active
+from vit_fast.kernels.linear_act import GemmTile, linear_act, linear_act_ref
+
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
+
+
+@pytest.fixture
+def tma_launches(monkeypatch):
+    """linear_act's 16-bit launches on the TMA kernels (``tma_only``: the static tiles, whatever the architecture
+    or the autotuner) and the TMA launches counted per pass. Skipped on a GPU without TMA (before sm_90)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA kernels need sm_90+")
+    counts = {"fwd": 0, "bwd": 0}
+    for name in counts:
+        real = getattr(linear_act_tma, f"launch_{name}")
+
+        def counted(*args, name=name, real=real, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(linear_act_tma, f"launch_{name}", counted)
+    with la.tma_only():
+        yield counts
+
+
+@pytest.mark.parametrize("dtype,param_dtype,activation", [
+    (torch.bfloat16, torch.float32, "gelu"),  # autocast's mix: bias read in fp32 in the epilogue
+    (torch.bfloat16, torch.bfloat16, "gelu_tanh"),
+    (torch.float16, torch.float16, "quick_gelu"),
+])
+def test_matches_reference(tma_launches, dtype, param_dtype, activation):
+    """2 x 197 rows (a ragged last row tile), C = 72 and N = 80 (head-dim-like widths, one partial K step),
+    H = 200 (a ragged hidden tile): forward and the four gradients vs float64 and the 2x-eager rule, on the
+    TMA kernels (one forward and one dgrad launch)."""
+    torch.manual_seed(0)
+    ins = inputs((2, 197), 72, 200, 80, dtype, param_dtype, activation=activation)
+    check_matches_reference(linear_act, linear_act_ref, ins, dtype, eager_fn=eager_mlp)
+    assert tma_launches == {"fwd": 1, "bwd": 1}
+
+
+def test_vit_b_width_several_tiles_per_program(tma_launches):
+    """ViT-B's 768 -> 3072 at 197 tokens: more tiles than persistent programs (three in the interpreter), so each
+    program steps over several tiles; no bias (HAS_BIAS off in both kernels)."""
+    torch.manual_seed(1)
+    ins = inputs((197,), 768, 3072, 768, torch.bfloat16, torch.float32, bias=False)
+    check_matches_reference(linear_act, linear_act_ref, ins, torch.bfloat16, eager_fn=eager_mlp)
+    tile = la.linear_act_config(torch.bfloat16, la.gpu_arch(torch.device(DEVICE))).fwd
+    tiles = -(-197 // tile.block_m) * -(-3072 // tile.block_n)
+    assert tiles > linear_act_tma.persistent_programs(torch.device("cpu"), tiles) or DEVICE == "cuda"
+    assert tma_launches["fwd"] > 0 and tma_launches["bwd"] > 0
+
+
+def test_same_outputs_as_the_pointer_kernels_and_repeatable():
+    """On one tile, the TMA kernels write what the pointer kernels write (h, act'(u), du, the bias-gradient
+    partials), twice the same bits. Bitwise against the pointer kernels in the interpreter (same dot order);
+    on a GPU within one rounding of the output dtype."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA kernels need sm_90+")
+    torch.manual_seed(2)
+    m, c, hid, n = 300, 64, 192, 48
+    x, dy = randn(m, c, grad=False).bfloat16(), randn(m, n, grad=False).bfloat16()
+    w1, w2 = randn(hid, c, grad=False, scale=c ** -0.5).bfloat16(), randn(n, hid, grad=False, scale=0.1).bfloat16()
+    b1 = randn(hid, grad=False)
+    fwd, bwd = GemmTile(64, 64, 32, 4, 2), GemmTile(64, 64, 32, 4, 2)
+
+    def run(tma):
+        h, dact, du = (torch.empty(m, hid, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        la.launch_fwd(h, dact, x, w1, b1, "gelu", True, replace(fwd, tma=tma))
+        partial = la.launch_bwd(du, dy, w2, dact, True, replace(bwd, tma=tma))
+        return h, dact, du, partial
+
+    pointer, tma, again = run(False), run(True), run(True)
+    for name, a, b, c2 in zip(("h", "dact", "du", "partial"), pointer, tma, again):
+        assert torch.equal(b, c2), f"{name}: not repeatable"
+        if interpreter_active():
+            assert torch.equal(a, b), name
+        else:
+            assert_close(b.double(), a.double(), bound(torch.bfloat16), name)
+
+
+def test_falls_back_to_the_pointer_kernels_where_tma_rules_fail(tma_launches):
+    """A width whose bf16 rows are no multiple of 16 bytes (C = 100: 200 B) or an input view off a 16-byte
+    boundary cannot be described to TMA: the same tile runs on the pointer kernels, with the same numbers."""
+    torch.manual_seed(3)
+    check_matches_reference(linear_act, linear_act_ref, inputs((50,), 100, 64, 32, torch.bfloat16, torch.float32),
+                            torch.bfloat16)
+    assert tma_launches["fwd"] == 0  # x (M, 100): rows of 200 B
+    assert tma_launches["bwd"] == 1  # dy (M, 32), w2 (32, 64), act'(u) (M, 64): all on TMA's rules
+    base = randn(51 * 64 + 1, grad=False).bfloat16()
+    x = base[1:].view(51, 64).requires_grad_()  # 2 bytes past an aligned allocation
+    ins = dict(inputs((51,), 64, 64, 32, torch.bfloat16, torch.float32), x=x)
+    before = dict(tma_launches)
+    check_matches_reference(linear_act, linear_act_ref, ins, torch.bfloat16)
+    assert tma_launches["fwd"] == before["fwd"]
+
+
+def test_candidates_add_the_tma_kernels_on_sm90_16bit_only():
+    """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures the TMA ones
+    faster), the static tile on the TMA kernels on sm_90 in 16 bits; ``tma_only`` leaves that one alone."""
+    for dtype in (torch.bfloat16, torch.float16):
+        static = la.linear_act_config(dtype, 90).fwd
+        cands = la._candidates_now(static, dtype, 90)
+        assert cands[0] == static and not static.tma
+        assert [c for c in cands if c.tma] == [replace(static, tma=True)]
+        assert not any(c.tma for c in la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80))
+        with la.tma_only():
+            assert la._candidates_now(static, dtype, 90) == (replace(static, tma=True),)
+    fp32 = la.linear_act_config(torch.float32, 90).fwd
+    assert not any(c.tma for c in la._candidates_now(fp32, torch.float32, 90))
+    with la.tma_only():
+        assert not any(c.tma for c in la._candidates_now(fp32, torch.float32, 90))
+
+
+def test_tma_compatible():
+    t = torch.empty(4, 64, dtype=torch.bfloat16)
+    assert linear_act_tma.tma_compatible(t, t[:, :32])  # a column slice keeps the row stride
+    assert not linear_act_tma.tma_compatible(torch.empty(4, 100, dtype=torch.bfloat16))  # 200 B rows
+    assert not linear_act_tma.tma_compatible(t.view(-1)[1:129].view(2, 64))  # base off 16 bytes
+    assert not linear_act_tma.tma_compatible(t.t())  # strided columns
+    assert not linear_act_tma.tma_compatible(torch.empty(4, 64))  # fp32: the kernels are 16-bit only
+
+
+def test_aot_specs_sm90_16bit_only():
+    """The report compiles the TMA kernels on the static tiles of sm_90 in fp16 / bf16: each activation's
+    forward (training and inference) and the dgrad, with tensor descriptors of the tiles' block shapes."""
+    specs = linear_act_tma.aot_specs(dtype=torch.bfloat16, arch=90)
+    assert sorted(s.name for s in specs) == ["linear_act_bwd_tma"] + ["linear_act_fwd_tma"] * 6
+    fwd = next(s for s in specs if s.name == "linear_act_fwd_tma" and s.constexprs["ACT"] == 0)
+    tile = la.linear_act_config(torch.bfloat16, 90).fwd
+    assert fwd.signature["x_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>"
+    assert fwd.signature["h_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_n // 2}]>"
+    assert all(s.has_dot for s in specs)
+    assert linear_act_tma.aot_specs(dtype=torch.bfloat16, arch=80) == []
+    assert linear_act_tma.aot_specs(dtype=torch.float32, arch=90) == []

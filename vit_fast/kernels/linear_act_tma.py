@@ -1,0 +1,200 @@
+"""``linear_act``'s two Triton GEMMs on the Hopper recipe: TMA tensor-descriptor loads and stores, one
+persistent program per SM stepping over output tiles in the grouped order, so the next tile's loads are in
+flight while the current tile's epilogue (bias, activation, two stores) runs. Same math, epilogues and
+outputs as the pointer kernels in ``linear_act.py`` (its docstring has the math and traffic); fp32
+accumulation, one program per output tile at a time in a fixed reduction order: deterministic.
+
+Used where ``GemmTile.tma`` is set (``linear_act_config``'s candidates on sm_90+ for fp16/bf16) and the
+operands meet TMA's rules (``tma_compatible``: 16-byte aligned bases and row strides, unit column stride);
+elsewhere the pointer kernels run the same tile. Out-of-bounds rows and columns of a TMA load read as zero and
+TMA stores clip at the tensor's edge, so no index wraps or masks are needed except for the bias and the
+bias-gradient partials. Warp specialisation (``tl.range(..., warp_specialize=True)``) is left out: Triton
+supports it on Blackwell only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._utils import cdiv, programs_to_fill
+from .linear_act import GROUP_M, _act_fwd_bwd, _tile_of
+
+# Programs per SM of the persistent kernels: one, as every TMA tile here takes most of an SM's shared memory.
+PROGRAMS_PER_SM = 1
+# Programs of an interpreted launch (no GPU): a few, so each steps over several tiles as on a GPU.
+INTERPRETED_PROGRAMS = 3
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _linear_act_fwd_tma_kernel(
+    h_desc, dact_desc,  # (M, N) act(u) and act'(u) in x's dtype, blocks (BLOCK_M, BLOCK_N // 2)
+    x_desc, w_desc,  # (M, K) input, block (BLOCK_M, BLOCK_K); (N, K) weight, block (BLOCK_N, BLOCK_K)
+    BIAS,  # (N,) or None
+    M, N, K, programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_DACT: tl.constexpr, ACT: tl.constexpr,  # ACT: 0 gelu, 1 gelu_tanh, 2 quick_gelu
+):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=True):
+        tile_m, tile_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
+        row0 = tile_m * BLOCK_M
+        col0 = tile_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([row0, k0])
+            b = w_desc.load([col0, k0])
+            acc = tl.dot(a, b.T, acc)
+        # epilogues in two column halves: fewer live registers, half-size shared-memory buffers for TMA
+        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _fwd_epilogue_tma(halves[0], h_desc, dact_desc, BIAS, row0, col0, N, HAS_BIAS, STORE_DACT, ACT)
+        _fwd_epilogue_tma(halves[1], h_desc, dact_desc, BIAS, row0, col0 + BLOCK_N // 2, N, HAS_BIAS, STORE_DACT,
+                          ACT)
+
+
+@triton.jit
+def _fwd_epilogue_tma(acc, h_desc, dact_desc, BIAS, row0, col0, N,
+                      HAS_BIAS: tl.constexpr, STORE_DACT: tl.constexpr, ACT: tl.constexpr):
+    """+ bias, act and act' of one fp32 accumulator tile at (row0, col0); TMA stores of h (and act'(u))."""
+    if HAS_BIAS:
+        cols = col0 + tl.arange(0, acc.shape[1])
+        acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    h, dact = _act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
+    h_desc.store([row0, col0], h.to(h_desc.dtype))
+    if STORE_DACT:
+        dact_desc.store([row0, col0], dact.to(dact_desc.dtype))
+
+
+@triton.jit
+def _linear_act_bwd_tma_kernel(
+    du_desc,  # (M, K) grad of u, block (BLOCK_M, BLOCK_N // 2)
+    PARTIAL,  # (T, K) fp32 column sums of du per row tile (HAS_BIAS)
+    dy_desc, w_desc, dact_desc,  # (M, N) block (BLOCK_M, BLOCK_K); (N, K) fc2 weight, block (BLOCK_K, BLOCK_N);
+    # (M, K) act'(u), block (BLOCK_M, BLOCK_N // 2)
+    M, N, K, programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile of du (rows x K), step over N
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_k = tl.cdiv(K, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_k, programs, flatten=True):
+        tile_m, tile_k = _tile_of(tile, tiles_m, tiles_k, GROUP_M)
+        row0 = tile_m * BLOCK_M
+        col0 = tile_k * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_K):  # reduction over the N outputs of fc2, along W's rows
+            acc = tl.dot(dy_desc.load([row0, n0]), w_desc.load([n0, col0]), acc)
+        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _bwd_epilogue_tma(halves[0], du_desc, dact_desc, PARTIAL, tile_m, row0, col0, K, HAS_BIAS)
+        _bwd_epilogue_tma(halves[1], du_desc, dact_desc, PARTIAL, tile_m, row0, col0 + BLOCK_N // 2, K, HAS_BIAS)
+
+
+@triton.jit
+def _bwd_epilogue_tma(acc, du_desc, dact_desc, PARTIAL, tile_m, row0, col0, K, HAS_BIAS: tl.constexpr):
+    """du = acc * act'(u) of one tile at (row0, col0), its TMA store and its column sums. Rows and columns past
+    the edge load as zero (dy, w2 and act'(u) alike), so they add nothing to the sums."""
+    du = acc * dact_desc.load([row0, col0]).to(tl.float32)
+    du_desc.store([row0, col0], du.to(du_desc.dtype))
+    if HAS_BIAS:
+        cols = col0 + tl.arange(0, acc.shape[1])
+        tl.store(PARTIAL + tile_m * K + cols, tl.sum(du, axis=0), mask=cols < K)
+
+
+# --------------------------------------------------------------------------- launchers
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """What these kernels take: fp16/bf16 2-D operands on TMA's rules (16-byte aligned base, 16-byte multiple
+    row stride, unit column stride)."""
+    return all(t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 16 == 0 and t.stride(1) == 1
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def persistent_programs(device: torch.device, tiles: int) -> int:
+    """Programs of a persistent launch: PROGRAMS_PER_SM per SM of the device, never more than the tiles."""
+    fill = programs_to_fill(device, PROGRAMS_PER_SM) if device.type == "cuda" else INTERPRETED_PROGRAMS
+    return max(1, min(fill, tiles))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor], store_dact: bool, act: int, tile) -> None:
+    """The forward kernel on ``tile`` (a ``GemmTile``); operands as in ``linear_act_fwd``, all tma_compatible."""
+    m, k = x.shape
+    n = weight.shape[0]
+    half = [tile.block_m, tile.block_n // 2]
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    programs = persistent_programs(x.device, tiles)
+    h_desc = _descriptor(h, half)
+    _linear_act_fwd_tma_kernel[(programs,)](
+        h_desc, _descriptor(dact, half) if store_dact else h_desc,
+        _descriptor(x, [tile.block_m, tile.block_k]), _descriptor(weight, [tile.block_n, tile.block_k]),
+        bias, m, n, k, programs,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
+        HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=act, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+
+
+def launch_bwd(du: torch.Tensor, partial: Optional[torch.Tensor], dy: torch.Tensor, weight: torch.Tensor,
+               dact: torch.Tensor, tile) -> None:
+    """The dgrad kernel on ``tile``; operands as in ``linear_act_bwd``, all tma_compatible."""
+    m, k = dact.shape
+    n = weight.shape[0]
+    tiles = cdiv(m, tile.block_m) * cdiv(k, tile.block_n)
+    programs = persistent_programs(dact.device, tiles)
+    out_block = [tile.block_m, tile.block_n // 2]
+    _linear_act_bwd_tma_kernel[(programs,)](
+        _descriptor(du, out_block), partial, _descriptor(dy, [tile.block_m, tile.block_k]),
+        _descriptor(weight, [tile.block_k, tile.block_n]), _descriptor(dact, out_block), m, n, k, programs,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
+        HAS_BIAS=partial is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+
+# --------------------------------------------------------------------------- ahead-of-time specs
+def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
+              arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
+    """The TMA kernels on linear_act's static tiles, as its sm_90+ 16-bit candidates launch them: fc1 forward
+    with each activation (training and inference) and fc2's dgrad (C = width, H = mlp_hidden). None on sm_80
+    or in fp32, where they never run."""
+    from .linear_act import ACTIVATIONS, linear_act_config
+
+    if arch < 90 or dtype not in (torch.float16, torch.bfloat16):
+        return []
+    act, par = TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
+    c, hid = width, mlp_hidden
+
+    def desc(rows: int, cols: int) -> str:
+        return f"tensordesc<{act}[{rows}, {cols}]>"
+
+    def spec(name, fn, tile, constexprs, types, values, note):
+        constexprs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
+                          HAS_BIAS=True, **constexprs)
+        signature = kernel_signature(fn, types, constexprs)
+        return AotSpec(name, fn, signature, constexprs, tile.num_warps, tile.num_stages, True, note,
+                       divisible_by_16=divisible_args(signature, values))
+
+    specs = []
+    for name, code in ACTIVATIONS.items():
+        t = linear_act_config(dtype, arch, activation=name).fwd
+        half = desc(t.block_m, t.block_n // 2)
+        types = dict(h_desc=half, dact_desc=half, x_desc=desc(t.block_m, t.block_k),
+                     w_desc=desc(t.block_n, t.block_k), BIAS=par)
+        for store in (True, False):  # training / inference
+            specs.append(spec("linear_act_fwd_tma", _linear_act_fwd_tma_kernel, t,
+                              dict(ACT=code, STORE_DACT=store), types, dict(N=hid, K=c),
+                              f"C={c} H={hid} {name} store_dact={store}"))
+    t = linear_act_config(dtype, arch).bwd
+    half = desc(t.block_m, t.block_n // 2)
+    types = dict(du_desc=half, dact_desc=half, dy_desc=desc(t.block_m, t.block_k), w_desc=desc(t.block_k, t.block_n),
+                 PARTIAL="*fp32")
+    specs.append(spec("linear_act_bwd_tma", _linear_act_bwd_tma_kernel, t, {}, types, dict(N=c, K=hid),
+                      f"C={c} H={hid}"))
+    return specs

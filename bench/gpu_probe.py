@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -248,6 +247,7 @@ def item_gemm(args) -> None:
     from vit_fast.kernels import linear_act as la
     from vit_fast.kernels.bias_gelu import bias_gelu
     from vit_fast.kernels.linear_act import linear_act
+    from vit_fast.kernels.linear_act_tma import TmaTile
 
     rows, C, K = (64, 32, 128) if args.tiny else (256 * 197, 768, 3072)
     bf16 = torch.bfloat16
@@ -272,21 +272,22 @@ def item_gemm(args) -> None:
     # linear_act's two Triton GEMMs alone, on the static tiles: pointer kernels and the persistent TMA kernels
     fwd_tile = la.linear_act_config(bf16, 90).fwd
     bwd_tile = la.linear_act_config(bf16, 90).bwd
+    as_tma = {False: lambda t: t, True: TmaTile.of}
     h_out, dact_out, du_out = (torch.empty(rows, K, device=DEVICE, dtype=bf16) for _ in range(3))
     dy = torch.randn(rows, C, device=DEVICE, dtype=bf16)
     for tma in (False, True):
         suffix = "tma" if tma else "pointer"
         cases[f"linear_act_fwd_kernel_{suffix}"] = lambda tma=tma: la.launch_fwd(
-            h_out, dact_out, x, w1, b1, "gelu", True, replace(fwd_tile, tma=tma))
+            h_out, dact_out, x, w1, b1, "gelu", True, as_tma[tma](fwd_tile))
         cases[f"linear_act_dgrad_kernel_{suffix}"] = lambda tma=tma: la.launch_bwd(
-            du_out, dy, w2, dact_out, True, replace(bwd_tile, tma=tma))
+            du_out, dy, w2, dact_out, True, as_tma[tma](bwd_tile))
 
     def agreement():
         outs = {}
         for tma in (False, True):
             h, d, du = (torch.full((rows, K), float("nan"), device=DEVICE, dtype=bf16) for _ in range(3))
-            la.launch_fwd(h, d, x, w1, b1, "gelu", True, replace(fwd_tile, tma=tma))
-            partial = la.launch_bwd(du, dy, w2, d, True, replace(bwd_tile, tma=tma))
+            la.launch_fwd(h, d, x, w1, b1, "gelu", True, as_tma[tma](fwd_tile))
+            partial = la.launch_bwd(du, dy, w2, d, True, as_tma[tma](bwd_tile))
             outs[tma] = (h, d, du, partial)
         emit("gemm", case="linear_act_tma_vs_pointer", **{
             f"{name}_bitwise_equal": torch.equal(a, b) for name, a, b in zip(("h", "dact", "du", "partial"),

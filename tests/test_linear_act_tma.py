@@ -4,8 +4,6 @@ pointer kernels' outputs on the same tile, bitwise repeatability, the fall-back 
 candidate lists and the ahead-of-time specs. Run through linear_act with its static tiles switched to TMA."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -15,16 +13,23 @@ from vit_fast.kernels import linear_act as la
 from vit_fast.kernels import linear_act_tma
 from vit_fast.kernels._utils import interpreter_active
 from vit_fast.kernels.linear_act import GemmTile, linear_act, linear_act_ref
+from vit_fast.kernels.linear_act_tma import TmaTile
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
+
+
+def _skip_before_sm90():
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA kernels need sm_90+")
 
 
 @pytest.fixture
 def tma_launches(monkeypatch):
     """linear_act's 16-bit launches on the TMA kernels (``tma_only``: the static tiles, whatever the architecture
-    or the autotuner) and the TMA launches counted per pass. Skipped on a GPU without TMA (before sm_90)."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA kernels need sm_90+")
+    or the autotuner), three persistent programs on every device (so each steps over several tiles, on a GPU too),
+    and the TMA launches counted per pass."""
+    _skip_before_sm90()
+    monkeypatch.setattr(linear_act_tma, "persistent_programs", lambda device, tiles: min(3, tiles))
     counts = {"fwd": 0, "bwd": 0}
     for name in counts:
         real = getattr(linear_act_tma, f"launch_{name}")
@@ -54,37 +59,46 @@ def test_matches_reference(tma_launches, dtype, param_dtype, activation):
 
 
 def test_vit_b_width_several_tiles_per_program(tma_launches):
-    """ViT-B's 768 -> 3072 at 197 tokens: more tiles than persistent programs (three in the interpreter), so each
-    program steps over several tiles; no bias (HAS_BIAS off in both kernels)."""
+    """ViT-B's 768 -> 3072 at 197 tokens on three programs, each stepping over several tiles; no bias (HAS_BIAS off
+    in both kernels)."""
     torch.manual_seed(1)
     ins = inputs((197,), 768, 3072, 768, torch.bfloat16, torch.float32, bias=False)
     check_matches_reference(linear_act, linear_act_ref, ins, torch.bfloat16, eager_fn=eager_mlp)
-    tile = la.linear_act_config(torch.bfloat16, la.gpu_arch(torch.device(DEVICE))).fwd
-    tiles = -(-197 // tile.block_m) * -(-3072 // tile.block_n)
-    assert tiles > linear_act_tma.persistent_programs(torch.device("cpu"), tiles) or DEVICE == "cuda"
-    assert tma_launches["fwd"] > 0 and tma_launches["bwd"] > 0
+    assert tma_launches == {"fwd": 1, "bwd": 1}
 
 
-def test_same_outputs_as_the_pointer_kernels_and_repeatable():
+def test_strided_rows_and_weight_column_slices(tma_launches):
+    """x whose rows are a column slice of a wider tensor (row stride 2C) and weights sliced from wider ones: the
+    descriptors carry the real strides."""
+    torch.manual_seed(4)
+    c, hid, n = 64, 128, 48
+    x = randn(3, 50, 2 * c, grad=False).bfloat16()[..., :c].requires_grad_()
+    w1 = randn(hid, c + 32, grad=False, scale=c ** -0.5)[:, :c].requires_grad_()
+    w2 = randn(n, hid + 64, grad=False, scale=hid ** -0.5)[:, :hid].requires_grad_()
+    check_matches_reference(linear_act, linear_act_ref, dict(x=x, w1=w1, b1=randn(hid), w2=w2), torch.bfloat16,
+                            eager_fn=eager_mlp)
+    assert tma_launches == {"fwd": 1, "bwd": 1}
+
+
+def test_same_outputs_as_the_pointer_kernels_and_repeatable(tma_launches):
     """On one tile, the TMA kernels write what the pointer kernels write (h, act'(u), du, the bias-gradient
     partials), twice the same bits. Bitwise against the pointer kernels in the interpreter (same dot order);
     on a GPU within one rounding of the output dtype."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA kernels need sm_90+")
     torch.manual_seed(2)
     m, c, hid, n = 300, 64, 192, 48
     x, dy = randn(m, c, grad=False).bfloat16(), randn(m, n, grad=False).bfloat16()
     w1, w2 = randn(hid, c, grad=False, scale=c ** -0.5).bfloat16(), randn(n, hid, grad=False, scale=0.1).bfloat16()
     b1 = randn(hid, grad=False)
-    fwd, bwd = GemmTile(64, 64, 32, 4, 2), GemmTile(64, 64, 32, 4, 2)
+    tile = GemmTile(64, 64, 32, 4, 2)
 
-    def run(tma):
+    def run(t):
         h, dact, du = (torch.empty(m, hid, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-        la.launch_fwd(h, dact, x, w1, b1, "gelu", True, replace(fwd, tma=tma))
-        partial = la.launch_bwd(du, dy, w2, dact, True, replace(bwd, tma=tma))
+        la.launch_fwd(h, dact, x, w1, b1, "gelu", True, t)
+        partial = la.launch_bwd(du, dy, w2, dact, True, t)
         return h, dact, du, partial
 
-    pointer, tma, again = run(False), run(True), run(True)
+    pointer, tma, again = run(tile), run(TmaTile.of(tile)), run(TmaTile.of(tile))
+    assert tma_launches == {"fwd": 2, "bwd": 2}
     for name, a, b, c2 in zip(("h", "dact", "du", "partial"), pointer, tma, again):
         assert torch.equal(b, c2), f"{name}: not repeatable"
         if interpreter_active():
@@ -107,27 +121,43 @@ def test_falls_back_to_the_pointer_kernels_where_tma_rules_fail(tma_launches):
     before = dict(tma_launches)
     check_matches_reference(linear_act, linear_act_ref, ins, torch.bfloat16)
     assert tma_launches["fwd"] == before["fwd"]
+    # a gradient broadcast along rows (stride (0, 1), as from a loss reducing over rows) is not described to TMA
+    before = dict(tma_launches)
+    m, hid, n = 40, 64, 32
+    dy = randn(n, grad=False).bfloat16().expand(m, n)
+    w2 = randn(n, hid, grad=False, scale=0.1).bfloat16()
+    dact = randn(m, hid, grad=False).bfloat16()
+    tile = GemmTile(32, 32, 32, 4, 2)
+    du_pointer, du_tma = (torch.empty(m, hid, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    la.launch_bwd(du_pointer, dy, w2, dact, False, tile)
+    la.launch_bwd(du_tma, dy, w2, dact, False, TmaTile.of(tile))
+    assert torch.equal(du_tma, du_pointer) and tma_launches == before
+    assert_close(du_tma, (dy.double() @ w2.double()) * dact.double(), bound(torch.bfloat16), "du")
 
 
 def test_candidates_add_the_tma_kernels_on_sm90_16bit_only():
     """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures the TMA ones
     faster), the static tile on the TMA kernels on sm_90 in 16 bits; ``tma_only`` leaves that one alone."""
+    def tma(cands):
+        return [c for c in cands if isinstance(c, TmaTile)]
+
     for dtype in (torch.bfloat16, torch.float16):
         static = la.linear_act_config(dtype, 90).fwd
         cands = la._candidates_now(static, dtype, 90)
-        assert cands[0] == static and not static.tma
-        assert [c for c in cands if c.tma] == [replace(static, tma=True)]
-        assert not any(c.tma for c in la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80))
+        assert cands[0] == static and not isinstance(static, TmaTile)
+        assert tma(cands) == [TmaTile.of(static)] and TmaTile.of(static) != static
+        assert not tma(la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80))
         with la.tma_only():
-            assert la._candidates_now(static, dtype, 90) == (replace(static, tma=True),)
+            assert la._candidates_now(static, dtype, 90) == (TmaTile.of(static),)
     fp32 = la.linear_act_config(torch.float32, 90).fwd
-    assert not any(c.tma for c in la._candidates_now(fp32, torch.float32, 90))
+    assert not tma(la._candidates_now(fp32, torch.float32, 90))
     with la.tma_only():
-        assert not any(c.tma for c in la._candidates_now(fp32, torch.float32, 90))
+        assert not tma(la._candidates_now(fp32, torch.float32, 90))
 
 
 def test_tma_compatible():
     t = torch.empty(4, 64, dtype=torch.bfloat16)
+    assert not linear_act_tma.tma_compatible(torch.empty(64, dtype=torch.bfloat16).expand(4, 64))  # broadcast rows
     assert linear_act_tma.tma_compatible(t, t[:, :32])  # a column slice keeps the row stride
     assert not linear_act_tma.tma_compatible(torch.empty(4, 100, dtype=torch.bfloat16))  # 200 B rows
     assert not linear_act_tma.tma_compatible(t.view(-1)[1:129].view(2, 64))  # base off 16 bytes
@@ -136,14 +166,17 @@ def test_tma_compatible():
 
 
 def test_aot_specs_sm90_16bit_only():
-    """The report compiles the TMA kernels on the static tiles of sm_90 in fp16 / bf16: each activation's
-    forward (training and inference) and the dgrad, with tensor descriptors of the tiles' block shapes."""
-    specs = linear_act_tma.aot_specs(dtype=torch.bfloat16, arch=90)
+    """The report compiles the TMA kernels on the static tiles of sm_90 in fp16 / bf16 (linear_act's aot_specs):
+    each activation's forward (training and inference) and the dgrad, with tensor descriptors of the tiles'
+    block shapes."""
+    def tma_specs(**kwargs):
+        return [s for s in la.aot_specs(**kwargs) if s.name.endswith("_tma")]
+
+    specs = tma_specs(dtype=torch.bfloat16, arch=90)
     assert sorted(s.name for s in specs) == ["linear_act_bwd_tma"] + ["linear_act_fwd_tma"] * 6
     fwd = next(s for s in specs if s.name == "linear_act_fwd_tma" and s.constexprs["ACT"] == 0)
     tile = la.linear_act_config(torch.bfloat16, 90).fwd
     assert fwd.signature["x_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>"
     assert fwd.signature["h_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_n // 2}]>"
     assert all(s.has_dot for s in specs)
-    assert linear_act_tma.aot_specs(dtype=torch.bfloat16, arch=80) == []
-    assert linear_act_tma.aot_specs(dtype=torch.float32, arch=90) == []
+    assert tma_specs(dtype=torch.bfloat16, arch=80) == tma_specs(dtype=torch.float32, arch=90) == []

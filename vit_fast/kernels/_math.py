@@ -1,5 +1,6 @@
 """Constants and @triton.jit math shared by the kernel families: one source for log2(e), ln 2 and
-the GELU constants, and the GELU value/derivative pair (bias_gelu's and linear_act's epilogues).
+the GELU constants, the GELU value/derivative pair (bias_gelu's and linear_act's epilogues) and linear_act's
+activations (GELU, tanh-GELU, QuickGELU) with their derivatives.
 
 Jit globals must be ``tl.constexpr``; in the interpreter a constexpr must be the right-hand operand
 (``tensor * CONST``), so every use below keeps the tensor first.
@@ -34,3 +35,17 @@ def gelu_fwd_bwd(h, APPROX_TANH: tl.constexpr):
         y = h * cdf
         dy = cdf + h * tl.exp(-0.5 * h * h) * INV_SQRT_2PI
     return y, dy
+
+
+# activation name -> ACT constexpr of act_fwd_bwd (linear_act's kernels)
+ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
+
+
+@triton.jit
+def act_fwd_bwd(u, ACT: tl.constexpr):
+    """(act(u), act'(u)) in fp32 for ACT (ACTIVATIONS); the unused one is dead code after inlining."""
+    if ACT == 2:  # QuickGELU
+        s = tl.sigmoid(u * 1.702)  # tensor first: constexpr * tensor breaks the interpreter
+        return u * s, s + u * 1.702 * s * (1.0 - s)
+    else:
+        return gelu_fwd_bwd(u, ACT == 1)

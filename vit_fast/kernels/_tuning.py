@@ -488,6 +488,28 @@ def _memoized(build: Callable[..., list]) -> Callable[..., list]:
     return cached
 
 
+class ThreadSwitch:
+    """A per-thread switch, off until a ``with switch():`` block turns it on for that block: how a launcher is told
+    to run one candidate whatever the autotuner would pick, so `vit-fast check` and the tests can compare that
+    candidate with float64."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def on(self) -> bool:
+        return getattr(self._local, "on", False)
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        before = self.on
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = before
+
+
 def unique(items: list) -> list:
     out, seen = [], set()
     for item in items:

@@ -42,53 +42,32 @@ sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate 
 and 32C s. Memory held for backward: x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
 main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config. On sm_90+ in 16 bits the same
-tiles also run on persistent TMA kernels (linear_act_tma.py; ``GemmTile.tma``): an autotuning candidate, and
-what ``tma_only()`` forces for checks.
+tiles also run on persistent TMA kernels (linear_act_tma.py, a ``TmaTile`` candidate): an autotuning candidate,
+and what ``tma_only()`` forces for checks.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _tuning
+from . import _tuning, linear_act_tma
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
-from ._math import gelu_fwd_bwd
+from ._gemm import GROUP_M, GemmTile, grouped_tile
+from ._math import ACTIVATIONS, act_fwd_bwd
 from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
 from ._utils import cdiv, check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
+from .linear_act_tma import TmaTile, tma_compatible
 
 OP = "linear_act"
-# activation name -> ACT constexpr of the kernels
-ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
 
 
 # --------------------------------------------------------------------------- kernels
-@triton.jit
-def _act_fwd_bwd(u, ACT: tl.constexpr):
-    """(act(u), act'(u)) in fp32; the unused one is dead code after inlining."""
-    if ACT == 2:  # QuickGELU
-        s = tl.sigmoid(u * 1.702)  # tensor first: constexpr * tensor breaks the interpreter
-        return u * s, s + u * 1.702 * s * (1.0 - s)
-    else:
-        return gelu_fwd_bwd(u, ACT == 1)
-
-
-@triton.jit
-def _tile_of(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """(tile_m, tile_n) of program pid, GROUP_M row tiles at a time sharing column tiles (L2 reuse)."""
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
-
-
 @triton.jit
 def _main_loop(A, B, a_rows, b_cols, stride_am, stride_bk, stride_bn, K, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
@@ -123,7 +102,7 @@ def _linear_act_fwd_kernel(
     HAS_BIAS: tl.constexpr, STORE_DACT: tl.constexpr, ACT: tl.constexpr,  # ACT: 0 gelu, 1 gelu_tanh, 2 quick_gelu
     INPUT_PRECISION: tl.constexpr,  # "ieee" / "tf32" (fp32 dots only)
 ):
-    tile_m, tile_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # the main loop reads wrapped rows / columns (never stored) instead of masking them
@@ -149,7 +128,7 @@ def _fwd_epilogue(acc, H, DACT, BIAS, rows, cols, M, N, stride_hm, stride_dm,
         acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & col_ok[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    h, dact = _act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
+    h, dact = act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
     tl.store(H + rows64 * stride_hm + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
     if STORE_DACT:
         tl.store(DACT + rows64 * stride_dm + cols[None, :], dact.to(DACT.dtype.element_ty), mask=mask)
@@ -165,7 +144,7 @@ def _linear_act_bwd_kernel(
     GROUP_M: tl.constexpr, EVEN_N: tl.constexpr,  # N % BLOCK_K == 0: no mask in the main loop
     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    tile_m, tile_k = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
+    tile_m, tile_k = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_k * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of u (the hidden dimension)
     a_rows = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M).to(tl.int64)
@@ -186,23 +165,10 @@ def _linear_act_bwd_kernel(
 
 # --------------------------------------------------------------------------- config table
 @dataclass(frozen=True)
-class GemmTile:
-    block_m: int  # output tile rows
-    block_n: int  # output tile columns
-    block_k: int  # reduction step
-    num_warps: int
-    num_stages: int
-    # linear_act only: the persistent TMA kernels (linear_act_tma.py; sm_90+, 16-bit, TMA-compatible operands)
-    tma: bool = False
-
-
-@dataclass(frozen=True)
 class LinearActConfig:
     fwd: GemmTile  # fc1 + bias + act
     bwd: GemmTile  # fc2 dgrad * act'
 
-
-GROUP_M = 8
 
 
 def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None,
@@ -265,10 +231,10 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                bias: Optional[torch.Tensor], activation: str, store_dact: bool, t: GemmTile) -> None:
-    """The forward kernel on tile ``t``: the TMA kernel where ``t.tma`` and the operands allow it, else the
+    """The forward kernel on tile ``t``: the TMA kernel for a ``TmaTile`` whose operands TMA can describe, else the
     pointer kernel on the same tile."""
-    if t.tma and linear_act_tma.tma_compatible(h, x, weight, *((dact,) if store_dact else ())):
-        return linear_act_tma.launch_fwd(h, dact, x, weight, bias, store_dact, ACTIVATIONS[activation], t)
+    if isinstance(t, TmaTile) and tma_compatible(h, x, weight, *((dact,) if store_dact else ())):
+        return linear_act_tma.launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
     m, k = x.shape
     n = weight.shape[0]
     _linear_act_fwd_kernel[(cdiv(m, t.block_m) * cdiv(n, t.block_n),)](
@@ -278,36 +244,26 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
         INPUT_PRECISION=input_precision(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
 
 
-_tma_only = threading.local()
-
-
-@contextlib.contextmanager
-def tma_only() -> Iterator[None]:
-    """Inside, every 16-bit launch of this thread runs the static tile on the TMA kernels (where the operands
-    allow), whatever the architecture or the autotuner would pick: how `vit-fast check` and the tests compare
-    those kernels with float64."""
-    before = getattr(_tma_only, "on", False)
-    _tma_only.on = True
-    try:
-        yield
-    finally:
-        _tma_only.on = before
+# inside ``with tma_only():`` every 16-bit launch of the thread runs the static tile on the TMA kernels (where the
+# operands allow), whatever the architecture or the autotuner would pick
+tma_only = _tuning.ThreadSwitch()
 
 
 def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int) -> tuple[GemmTile, ...]:
-    return _candidates(static, dtype, arch, getattr(_tma_only, "on", False))
+    return _candidates(static, dtype, arch, tma_only.on)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every launch
-def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, tma: bool = False) -> tuple[GemmTile, ...]:
+def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False) -> tuple[GemmTile, ...]:
     """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage and, on
     sm_90+ in 16 bits, the static tile on the persistent TMA kernels (one more compile per op, not three).
-    ``tma`` (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
-    if tma and dtype in (torch.float16, torch.bfloat16):
-        return (replace(static, tma=True),)
+    ``only_tma`` (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
+    sixteen_bit = dtype in (torch.float16, torch.bfloat16)
+    if only_tma and sixteen_bit:
+        return (TmaTile.of(static),)
     tiles = _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
-    if arch >= 90 and dtype in (torch.float16, torch.bfloat16):
-        tiles.append(replace(static, tma=True))
+    if arch >= 90 and sixteen_bit:
+        tiles.append(TmaTile.of(static))
     return tuple(_tuning.unique(tiles))
 
 
@@ -345,13 +301,13 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
 
 def launch_bwd(du: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, dact: torch.Tensor, has_bias: bool,
                t: GemmTile) -> Optional[torch.Tensor]:
-    """The dgrad kernel on tile ``t`` (TMA where ``t.tma`` and the operands allow it); returns the fp32
+    """The dgrad kernel on tile ``t`` (TMA for a ``TmaTile`` whose operands TMA can describe); returns the fp32
     partial column sums of du (1, row tiles, K) with ``has_bias``, else None."""
     m, k = dact.shape
     n = weight.shape[0]
     row_tiles = cdiv(m, t.block_m)
     partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
-    if t.tma and linear_act_tma.tma_compatible(du, dy, weight, dact):
+    if isinstance(t, TmaTile) and tma_compatible(du, dy, weight, dact):
         linear_act_tma.launch_bwd(du, partial, dy, weight, dact, t)
         return partial
     _linear_act_bwd_kernel[(row_tiles * cdiv(k, t.block_n),)](
@@ -460,8 +416,9 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch of one ViT MLP's linear_act (C = width, H = mlp_hidden): fc1 forward with each
     activation (training and inference), fc2's dgrad, and the db1 partial sum; fp32 with both dot
-    precisions (IEEE entries run on FMA units: has_dot False). Weights are in the activation dtype
-    (the launcher casts them); the bias in ``param_dtype`` for 16-bit activations (autocast), else fp32."""
+    precisions (IEEE entries run on FMA units: has_dot False); on sm_90 in 16 bits the same tiles on the TMA
+    kernels too. Weights are in the activation dtype (the launcher casts them); the bias in ``param_dtype`` for
+    16-bit activations (autocast), else fp32."""
     param_dtype = param_dtype if dtype != torch.float32 else torch.float32
     act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     c, hid = width, mlp_hidden
@@ -490,8 +447,8 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             dict(INPUT_PRECISION=precision, EVEN_N=c % cfg.bwd.block_k == 0), types, bwd_values, tensor_cores,
             f"C={c} H={hid}")
     specs.append(sum_partials_spec(par, sum_partials_block_n(hid), f"N={hid} (db1)", width=hid))
+    if arch >= 90 and dtype in (torch.float16, torch.bfloat16):  # the static tiles as TMA candidates
+        fwd_tiles = {name: linear_act_config(dtype, arch, activation=name).fwd for name in ACTIVATIONS}
+        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, fwd_tiles, linear_act_config(dtype, arch).bwd)
     return specs
 
-
-# the TMA kernels inline this module's jit helpers (_act_fwd_bwd, _tile_of), so they are imported after them
-from . import linear_act_tma  # noqa: E402

@@ -4,15 +4,17 @@ flight while the current tile's epilogue (bias, activation, two stores) runs. Sa
 outputs as the pointer kernels in ``linear_act.py`` (its docstring has the math and traffic); fp32
 accumulation, one program per output tile at a time in a fixed reduction order: deterministic.
 
-Used where ``GemmTile.tma`` is set (``linear_act_config``'s candidates on sm_90+ for fp16/bf16) and the
-operands meet TMA's rules (``tma_compatible``: 16-byte aligned bases and row strides, unit column stride);
-elsewhere the pointer kernels run the same tile. Out-of-bounds rows and columns of a TMA load read as zero and
-TMA stores clip at the tensor's edge, so no index wraps or masks are needed except for the bias and the
-bias-gradient partials. Warp specialisation (``tl.range(..., warp_specialize=True)``) is left out: Triton
-supports it on Blackwell only.
+Config: ``TmaTile``, a ``GemmTile`` these kernels run. linear_act's autotuning candidates on sm_90+ in fp16/bf16
+include its static tile as a TmaTile (``linear_act._candidates``; ``linear_act.tma_only()`` forces it); where the
+operands break TMA's rules (``tma_compatible``) the pointer kernels run the same tile. Out-of-bounds rows and
+columns of a TMA load read as zero and TMA stores clip at the tensor's edge, so no index wraps or masks are needed
+except for the bias and the bias-gradient partials. Warp specialisation (``tl.range(..., warp_specialize=True)``)
+is left out: with triton 3.8 for sm_90 it failed to compile at 4 warps and changed nothing at 8 (the same
+registers and an 8-byte spill as the unflattened loop).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -21,13 +23,23 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
+from ._gemm import GROUP_M, GemmTile, grouped_tile
+from ._math import ACTIVATIONS, act_fwd_bwd
 from ._utils import cdiv, programs_to_fill
-from .linear_act import GROUP_M, _act_fwd_bwd, _tile_of
 
 # Programs per SM of the persistent kernels: one, as every TMA tile here takes most of an SM's shared memory.
 PROGRAMS_PER_SM = 1
 # Programs of an interpreted launch (no GPU): a few, so each steps over several tiles as on a GPU.
 INTERPRETED_PROGRAMS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaTile(GemmTile):
+    """A GemmTile run by the persistent TMA kernels: the same output tile, reduction step, warps and stages."""
+
+    @classmethod
+    def of(cls, tile: GemmTile) -> TmaTile:
+        return cls(**dataclasses.asdict(tile))
 
 
 # --------------------------------------------------------------------------- kernels
@@ -43,7 +55,7 @@ def _linear_act_fwd_tma_kernel(
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=True):
-        tile_m, tile_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
+        tile_m, tile_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
         row0 = tile_m * BLOCK_M
         col0 = tile_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -65,7 +77,7 @@ def _fwd_epilogue_tma(acc, h_desc, dact_desc, BIAS, row0, col0, N,
     if HAS_BIAS:
         cols = col0 + tl.arange(0, acc.shape[1])
         acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    h, dact = _act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
+    h, dact = act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
     h_desc.store([row0, col0], h.to(h_desc.dtype))
     if STORE_DACT:
         dact_desc.store([row0, col0], dact.to(dact_desc.dtype))
@@ -84,7 +96,7 @@ def _linear_act_bwd_tma_kernel(
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_k = tl.cdiv(K, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_k, programs, flatten=True):
-        tile_m, tile_k = _tile_of(tile, tiles_m, tiles_k, GROUP_M)
+        tile_m, tile_k = grouped_tile(tile, tiles_m, tiles_k, GROUP_M)
         row0 = tile_m * BLOCK_M
         col0 = tile_k * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -109,9 +121,9 @@ def _bwd_epilogue_tma(acc, du_desc, dact_desc, PARTIAL, tile_m, row0, col0, K, H
 # --------------------------------------------------------------------------- launchers
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """What these kernels take: fp16/bf16 2-D operands on TMA's rules (16-byte aligned base, 16-byte multiple
-    row stride, unit column stride)."""
+    row stride, unit column stride) whose rows do not overlap (no stride-0 broadcast rows)."""
     return all(t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 16 == 0 and t.stride(1) == 1
-               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+               and t.stride(0) >= t.shape[1] and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def persistent_programs(device: torch.device, tiles: int) -> int:
@@ -120,54 +132,46 @@ def persistent_programs(device: torch.device, tiles: int) -> int:
     return max(1, min(fill, tiles))
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-
 def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-               bias: Optional[torch.Tensor], store_dact: bool, act: int, tile) -> None:
-    """The forward kernel on ``tile`` (a ``GemmTile``); operands as in ``linear_act_fwd``, all tma_compatible."""
+               bias: Optional[torch.Tensor], activation: str, store_dact: bool, tile: TmaTile) -> None:
+    """The forward kernel; arguments as ``linear_act.launch_fwd``'s, every operand tma_compatible."""
     m, k = x.shape
     n = weight.shape[0]
     half = [tile.block_m, tile.block_n // 2]
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     programs = persistent_programs(x.device, tiles)
-    h_desc = _descriptor(h, half)
+    h_desc = TensorDescriptor.from_tensor(h, half)
     _linear_act_fwd_tma_kernel[(programs,)](
-        h_desc, _descriptor(dact, half) if store_dact else h_desc,
-        _descriptor(x, [tile.block_m, tile.block_k]), _descriptor(weight, [tile.block_n, tile.block_k]),
-        bias, m, n, k, programs,
+        h_desc, TensorDescriptor.from_tensor(dact, half) if store_dact else h_desc,  # h_desc: never written as dact
+        TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
+        TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), bias, m, n, k, programs,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
-        HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=act, num_warps=tile.num_warps,
+        HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation], num_warps=tile.num_warps,
         num_stages=tile.num_stages)
 
 
 def launch_bwd(du: torch.Tensor, partial: Optional[torch.Tensor], dy: torch.Tensor, weight: torch.Tensor,
-               dact: torch.Tensor, tile) -> None:
-    """The dgrad kernel on ``tile``; operands as in ``linear_act_bwd``, all tma_compatible."""
+               dact: torch.Tensor, tile: TmaTile) -> None:
+    """The dgrad kernel, writing du and (with ``partial``, (1, row tiles, K) fp32) its column sums per row tile;
+    operands as ``linear_act.launch_bwd``'s, every one tma_compatible."""
     m, k = dact.shape
     n = weight.shape[0]
     tiles = cdiv(m, tile.block_m) * cdiv(k, tile.block_n)
     programs = persistent_programs(dact.device, tiles)
-    out_block = [tile.block_m, tile.block_n // 2]
+    half = [tile.block_m, tile.block_n // 2]
     _linear_act_bwd_tma_kernel[(programs,)](
-        _descriptor(du, out_block), partial, _descriptor(dy, [tile.block_m, tile.block_k]),
-        _descriptor(weight, [tile.block_k, tile.block_n]), _descriptor(dact, out_block), m, n, k, programs,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
+        TensorDescriptor.from_tensor(du, half), partial, TensorDescriptor.from_tensor(dy, [tile.block_m, tile.block_k]),
+        TensorDescriptor.from_tensor(weight, [tile.block_k, tile.block_n]), TensorDescriptor.from_tensor(dact, half),
+        m, n, k, programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
         HAS_BIAS=partial is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-
 # --------------------------------------------------------------------------- ahead-of-time specs
-def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype: torch.dtype = torch.bfloat16,
-              arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
-    """The TMA kernels on linear_act's static tiles, as its sm_90+ 16-bit candidates launch them: fc1 forward
-    with each activation (training and inference) and fc2's dgrad (C = width, H = mlp_hidden). None on sm_80
-    or in fp32, where they never run."""
-    from .linear_act import ACTIVATIONS, linear_act_config
-
-    if arch < 90 or dtype not in (torch.float16, torch.bfloat16):
-        return []
+def tma_aot_specs(width: int, mlp_hidden: int, dtype: torch.dtype, param_dtype: torch.dtype,
+                  fwd_tiles: dict[str, GemmTile], bwd_tile: GemmTile) -> list[AotSpec]:
+    """The TMA kernels as linear_act's sm_90+ 16-bit candidates launch them (``linear_act.aot_specs``): fc1
+    forward on ``fwd_tiles[activation]`` for each activation (training and inference) and fc2's dgrad on
+    ``bwd_tile`` (C = width, H = mlp_hidden; the bias in ``param_dtype``)."""
     act, par = TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     c, hid = width, mlp_hidden
 
@@ -183,7 +187,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
 
     specs = []
     for name, code in ACTIVATIONS.items():
-        t = linear_act_config(dtype, arch, activation=name).fwd
+        t = fwd_tiles[name]
         half = desc(t.block_m, t.block_n // 2)
         types = dict(h_desc=half, dact_desc=half, x_desc=desc(t.block_m, t.block_k),
                      w_desc=desc(t.block_n, t.block_k), BIAS=par)
@@ -191,7 +195,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             specs.append(spec("linear_act_fwd_tma", _linear_act_fwd_tma_kernel, t,
                               dict(ACT=code, STORE_DACT=store), types, dict(N=hid, K=c),
                               f"C={c} H={hid} {name} store_dact={store}"))
-    t = linear_act_config(dtype, arch).bwd
+    t = bwd_tile
     half = desc(t.block_m, t.block_n // 2)
     types = dict(du_desc=half, dact_desc=half, dy_desc=desc(t.block_m, t.block_k), w_desc=desc(t.block_k, t.block_n),
                  PARTIAL="*fp32")

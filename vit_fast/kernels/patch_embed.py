@@ -52,10 +52,8 @@ channels, as tl.dot needs K >= 16), H and W positive multiples of P, float image
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +62,7 @@ import triton.language as tl
 
 from . import _tuning
 from ._aot import TRITON_DTYPE_NAMES, AotSpec
+from ._gemm import GemmTile
 from ._tuning import bucket
 from ._utils import (
     FLOAT_DTYPES,
@@ -78,7 +77,6 @@ from ._utils import (
     next_power_of_2,
     run_op,
 )
-from .linear_act import GemmTile
 
 OP = "patch_embed"
 
@@ -447,19 +445,8 @@ class LibraryDweight:
 
 
 LIBRARY_DWEIGHT = LibraryDweight()
-_library_dweight_only = threading.local()
-
-
-@contextlib.contextmanager
-def library_dweight_only() -> Iterator[None]:
-    """Inside, every 16-bit dW launch of this thread takes the library route, whatever the autotuner would pick:
-    how `vit-fast check` and the tests compare that route with float64."""
-    before = getattr(_library_dweight_only, "on", False)
-    _library_dweight_only.on = True
-    try:
-        yield
-    finally:
-        _library_dweight_only.on = before
+# inside ``with library_dweight_only():`` every 16-bit dW launch of the thread takes the library route
+library_dweight_only = _tuning.ThreadSwitch()
 
 
 def _dweight_candidates(tile: GemmTile, dtype: torch.dtype) -> list:
@@ -467,7 +454,7 @@ def _dweight_candidates(tile: GemmTile, dtype: torch.dtype) -> list:
     convolution's) the library GEMM."""
     if dtype not in (torch.float16, torch.bfloat16):
         return _candidates(tile)
-    return [LIBRARY_DWEIGHT] if getattr(_library_dweight_only, "on", False) else _candidates(tile) + [LIBRARY_DWEIGHT]
+    return [LIBRARY_DWEIGHT] if library_dweight_only.on else _candidates(tile) + [LIBRARY_DWEIGHT]
 
 
 def _dweight_by_library(dtokens: torch.Tensor, images: torch.Tensor, patch: int, prefix: int,

@@ -135,12 +135,17 @@ def test_falls_back_to_the_pointer_kernels_where_tma_rules_fail(tma_launches):
     assert_close(du_tma, (dy.double() @ w2.double()) * dact.double(), bound(torch.bfloat16), "du")
 
 
-def test_candidates_add_the_tma_kernels_on_sm90_16bit_only():
+def test_candidates_add_the_tma_kernels_on_sm90_16bit_only(monkeypatch):
     """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures the TMA ones
-    faster), the static tile on the TMA kernels on sm_90 in 16 bits; ``tma_only`` leaves that one alone."""
+    faster), with VIT_FAST_TMA_GEMM=1 the static tile on the TMA kernels on sm_90 in 16 bits; ``tma_only`` leaves
+    that one alone."""
     def tma(cands):
         return [c for c in cands if isinstance(c, TmaTile)]
 
+    static = la.linear_act_config(torch.bfloat16, 90).fwd
+    monkeypatch.delenv(linear_act_tma.ENV_SWITCH, raising=False)
+    assert not tma(la._candidates_now(static, torch.bfloat16, 90))  # off until a GPU has run them
+    monkeypatch.setenv(linear_act_tma.ENV_SWITCH, "1")
     for dtype in (torch.bfloat16, torch.float16):
         static = la.linear_act_config(dtype, 90).fwd
         cands = la._candidates_now(static, dtype, 90)

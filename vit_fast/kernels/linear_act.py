@@ -42,8 +42,8 @@ sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate 
 and 32C s. Memory held for backward: x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
 main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config. On sm_90+ in 16 bits the same
-tiles also run on persistent TMA kernels (linear_act_tma.py, a ``TmaTile`` candidate): an autotuning candidate,
-and what ``tma_only()`` forces for checks.
+tiles also run on persistent TMA kernels (linear_act_tma.py, a ``TmaTile``): an autotuning candidate with
+``VIT_FAST_TMA_GEMM=1`` (not yet run on a GPU), and what ``tma_only()`` forces for checks.
 """
 from __future__ import annotations
 
@@ -250,19 +250,20 @@ tma_only = _tuning.ThreadSwitch()
 
 
 def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int) -> tuple[GemmTile, ...]:
-    return _candidates(static, dtype, arch, tma_only.on)
+    return _candidates(static, dtype, arch, tma_only.on, linear_act_tma.autotuned())
 
 
 @functools.lru_cache(maxsize=None)  # asked on every launch
-def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False) -> tuple[GemmTile, ...]:
-    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage and, on
-    sm_90+ in 16 bits, the static tile on the persistent TMA kernels (one more compile per op, not three).
-    ``only_tma`` (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
+def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False,
+                with_tma: bool = False) -> tuple[GemmTile, ...]:
+    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage and, ``with_tma``
+    (``VIT_FAST_TMA_GEMM=1``) on sm_90+ in 16 bits, the static tile on the persistent TMA kernels (one more compile
+    per op, not three). ``only_tma`` (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if only_tma and sixteen_bit:
         return (TmaTile.of(static),)
     tiles = _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
-    if arch >= 90 and sixteen_bit:
+    if with_tma and arch >= 90 and sixteen_bit:
         tiles.append(TmaTile.of(static))
     return tuple(_tuning.unique(tiles))
 

@@ -4,9 +4,10 @@ flight while the current tile's epilogue (bias, activation, two stores) runs. Sa
 outputs as the pointer kernels in ``linear_act.py`` (its docstring has the math and traffic); fp32
 accumulation, one program per output tile at a time in a fixed reduction order: deterministic.
 
-Config: ``TmaTile``, a ``GemmTile`` these kernels run. linear_act's autotuning candidates on sm_90+ in fp16/bf16
-include its static tile as a TmaTile (``linear_act._candidates``; ``linear_act.tma_only()`` forces it); where the
-operands break TMA's rules (``tma_compatible``) the pointer kernels run the same tile. Out-of-bounds rows and
+Config: ``TmaTile``, a ``GemmTile`` these kernels run. With ``VIT_FAST_TMA_GEMM=1`` linear_act's autotuning
+candidates on sm_90+ in fp16/bf16 include its static tile as a TmaTile (``linear_act._candidates``; off by default
+until a GPU has run these kernels); ``linear_act.tma_only()`` forces it (checks, tests). Where the operands break
+TMA's rules (``tma_compatible``) the pointer kernels run the same tile. Out-of-bounds rows and
 columns of a TMA load read as zero and TMA stores clip at the tensor's edge, so no index wraps or masks are needed
 except for the bias and the bias-gradient partials. Warp specialisation (``tl.range(..., warp_specialize=True)``)
 is left out: with triton 3.8 for sm_90 it failed to compile at 4 warps and changed nothing at 8 (the same
@@ -15,6 +16,7 @@ registers and an 8-byte spill as the unflattened loop).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -26,6 +28,16 @@ from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._gemm import GROUP_M, GemmTile, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
 from ._utils import cdiv, programs_to_fill
+
+# The TMA kernels join linear_act's autotuning candidates only with VIT_FAST_TMA_GEMM=1 until a GPU has run them:
+# a candidate that faults on a GPU would take the user's process down while it is timed.
+ENV_SWITCH = "VIT_FAST_TMA_GEMM"
+
+
+def autotuned() -> bool:
+    """Whether linear_act's autotuning times the TMA kernels (``VIT_FAST_TMA_GEMM`` '1', 'true', 'on' or 'yes')."""
+    return os.environ.get(ENV_SWITCH, "0").strip().lower() in ("1", "true", "on", "yes")
+
 
 # Programs per SM of the persistent kernels: one, as every TMA tile here takes most of an SM's shared memory.
 PROGRAMS_PER_SM = 1

@@ -269,33 +269,36 @@ def item_gemm(args) -> None:
         "cublas_mlp_fwd": lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2),
         "linear_act_mlp_fwd": lambda: linear_act(x, w1, b1, w2),
     }
-    # linear_act's two Triton GEMMs alone, on the static tiles: pointer kernels and the persistent TMA kernels
+    # linear_act's two Triton GEMMs alone: the static tiles and the co-resident ones (two programs per SM), on the
+    # pointer kernels and on the persistent TMA kernels
     fwd_tile = la.linear_act_config(bf16, 90).fwd
     bwd_tile = la.linear_act_config(bf16, 90).bwd
-    as_tma = {False: lambda t: t, True: TmaTile.of}
     h_out, dact_out, du_out = (torch.empty(rows, K, device=DEVICE, dtype=bf16) for _ in range(3))
     dy = torch.randn(rows, C, device=DEVICE, dtype=bf16)
-    for tma in (False, True):
-        suffix = "tma" if tma else "pointer"
-        cases[f"linear_act_fwd_kernel_{suffix}"] = lambda tma=tma: la.launch_fwd(
-            h_out, dact_out, x, w1, b1, "gelu", True, as_tma[tma](fwd_tile))
-        cases[f"linear_act_dgrad_kernel_{suffix}"] = lambda tma=tma: la.launch_bwd(
-            du_out, dy, w2, dact_out, True, as_tma[tma](bwd_tile))
+    tiles = {"pointer": (fwd_tile, bwd_tile), "pointer_co_resident": (la.CO_RESIDENT, la.CO_RESIDENT),
+             "tma": (TmaTile.of(fwd_tile), TmaTile.of(bwd_tile)),
+             "tma_co_resident": (la.CO_RESIDENT_TMA, la.CO_RESIDENT_TMA)}
+    for suffix, (ft, bt) in tiles.items():
+        cases[f"linear_act_fwd_kernel_{suffix}"] = lambda ft=ft: la.launch_fwd(
+            h_out, dact_out, x, w1, b1, "gelu", True, ft)
+        cases[f"linear_act_dgrad_kernel_{suffix}"] = lambda bt=bt: la.launch_bwd(du_out, dy, w2, dact_out, True, bt)
 
     def agreement():
         outs = {}
-        for tma in (False, True):
+        for suffix, (ft, bt) in tiles.items():
             h, d, du = (torch.full((rows, K), float("nan"), device=DEVICE, dtype=bf16) for _ in range(3))
-            la.launch_fwd(h, d, x, w1, b1, "gelu", True, as_tma[tma](fwd_tile))
-            partial = la.launch_bwd(du, dy, w2, d, True, as_tma[tma](bwd_tile))
-            outs[tma] = (h, d, du, partial)
-        emit("gemm", case="linear_act_tma_vs_pointer", **{
-            f"{name}_bitwise_equal": torch.equal(a, b) for name, a, b in zip(("h", "dact", "du", "partial"),
-                                                                            outs[False], outs[True])},
-             **{f"{name}_max_abs_diff": (a.float() - b.float()).abs().max().item()
-                for name, a, b in zip(("h", "du"), outs[False], outs[True])})
+            la.launch_fwd(h, d, x, w1, b1, "gelu", True, ft)
+            partial = la.launch_bwd(du, dy, w2, d, True, bt)
+            outs[suffix] = (h, d, du, partial.sum((0, 1)))  # the partials' rows differ with the tile: their sums
+        for suffix, out in outs.items():
+            emit("gemm", case=f"linear_act_{suffix}_vs_pointer", **{
+                f"{name}_bitwise_equal": torch.equal(a, b) for name, a, b in zip(("h", "dact", "du", "db"),
+                                                                                outs["pointer"], out)},
+                 **{f"{name}_max_abs_diff": (a.float() - b.float()).abs().max().item()
+                    for name, a, b in zip(("h", "dact", "du", "db"), outs["pointer"], out)},
+                 nan_left=any(t.isnan().any().item() for t in out))
 
-    safe("gemm", agreement, case="linear_act_tma_vs_pointer")
+    safe("gemm", agreement, case="linear_act_kernels_vs_pointer")
     flops = 2.0 * rows * C * K
     for name, fn in cases.items():
         def measure(name=name, fn=fn):

@@ -29,7 +29,7 @@ def tma_launches(monkeypatch):
     or the autotuner), three persistent programs on every device (so each steps over several tiles, on a GPU too),
     and the TMA launches counted per pass."""
     _skip_before_sm90()
-    monkeypatch.setattr(linear_act_tma, "persistent_programs", lambda device, tiles: min(3, tiles))
+    monkeypatch.setattr(linear_act_tma, "persistent_programs", lambda device, tiles, per_sm: min(3, tiles))
     counts = {"fwd": 0, "bwd": 0}
     for name in counts:
         real = getattr(linear_act_tma, f"launch_{name}")
@@ -136,28 +136,54 @@ def test_falls_back_to_the_pointer_kernels_where_tma_rules_fail(tma_launches):
 
 
 def test_candidates_add_the_tma_kernels_on_sm90_16bit_only(monkeypatch):
-    """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures the TMA ones
-    faster), with VIT_FAST_TMA_GEMM=1 the static tile on the TMA kernels on sm_90 in 16 bits; ``tma_only`` leaves
-    that one alone."""
+    """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures others faster); on
+    sm_90 in 16 bits the co-resident tile (not for the QuickGELU forward, where it spills) and, with
+    VIT_FAST_TMA_GEMM=1, the static and the co-resident tiles on the TMA kernels; ``tma_only`` leaves the static one
+    on the TMA kernels alone."""
     def tma(cands):
         return [c for c in cands if isinstance(c, TmaTile)]
 
     static = la.linear_act_config(torch.bfloat16, 90).fwd
     monkeypatch.delenv(linear_act_tma.ENV_SWITCH, raising=False)
     assert not tma(la._candidates_now(static, torch.bfloat16, 90))  # off until a GPU has run them
+    assert la.CO_RESIDENT in la._candidates_now(static, torch.bfloat16, 90)
+    assert la.CO_RESIDENT not in la._candidates_now(static, torch.bfloat16, 90, co_resident=False)
     monkeypatch.setenv(linear_act_tma.ENV_SWITCH, "1")
     for dtype in (torch.bfloat16, torch.float16):
         static = la.linear_act_config(dtype, 90).fwd
         cands = la._candidates_now(static, dtype, 90)
         assert cands[0] == static and not isinstance(static, TmaTile)
-        assert tma(cands) == [TmaTile.of(static)] and TmaTile.of(static) != static
-        assert not tma(la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80))
+        assert tma(cands) == [TmaTile.of(static), la.CO_RESIDENT_TMA] and TmaTile.of(static) != static
+        assert la.CO_RESIDENT_TMA.programs_per_sm == 2 and TmaTile.of(static).programs_per_sm == 1
+        low = la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80)
+        assert not tma(low) and la.CO_RESIDENT not in low
         with la.tma_only():
             assert la._candidates_now(static, dtype, 90) == (TmaTile.of(static),)
     fp32 = la.linear_act_config(torch.float32, 90).fwd
-    assert not tma(la._candidates_now(fp32, torch.float32, 90))
+    assert not tma(la._candidates_now(fp32, torch.float32, 90)) and la.CO_RESIDENT not in la._candidates_now(
+        fp32, torch.float32, 90)
     with la.tma_only():
         assert not tma(la._candidates_now(fp32, torch.float32, 90))
+
+
+def test_co_resident_tiles_match_the_reference():
+    """The co-resident candidates (four warps, two programs per SM) on both kernel families, forward and dgrad, at
+    ViT-B's width on 197 rows, against float64."""
+    _skip_before_sm90()
+    torch.manual_seed(5)
+    m, c, hid, n = 197, 768, 512, 768
+    x, dy = randn(m, c, grad=False).bfloat16(), randn(m, n, grad=False).bfloat16()
+    w1, w2 = randn(hid, c, grad=False, scale=c ** -0.5).bfloat16(), randn(n, hid, grad=False, scale=0.05).bfloat16()
+    b1 = randn(hid, grad=False)
+    u = x.double() @ w1.double().t() + b1.double()
+    for tile in (la.CO_RESIDENT, la.CO_RESIDENT_TMA):
+        h, dact, du = (torch.empty(m, hid, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        la.launch_fwd(h, dact, x, w1, b1, "gelu_tanh", True, tile)
+        partial = la.launch_bwd(du, dy, w2, dact, True, tile)
+        assert_close(h, torch.nn.functional.gelu(u, approximate="tanh"), bound(torch.bfloat16), f"h {tile}")
+        du64 = (dy.double() @ w2.double()) * dact.double()
+        assert_close(du, du64, bound(torch.bfloat16), f"du {tile}")
+        assert_close(partial.sum((0, 1)), du64.sum(0), bound(torch.bfloat16), f"db1 {tile}")
 
 
 def test_tma_compatible():

@@ -225,7 +225,8 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
     key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact)
     static = linear_act_config(x.dtype, arch, precision, activation).fwd
-    launch(_tuning.choose("linear_act_fwd", key, _candidates_now(static, x.dtype, arch), launch, x.device))
+    candidates = _candidates_now(static, x.dtype, arch, co_resident=activation != "quick_gelu")
+    launch(_tuning.choose("linear_act_fwd", key, candidates, launch, x.device))
     return h, dact
 
 
@@ -249,22 +250,33 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
 tma_only = _tuning.ThreadSwitch()
 
 
-def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int) -> tuple[GemmTile, ...]:
-    return _candidates(static, dtype, arch, tma_only.on, linear_act_tma.autotuned())
+# sm_90, 16 bits: tiles two programs share an SM with (4 warps, at most 99 KB of shared memory each; 0 spills for
+# ViT-B in bf16 and fp16, but the pointer kernel's QuickGELU forward spills 16 B), so one program's epilogue overlaps
+# the other's MMAs. The fc1 epilogue is issue-bound: exact-erf GELU and its derivative take about 50 instructions
+# per element (libdevice's erff selects its coefficients per element), about as many issue cycles per tile as the
+# tile's MMAs (sm_90 SASS, C = 768).
+CO_RESIDENT = GemmTile(128, 128, 64, 4, 3)
+CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)
+
+
+def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int, co_resident: bool = True) -> tuple[GemmTile, ...]:
+    return _candidates(static, dtype, arch, tma_only.on, linear_act_tma.autotuned(), co_resident)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every launch
-def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False,
-                with_tma: bool = False) -> tuple[GemmTile, ...]:
-    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage and, ``with_tma``
-    (``VIT_FAST_TMA_GEMM=1``) on sm_90+ in 16 bits, the static tile on the persistent TMA kernels (one more compile
-    per op, not three). ``only_tma`` (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
+def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False, with_tma: bool = False,
+                co_resident: bool = True) -> tuple[GemmTile, ...]:
+    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage and, on sm_90+ in
+    16 bits, ``CO_RESIDENT`` (where ``co_resident``: it compiles spill-free) and, ``with_tma``
+    (``VIT_FAST_TMA_GEMM=1``), the static tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma``
+    (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if only_tma and sixteen_bit:
         return (TmaTile.of(static),)
     tiles = _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
-    if with_tma and arch >= 90 and sixteen_bit:
-        tiles.append(TmaTile.of(static))
+    if arch >= 90 and sixteen_bit:
+        tiles += [CO_RESIDENT] if co_resident else []
+        tiles += [TmaTile.of(static), CO_RESIDENT_TMA] if with_tma else []
     return tuple(_tuning.unique(tiles))
 
 

@@ -39,19 +39,20 @@ def autotuned() -> bool:
     return os.environ.get(ENV_SWITCH, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-# Programs per SM of the persistent kernels: one, as every TMA tile here takes most of an SM's shared memory.
-PROGRAMS_PER_SM = 1
 # Programs of an interpreted launch (no GPU): a few, so each steps over several tiles as on a GPU.
 INTERPRETED_PROGRAMS = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class TmaTile(GemmTile):
-    """A GemmTile run by the persistent TMA kernels: the same output tile, reduction step, warps and stages."""
+    """A GemmTile run by the persistent TMA kernels: the same output tile, reduction step, warps and stages, and
+    how many persistent programs share each SM."""
+
+    programs_per_sm: int = 1
 
     @classmethod
-    def of(cls, tile: GemmTile) -> TmaTile:
-        return cls(**dataclasses.asdict(tile))
+    def of(cls, tile: GemmTile, programs_per_sm: int = 1) -> TmaTile:
+        return cls(**{**dataclasses.asdict(tile), "programs_per_sm": programs_per_sm})
 
 
 # --------------------------------------------------------------------------- kernels
@@ -138,9 +139,9 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
                and t.stride(0) >= t.shape[1] and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
-def persistent_programs(device: torch.device, tiles: int) -> int:
-    """Programs of a persistent launch: PROGRAMS_PER_SM per SM of the device, never more than the tiles."""
-    fill = programs_to_fill(device, PROGRAMS_PER_SM) if device.type == "cuda" else INTERPRETED_PROGRAMS
+def persistent_programs(device: torch.device, tiles: int, per_sm: int) -> int:
+    """Programs of a persistent launch: ``per_sm`` per SM of the device, never more than the tiles."""
+    fill = programs_to_fill(device, per_sm) if device.type == "cuda" else INTERPRETED_PROGRAMS
     return max(1, min(fill, tiles))
 
 
@@ -151,7 +152,7 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
     n = weight.shape[0]
     half = [tile.block_m, tile.block_n // 2]
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
-    programs = persistent_programs(x.device, tiles)
+    programs = persistent_programs(x.device, tiles, tile.programs_per_sm)
     h_desc = TensorDescriptor.from_tensor(h, half)
     _linear_act_fwd_tma_kernel[(programs,)](
         h_desc, TensorDescriptor.from_tensor(dact, half) if store_dact else h_desc,  # h_desc: never written as dact
@@ -169,7 +170,7 @@ def launch_bwd(du: torch.Tensor, partial: Optional[torch.Tensor], dy: torch.Tens
     m, k = dact.shape
     n = weight.shape[0]
     tiles = cdiv(m, tile.block_m) * cdiv(k, tile.block_n)
-    programs = persistent_programs(dact.device, tiles)
+    programs = persistent_programs(dact.device, tiles, tile.programs_per_sm)
     half = [tile.block_m, tile.block_n // 2]
     _linear_act_bwd_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(du, half), partial, TensorDescriptor.from_tensor(dy, [tile.block_m, tile.block_k]),

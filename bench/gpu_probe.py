@@ -269,13 +269,13 @@ def item_gemm(args) -> None:
         "cublas_mlp_fwd": lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2),
         "linear_act_mlp_fwd": lambda: linear_act(x, w1, b1, w2),
     }
-    # linear_act's two Triton GEMMs alone: the static tiles and the co-resident ones (two programs per SM), on the
-    # pointer kernels and on the persistent TMA kernels
+    # linear_act's two Triton GEMMs alone: the static tiles and the co-resident ones (two programs per SM; the
+    # pointer kernels' only for the forward), on the pointer kernels and on the persistent TMA kernels
     fwd_tile = la.linear_act_config(bf16, 90).fwd
     bwd_tile = la.linear_act_config(bf16, 90).bwd
     h_out, dact_out, du_out = (torch.empty(rows, K, device=DEVICE, dtype=bf16) for _ in range(3))
     dy = torch.randn(rows, C, device=DEVICE, dtype=bf16)
-    tiles = {"pointer": (fwd_tile, bwd_tile), "pointer_co_resident": (la.CO_RESIDENT, la.CO_RESIDENT),
+    tiles = {"pointer": (fwd_tile, bwd_tile), "pointer_co_resident": (la.CO_RESIDENT[90], bwd_tile),
              "tma": (TmaTile.of(fwd_tile), TmaTile.of(bwd_tile)),
              "tma_co_resident": (la.CO_RESIDENT_TMA, la.CO_RESIDENT_TMA)}
     for suffix, (ft, bt) in tiles.items():

@@ -136,39 +136,39 @@ def test_falls_back_to_the_pointer_kernels_where_tma_rules_fail(tma_launches):
 
 
 def test_candidates_add_the_tma_kernels_on_sm90_16bit_only(monkeypatch):
-    """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures others faster); on
-    sm_90 in 16 bits the co-resident tile (not for the QuickGELU forward, where it spills) and, with
-    VIT_FAST_TMA_GEMM=1, the static and the co-resident tiles on the TMA kernels; ``tma_only`` leaves the static one
-    on the TMA kernels alone."""
+    """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures others faster); in
+    16 bits the forward's co-resident tile (not sm_90's QuickGELU forward, where it spills; never the dgrad) and,
+    with VIT_FAST_TMA_GEMM=1 on sm_90, the static and the co-resident tiles on the TMA kernels; ``tma_only`` leaves
+    the static one on the TMA kernels alone."""
     def tma(cands):
         return [c for c in cands if isinstance(c, TmaTile)]
 
     static = la.linear_act_config(torch.bfloat16, 90).fwd
     monkeypatch.delenv(linear_act_tma.ENV_SWITCH, raising=False)
-    assert not tma(la._candidates_now(static, torch.bfloat16, 90))  # off until a GPU has run them
-    assert la.CO_RESIDENT in la._candidates_now(static, torch.bfloat16, 90)
-    assert la.CO_RESIDENT not in la._candidates_now(static, torch.bfloat16, 90, co_resident=False)
+    assert not tma(la._candidates_now(static, torch.bfloat16, 90, True))  # off until a GPU has run them
+    assert la.CO_RESIDENT[90] in la._candidates_now(static, torch.bfloat16, 90, True)
+    assert la.CO_RESIDENT[90] not in la._candidates_now(static, torch.bfloat16, 90, False)
+    a100 = la.linear_act_config(torch.bfloat16, 80).fwd
+    assert la._candidates_now(a100, torch.bfloat16, 80, True)[-1] == la.CO_RESIDENT[80]
     monkeypatch.setenv(linear_act_tma.ENV_SWITCH, "1")
     for dtype in (torch.bfloat16, torch.float16):
         static = la.linear_act_config(dtype, 90).fwd
-        cands = la._candidates_now(static, dtype, 90)
+        cands = la._candidates_now(static, dtype, 90, True)
         assert cands[0] == static and not isinstance(static, TmaTile)
         assert tma(cands) == [TmaTile.of(static), la.CO_RESIDENT_TMA] and TmaTile.of(static) != static
         assert la.CO_RESIDENT_TMA.programs_per_sm == 2 and TmaTile.of(static).programs_per_sm == 1
-        low = la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80)
-        assert not tma(low) and la.CO_RESIDENT not in low
+        assert not tma(la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80, True))
         with la.tma_only():
-            assert la._candidates_now(static, dtype, 90) == (TmaTile.of(static),)
-    fp32 = la.linear_act_config(torch.float32, 90).fwd
-    assert not tma(la._candidates_now(fp32, torch.float32, 90)) and la.CO_RESIDENT not in la._candidates_now(
-        fp32, torch.float32, 90)
+            assert la._candidates_now(static, dtype, 90, True) == (TmaTile.of(static),)
+    fp32 = la._candidates_now(la.linear_act_config(torch.float32, 90).fwd, torch.float32, 90, True)
+    assert not tma(fp32) and la.CO_RESIDENT[90] not in fp32
     with la.tma_only():
-        assert not tma(la._candidates_now(fp32, torch.float32, 90))
+        assert not tma(la._candidates_now(la.linear_act_config(torch.float32, 90).fwd, torch.float32, 90, True))
 
 
 def test_co_resident_tiles_match_the_reference():
-    """The co-resident candidates (four warps, two programs per SM) on both kernel families, forward and dgrad, at
-    ViT-B's width on 197 rows, against float64."""
+    """The co-resident candidates (four warps, two programs per SM): the forward's on the pointer kernels (sm_90's
+    and sm_80's tiles), and on the TMA kernels forward and dgrad, at ViT-B's width on 197 rows, against float64."""
     _skip_before_sm90()
     torch.manual_seed(5)
     m, c, hid, n = 197, 768, 512, 768
@@ -176,10 +176,13 @@ def test_co_resident_tiles_match_the_reference():
     w1, w2 = randn(hid, c, grad=False, scale=c ** -0.5).bfloat16(), randn(n, hid, grad=False, scale=0.05).bfloat16()
     b1 = randn(hid, grad=False)
     u = x.double() @ w1.double().t() + b1.double()
-    for tile in (la.CO_RESIDENT, la.CO_RESIDENT_TMA):
+    for fwd, bwd in ((la.CO_RESIDENT[90], la.linear_act_config(torch.bfloat16, 90).bwd),
+                     (la.CO_RESIDENT[80], la.linear_act_config(torch.bfloat16, 80).bwd),
+                     (la.CO_RESIDENT_TMA, la.CO_RESIDENT_TMA)):
+        tile = fwd
         h, dact, du = (torch.empty(m, hid, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-        la.launch_fwd(h, dact, x, w1, b1, "gelu_tanh", True, tile)
-        partial = la.launch_bwd(du, dy, w2, dact, True, tile)
+        la.launch_fwd(h, dact, x, w1, b1, "gelu_tanh", True, fwd)
+        partial = la.launch_bwd(du, dy, w2, dact, True, bwd)
         assert_close(h, torch.nn.functional.gelu(u, approximate="tanh"), bound(torch.bfloat16), f"h {tile}")
         du64 = (dy.double() @ w2.double()) * dact.double()
         assert_close(du, du64, bound(torch.bfloat16), f"du {tile}")

@@ -225,7 +225,7 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
     key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact)
     static = linear_act_config(x.dtype, arch, precision, activation).fwd
-    candidates = _candidates_now(static, x.dtype, arch, co_resident=activation != "quick_gelu")
+    candidates = _candidates_now(static, x.dtype, arch, co_resident=arch < 90 or activation != "quick_gelu")
     launch(_tuning.choose("linear_act_fwd", key, candidates, launch, x.device))
     return h, dact
 
@@ -250,33 +250,35 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
 tma_only = _tuning.ThreadSwitch()
 
 
-# sm_90, 16 bits: tiles two programs share an SM with (4 warps, at most 99 KB of shared memory each; 0 spills for
-# ViT-B in bf16 and fp16, but the pointer kernel's QuickGELU forward spills 16 B), so one program's epilogue overlaps
-# the other's MMAs. The fc1 epilogue is issue-bound: exact-erf GELU and its derivative take about 50 instructions
-# per element (libdevice's erff selects its coefficients per element), about as many issue cycles per tile as the
-# tile's MMAs (sm_90 SASS, C = 768).
-CO_RESIDENT = GemmTile(128, 128, 64, 4, 3)
-CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)
+# The fc1 forward's co-resident tiles (16 bits): two programs share an SM (4 warps; sm_90 99 KB, sm_80 48 KB of
+# shared memory each; 0 spills for ViT-B in bf16 and fp16 on both stacks, but sm_90's QuickGELU forward spills 16 B),
+# so one program's epilogue overlaps the other's MMAs. That epilogue is issue-bound by its sm_90 SASS (C = 768):
+# exact-erf GELU and its derivative take about 50 instructions per element (libdevice's erff selects its
+# coefficients per element), about as many issue cycles per tile as the tile's MMAs. Not for the dgrad, whose
+# epilogue is one multiply (and whose 4-warp tile spills 80 B on sm_90 under triton 3.6).
+CO_RESIDENT = {80: GemmTile(128, 128, 32, 4, 4), 90: GemmTile(128, 128, 64, 4, 3)}
+CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)  # both passes: 0 spills, 83-99 KB
 
 
-def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int, co_resident: bool = True) -> tuple[GemmTile, ...]:
+def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int, co_resident: bool) -> tuple[GemmTile, ...]:
     return _candidates(static, dtype, arch, tma_only.on, linear_act_tma.autotuned(), co_resident)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every launch
 def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False, with_tma: bool = False,
-                co_resident: bool = True) -> tuple[GemmTile, ...]:
-    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage and, on sm_90+ in
-    16 bits, ``CO_RESIDENT`` (where ``co_resident``: it compiles spill-free) and, ``with_tma``
-    (``VIT_FAST_TMA_GEMM=1``), the static tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma``
-    (``tma_only``): the static tile on the TMA kernels alone, in 16 bits."""
+                co_resident: bool = False) -> tuple[GemmTile, ...]:
+    """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage, in 16 bits
+    ``CO_RESIDENT[arch]`` where ``co_resident`` and, ``with_tma`` (``VIT_FAST_TMA_GEMM=1``) on sm_90+, the static
+    tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma`` (``tma_only``): the static tile on the
+    TMA kernels alone, in 16 bits."""
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if only_tma and sixteen_bit:
         return (TmaTile.of(static),)
     tiles = _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
-    if arch >= 90 and sixteen_bit:
-        tiles += [CO_RESIDENT] if co_resident else []
-        tiles += [TmaTile.of(static), CO_RESIDENT_TMA] if with_tma else []
+    if sixteen_bit and co_resident:
+        tiles.append(CO_RESIDENT[min(arch, 90)])
+    if sixteen_bit and with_tma and arch >= 90:
+        tiles += [TmaTile.of(static), CO_RESIDENT_TMA]
     return tuple(_tuning.unique(tiles))
 
 
@@ -306,7 +308,7 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
 
     key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias)
     static = linear_act_config(dact.dtype, arch, precision).bwd
-    partial = launch(_tuning.choose("linear_act_bwd", key, _candidates_now(static, dact.dtype, arch), launch,
+    partial = launch(_tuning.choose("linear_act_bwd", key, _candidates_now(static, dact.dtype, arch, False), launch,
                                     dact.device))
     dbias = sum_partials(partial, bias.dtype)[0] if has_bias else dact.new_empty(0)
     return du, dbias

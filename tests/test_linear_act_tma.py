@@ -16,6 +16,7 @@ from vit_fast.kernels.linear_act import GemmTile, linear_act, linear_act_ref
 from vit_fast.kernels.linear_act_tma import TmaTile
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")  # every launcher allocation NaN (ints -1)
+PERSISTENT_PROGRAMS = linear_act_tma.persistent_programs  # the launchers' own count, before a fixture patches it
 
 
 def _skip_before_sm90():
@@ -135,58 +136,81 @@ def test_falls_back_to_the_pointer_kernels_where_tma_rules_fail(tma_launches):
     assert_close(du_tma, (dy.double() @ w2.double()) * dact.double(), bound(torch.bfloat16), "du")
 
 
-def test_candidates_add_the_tma_kernels_on_sm90_16bit_only(monkeypatch):
-    """Autotuning's candidates: the static tile first (the pointer kernels until a GPU measures others faster); in
-    16 bits the forward's co-resident tile (not sm_90's QuickGELU forward, where it spills; never the dgrad) and,
-    with VIT_FAST_TMA_GEMM=1 on sm_90, the static and the co-resident tiles on the TMA kernels; ``tma_only`` leaves
-    the static one on the TMA kernels alone."""
+def _launch_candidates(monkeypatch, arch, dtype, activation="gelu"):
+    """The candidate lists linear_act's forward and dgrad hand the autotuner on ``arch`` (their first runs)."""
+    seen = {}
+
+    def recording(op, key, candidates, launch, device, module=None):
+        seen[op] = tuple(candidates)
+        return candidates[0]
+
+    monkeypatch.setattr(la, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(la._tuning, "choose", recording)
+    x = randn(20, 64, grad=False).to(dtype)
+    w1, w2 = randn(128, 64, grad=False).to(dtype), randn(64, 128, grad=False).to(dtype)
+    _, dact = la.linear_act_fwd(x, w1, None, activation, True)
+    la.linear_act_bwd(randn(20, 64, grad=False).to(dtype), dact, w2, randn(128, grad=False))
+    return seen["linear_act_fwd"], seen["linear_act_bwd"]
+
+
+def test_candidates_the_launchers_hand_the_autotuner(monkeypatch):
+    """The static tile first (the pointer kernels until a GPU measures others faster); in 16 bits the forward's
+    co-resident tile (not sm_90's QuickGELU forward, where it spills; never the dgrad) and, with VIT_FAST_TMA_GEMM=1
+    on sm_90, the static and the co-resident tiles on the TMA kernels in both passes; ``tma_only`` hands the static
+    one on the TMA kernels alone; fp32 gets neither."""
     def tma(cands):
         return [c for c in cands if isinstance(c, TmaTile)]
 
-    static = la.linear_act_config(torch.bfloat16, 90).fwd
     monkeypatch.delenv(linear_act_tma.ENV_SWITCH, raising=False)
-    assert not tma(la._candidates_now(static, torch.bfloat16, 90, True))  # off until a GPU has run them
-    assert la.CO_RESIDENT[90] in la._candidates_now(static, torch.bfloat16, 90, True)
-    assert la.CO_RESIDENT[90] not in la._candidates_now(static, torch.bfloat16, 90, False)
-    a100 = la.linear_act_config(torch.bfloat16, 80).fwd
-    assert la._candidates_now(a100, torch.bfloat16, 80, True)[-1] == la.CO_RESIDENT[80]
+    fwd, bwd = _launch_candidates(monkeypatch, 90, torch.bfloat16)
+    assert fwd[0] == la.linear_act_config(torch.bfloat16, 90).fwd and la.CO_RESIDENT[90] in fwd
+    assert not tma(fwd) and not tma(bwd)  # off until a GPU has run them
+    assert la.CO_RESIDENT[90] not in bwd and bwd[0] == la.linear_act_config(torch.bfloat16, 90).bwd
+    fwd, _ = _launch_candidates(monkeypatch, 90, torch.bfloat16, "quick_gelu")
+    assert la.CO_RESIDENT[90] not in fwd
+    fwd, bwd = _launch_candidates(monkeypatch, 80, torch.float16, "quick_gelu")
+    assert fwd[-1] == la.CO_RESIDENT[80] and not tma(fwd) and not tma(bwd)
     monkeypatch.setenv(linear_act_tma.ENV_SWITCH, "1")
     for dtype in (torch.bfloat16, torch.float16):
-        static = la.linear_act_config(dtype, 90).fwd
-        cands = la._candidates_now(static, dtype, 90, True)
-        assert cands[0] == static and not isinstance(static, TmaTile)
-        assert tma(cands) == [TmaTile.of(static), la.CO_RESIDENT_TMA] and TmaTile.of(static) != static
-        assert la.CO_RESIDENT_TMA.programs_per_sm == 2 and TmaTile.of(static).programs_per_sm == 1
-        assert not tma(la._candidates_now(la.linear_act_config(dtype, 80).fwd, dtype, 80, True))
+        fwd, bwd = _launch_candidates(monkeypatch, 90, dtype)
+        cfg = la.linear_act_config(dtype, 90)
+        assert tma(fwd) == [TmaTile.of(cfg.fwd), la.CO_RESIDENT_TMA]
+        assert tma(bwd) == [TmaTile.of(cfg.bwd), la.CO_RESIDENT_TMA]
+        assert la.CO_RESIDENT_TMA.programs_per_sm == 2 and TmaTile.of(cfg.fwd).programs_per_sm == 1
+        assert not tma(_launch_candidates(monkeypatch, 80, dtype)[0])
         with la.tma_only():
-            assert la._candidates_now(static, dtype, 90, True) == (TmaTile.of(static),)
-    fp32 = la._candidates_now(la.linear_act_config(torch.float32, 90).fwd, torch.float32, 90, True)
-    assert not tma(fp32) and la.CO_RESIDENT[90] not in fp32
+            assert _launch_candidates(monkeypatch, 90, dtype) == ((TmaTile.of(cfg.fwd),), (TmaTile.of(cfg.bwd),))
+    fwd, bwd = _launch_candidates(monkeypatch, 90, torch.float32)
+    assert not tma(fwd + bwd) and la.CO_RESIDENT[90] not in fwd
     with la.tma_only():
-        assert not tma(la._candidates_now(la.linear_act_config(torch.float32, 90).fwd, torch.float32, 90, True))
+        assert not tma(sum(_launch_candidates(monkeypatch, 90, torch.float32), ()))
 
 
-def test_co_resident_tiles_match_the_reference():
+def test_co_resident_tiles_match_the_reference(tma_launches, monkeypatch):
     """The co-resident candidates (four warps, two programs per SM): the forward's on the pointer kernels (sm_90's
-    and sm_80's tiles), and on the TMA kernels forward and dgrad, at ViT-B's width on 197 rows, against float64."""
-    _skip_before_sm90()
+    and sm_80's tiles), and on the TMA kernels forward and dgrad with their own program count (two per SM on a GPU),
+    at ViT-B's width on 197 rows, against float64, outputs NaN before the launch."""
+    monkeypatch.setattr(linear_act_tma, "persistent_programs", PERSISTENT_PROGRAMS)
     torch.manual_seed(5)
     m, c, hid, n = 197, 768, 512, 768
     x, dy = randn(m, c, grad=False).bfloat16(), randn(m, n, grad=False).bfloat16()
     w1, w2 = randn(hid, c, grad=False, scale=c ** -0.5).bfloat16(), randn(n, hid, grad=False, scale=0.05).bfloat16()
     b1 = randn(hid, grad=False)
-    u = x.double() @ w1.double().t() + b1.double()
+    u = (x.double() @ w1.double().t() + b1.double()).requires_grad_()
+    gelu = torch.nn.functional.gelu(u, approximate="tanh")
+    dgelu, = torch.autograd.grad(gelu.sum(), u)
     for fwd, bwd in ((la.CO_RESIDENT[90], la.linear_act_config(torch.bfloat16, 90).bwd),
                      (la.CO_RESIDENT[80], la.linear_act_config(torch.bfloat16, 80).bwd),
                      (la.CO_RESIDENT_TMA, la.CO_RESIDENT_TMA)):
-        tile = fwd
-        h, dact, du = (torch.empty(m, hid, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        h, dact, du = (torch.full((m, hid), float("nan"), device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
         la.launch_fwd(h, dact, x, w1, b1, "gelu_tanh", True, fwd)
         partial = la.launch_bwd(du, dy, w2, dact, True, bwd)
-        assert_close(h, torch.nn.functional.gelu(u, approximate="tanh"), bound(torch.bfloat16), f"h {tile}")
+        assert_close(h, gelu.detach(), bound(torch.bfloat16), f"h {fwd}")
+        assert_close(dact, dgelu, bound(torch.bfloat16), f"act'(u) {fwd}")
         du64 = (dy.double() @ w2.double()) * dact.double()
-        assert_close(du, du64, bound(torch.bfloat16), f"du {tile}")
-        assert_close(partial.sum((0, 1)), du64.sum(0), bound(torch.bfloat16), f"db1 {tile}")
+        assert_close(du, du64, bound(torch.bfloat16), f"du {bwd}")
+        assert_close(partial.sum((0, 1)), du64.sum(0), bound(torch.bfloat16), f"db1 {bwd}")
+    assert tma_launches == {"fwd": 1, "bwd": 1}  # the pointer tiles ran the pointer kernels
 
 
 def test_tma_compatible():

@@ -42,8 +42,9 @@ sm_90, 11% on sm_80: the GELU redone per output tile). Eager (cuBLAS + separate 
 and 32C s. Memory held for backward: x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
 main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config. On sm_90+ in 16 bits the same
-tiles also run on persistent TMA kernels (linear_act_tma.py, a ``TmaTile``): an autotuning candidate with
-``VIT_FAST_TMA_GEMM=1`` (not yet run on a GPU), and what ``tma_only()`` forces for checks.
+tiles (and a co-resident one, ``CO_RESIDENT_TMA``) also run on persistent TMA kernels (linear_act_tma.py, a
+``TmaTile``): autotuning candidates with ``VIT_FAST_TMA_GEMM=1`` (not yet run on a GPU), and what ``tma_only()``
+forces for checks. In 16 bits the forward's autotuning also tries a co-resident pointer tile (``CO_RESIDENT``).
 """
 from __future__ import annotations
 
@@ -223,9 +224,10 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     def launch(t: GemmTile) -> None:
         launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
 
-    key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact)
+    with_tma = linear_act_tma.autotuned()  # in the key: a choice made without the TMA tiles must not stand for one with
+    key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact, with_tma)
     static = linear_act_config(x.dtype, arch, precision, activation).fwd
-    candidates = _candidates_now(static, x.dtype, arch, co_resident=arch < 90 or activation != "quick_gelu")
+    candidates = _candidates(static, x.dtype, arch, tma_only.on, with_tma, arch < 90 or activation != "quick_gelu")
     launch(_tuning.choose("linear_act_fwd", key, candidates, launch, x.device))
     return h, dact
 
@@ -250,18 +252,13 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
 tma_only = _tuning.ThreadSwitch()
 
 
-# The fc1 forward's co-resident tiles (16 bits): two programs share an SM (4 warps; sm_90 99 KB, sm_80 48 KB of
-# shared memory each; 0 spills for ViT-B in bf16 and fp16 on both stacks, but sm_90's QuickGELU forward spills 16 B),
-# so one program's epilogue overlaps the other's MMAs. That epilogue is issue-bound by its sm_90 SASS (C = 768):
-# exact-erf GELU and its derivative take about 50 instructions per element (libdevice's erff selects its
-# coefficients per element), about as many issue cycles per tile as the tile's MMAs. Not for the dgrad, whose
-# epilogue is one multiply (and whose 4-warp tile spills 80 B on sm_90 under triton 3.6).
+# The fc1 forward's co-resident tiles (16 bits): two programs of 4 warps share an SM, so that (PREDICTED, from the
+# sm_90 SASS; bench/gpu_probe.py gemm measures it) one program's epilogue overlaps the other's MMAs: exact-erf GELU
+# and its derivative take about 50 instructions per element there, about as many issue cycles per tile as the
+# tile's MMAs. Not for sm_90's QuickGELU forward, nor for the dgrad (its epilogue is one multiply), where the 4-warp
+# pointer tiles spill. Checked by hand with cuobjdump, not yet listed in ``aot_specs``.
 CO_RESIDENT = {80: GemmTile(128, 128, 32, 4, 4), 90: GemmTile(128, 128, 64, 4, 3)}
-CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)  # both passes: 0 spills, 83-99 KB
-
-
-def _candidates_now(static: GemmTile, dtype: torch.dtype, arch: int, co_resident: bool) -> tuple[GemmTile, ...]:
-    return _candidates(static, dtype, arch, tma_only.on, linear_act_tma.autotuned(), co_resident)
+CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)  # both passes
 
 
 @functools.lru_cache(maxsize=None)  # asked on every launch
@@ -276,7 +273,7 @@ def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool 
         return (TmaTile.of(static),)
     tiles = _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
     if sixteen_bit and co_resident:
-        tiles.append(CO_RESIDENT[min(arch, 90)])
+        tiles.append(CO_RESIDENT[90 if arch >= 90 else 80])
     if sixteen_bit and with_tma and arch >= 90:
         tiles += [TmaTile.of(static), CO_RESIDENT_TMA]
     return tuple(_tuning.unique(tiles))
@@ -306,10 +303,11 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
     def launch(t: GemmTile) -> Optional[torch.Tensor]:
         return launch_bwd(du, dy, weight, dact, has_bias, t)
 
-    key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias)
+    with_tma = linear_act_tma.autotuned()
+    key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias, with_tma)
     static = linear_act_config(dact.dtype, arch, precision).bwd
-    partial = launch(_tuning.choose("linear_act_bwd", key, _candidates_now(static, dact.dtype, arch, False), launch,
-                                    dact.device))
+    candidates = _candidates(static, dact.dtype, arch, tma_only.on, with_tma)
+    partial = launch(_tuning.choose("linear_act_bwd", key, candidates, launch, dact.device))
     dbias = sum_partials(partial, bias.dtype)[0] if has_bias else dact.new_empty(0)
     return du, dbias
 

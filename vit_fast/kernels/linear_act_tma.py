@@ -1,17 +1,17 @@
-"""``linear_act``'s two Triton GEMMs on the Hopper recipe: TMA tensor-descriptor loads and stores, one
-persistent program per SM stepping over output tiles in the grouped order, so the next tile's loads are in
-flight while the current tile's epilogue (bias, activation, two stores) runs. Same math, epilogues and
-outputs as the pointer kernels in ``linear_act.py`` (its docstring has the math and traffic); fp32
-accumulation, one program per output tile at a time in a fixed reduction order: deterministic.
+"""``linear_act``'s two Triton GEMMs on the Hopper recipe: TMA tensor-descriptor loads and stores, persistent
+programs (``TmaTile.programs_per_sm`` per SM) stepping over output tiles in the grouped order, so the next tile's
+loads are in flight while the current tile's epilogue (bias, activation, two stores) runs. Same math, epilogues and
+outputs as the pointer kernels in ``linear_act.py`` (its docstring has the math and traffic); fp32 accumulation, one
+program per output tile at a time in a fixed reduction order: deterministic.
 
 Config: ``TmaTile``, a ``GemmTile`` these kernels run. With ``VIT_FAST_TMA_GEMM=1`` linear_act's autotuning
-candidates on sm_90+ in fp16/bf16 include its static tile as a TmaTile (``linear_act._candidates``; off by default
-until a GPU has run these kernels); ``linear_act.tma_only()`` forces it (checks, tests). Where the operands break
-TMA's rules (``tma_compatible``) the pointer kernels run the same tile. Out-of-bounds rows and
-columns of a TMA load read as zero and TMA stores clip at the tensor's edge, so no index wraps or masks are needed
-except for the bias and the bias-gradient partials. Warp specialisation (``tl.range(..., warp_specialize=True)``)
-is left out: with triton 3.8 for sm_90 it failed to compile at 4 warps and changed nothing at 8 (the same
-registers and an 8-byte spill as the unflattened loop).
+candidates on sm_90+ in fp16/bf16 include its static tile and ``CO_RESIDENT_TMA`` as TmaTiles
+(``linear_act._candidates``; off by default until a GPU has run these kernels); ``linear_act.tma_only()`` forces the
+static one (checks, tests). Where the operands break TMA's rules (``tma_compatible``) the pointer kernels run the
+same tile. Out-of-bounds rows and columns of a TMA load read as zero and TMA stores clip at the tensor's edge, so no
+index wraps or masks are needed except for the bias and the bias-gradient partials. Warp specialisation
+(``tl.range(..., warp_specialize=True)``) is left out: with triton 3.8 for sm_90 it failed to compile at 4 warps and
+changed nothing at 8 (the same registers and an 8-byte spill as the unflattened loop).
 """
 from __future__ import annotations
 

@@ -171,7 +171,6 @@ class LinearActConfig:
     bwd: GemmTile  # fc2 dgrad * act'
 
 
-
 def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None,
                       activation: str = "gelu") -> LinearActConfig:
     """Tiles per (dtype, arch, fp32 dot precision): a small explicit table, the static first candidate of
@@ -464,4 +463,3 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
         fwd_tiles = {name: linear_act_config(dtype, arch, activation=name).fwd for name in ACTIVATIONS}
         specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, fwd_tiles, linear_act_config(dtype, arch).bwd)
     return specs
-

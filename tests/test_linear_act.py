@@ -236,15 +236,23 @@ def test_torch_compile_fullgraph_and_custom_op_schemas():
 
 
 def test_aot_specs_cover_each_activation_and_both_archs():
-    """The report compiles the fc1 forward for each activation (training and inference), the dgrad and the
-    db1 sum; sm_90 takes wgmma-sized 16-bit tiles (>= 128 x 128, grouped order) and sm_80 its own table (the
-    TMA kernels' sm_90 entries: tests/test_linear_act_tma.py)."""
+    """The report compiles the fc1 forward for each activation (training and inference) on the static and on the
+    co-resident tile, the dgrad and the db1 sum; sm_90 takes wgmma-sized 16-bit tiles (>= 128 x 128, grouped order)
+    and sm_80 its own table (the TMA kernels' sm_90 entries: tests/test_linear_act_tma.py)."""
     for arch in (80, 90):
         specs = [s for s in la.aot_specs(dtype=torch.bfloat16, arch=arch) if not s.name.endswith("_tma")]
-        fwd = [s for s in specs if s.name == "linear_act_fwd"]
-        assert sorted({s.constexprs["ACT"] for s in fwd}) == [0, 1, 2] and len(fwd) == 6
-        assert [s.name for s in specs].count("linear_act_bwd") == 1 and specs[-1].name == "sum_partials"
-        for s in specs[:-1]:
+        for name, tile in (("linear_act_fwd", la.linear_act_config(torch.bfloat16, arch).fwd),
+                           ("linear_act_fwd_co_resident", la.CO_RESIDENT[arch])):
+            fwd = [s for s in specs if s.name == name]
+            assert sorted({s.constexprs["ACT"] for s in fwd}) == [0, 1, 2] and len(fwd) == 6
+            assert {(s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.constexprs["BLOCK_K"], s.num_warps,
+                     s.num_stages) for s in fwd} == {(tile.block_m, tile.block_n, tile.block_k, tile.num_warps,
+                                                     tile.num_stages)}
+        assert [s.name for s in specs].count("linear_act_bwd") == 1
+        assert [s.name for s in specs].count("sum_partials") == 1
+        for s in specs:
+            if s.name == "sum_partials":
+                continue
             assert s.has_dot and s.constexprs["BLOCK_M"] >= 128 and s.constexprs["BLOCK_N"] >= 128
             assert s.constexprs["GROUP_M"] > 1 and "X" in s.divisible_by_16 or "DY" in s.divisible_by_16
     fp32 = la.aot_specs(dtype=torch.float32, arch=90)

@@ -155,7 +155,7 @@ def _launch_candidates(monkeypatch, arch, dtype, activation="gelu"):
 
 def test_candidates_the_launchers_hand_the_autotuner(monkeypatch):
     """The static tile first (the pointer kernels until a GPU measures others faster); in 16 bits the forward's
-    co-resident tile (not sm_90's QuickGELU forward, where it spills; never the dgrad) and, with VIT_FAST_TMA_GEMM=1
+    co-resident tile (every activation; never the dgrad, where it spills) and, with VIT_FAST_TMA_GEMM=1
     on sm_90, the static and the co-resident tiles on the TMA kernels in both passes; ``tma_only`` hands the static
     one on the TMA kernels alone; fp32 gets neither."""
     def tma(cands):
@@ -163,13 +163,12 @@ def test_candidates_the_launchers_hand_the_autotuner(monkeypatch):
 
     monkeypatch.delenv(linear_act_tma.ENV_SWITCH, raising=False)
     fwd, bwd = _launch_candidates(monkeypatch, 90, torch.bfloat16)
-    assert fwd[0] == la.linear_act_config(torch.bfloat16, 90).fwd and la.CO_RESIDENT[90] in fwd
+    assert fwd[0] == la.linear_act_config(torch.bfloat16, 90).fwd and fwd[-1] == la.CO_RESIDENT[90]
     assert not tma(fwd) and not tma(bwd)  # off until a GPU has run them
     assert la.CO_RESIDENT[90] not in bwd and bwd[0] == la.linear_act_config(torch.bfloat16, 90).bwd
-    fwd, _ = _launch_candidates(monkeypatch, 90, torch.bfloat16, "quick_gelu")
-    assert la.CO_RESIDENT[90] not in fwd
-    fwd, bwd = _launch_candidates(monkeypatch, 80, torch.float16, "quick_gelu")
-    assert fwd[-1] == la.CO_RESIDENT[80] and not tma(fwd) and not tma(bwd)
+    for arch, activation in ((90, "quick_gelu"), (80, "gelu"), (80, "quick_gelu")):
+        fwd, bwd = _launch_candidates(monkeypatch, arch, torch.float16, activation)
+        assert fwd[-1] == la.CO_RESIDENT[arch] and la.CO_RESIDENT[arch] not in bwd and not tma(fwd + bwd)
     monkeypatch.setenv(linear_act_tma.ENV_SWITCH, "1")
     for dtype in (torch.bfloat16, torch.float16):
         fwd, bwd = _launch_candidates(monkeypatch, 90, dtype)
@@ -182,6 +181,7 @@ def test_candidates_the_launchers_hand_the_autotuner(monkeypatch):
             assert _launch_candidates(monkeypatch, 90, dtype) == ((TmaTile.of(cfg.fwd),), (TmaTile.of(cfg.bwd),))
     fwd, bwd = _launch_candidates(monkeypatch, 90, torch.float32)
     assert not tma(fwd + bwd) and la.CO_RESIDENT[90] not in fwd
+    assert la.CO_RESIDENT[80] not in _launch_candidates(monkeypatch, 80, torch.float32)[0]
     with la.tma_only():
         assert not tma(sum(_launch_candidates(monkeypatch, 90, torch.float32), ()))
 
@@ -224,17 +224,20 @@ def test_tma_compatible():
 
 
 def test_aot_specs_sm90_16bit_only():
-    """The report compiles the TMA kernels on the static tiles of sm_90 in fp16 / bf16 (linear_act's aot_specs):
-    each activation's forward (training and inference) and the dgrad, with tensor descriptors of the tiles'
-    block shapes."""
+    """The report compiles the TMA kernels on the static and on the co-resident tiles of sm_90 in fp16 / bf16
+    (linear_act's aot_specs): each activation's forward (training and inference) and the dgrad, with tensor
+    descriptors of the tiles' block shapes."""
     def tma_specs(**kwargs):
         return [s for s in la.aot_specs(**kwargs) if s.name.endswith("_tma")]
 
     specs = tma_specs(dtype=torch.bfloat16, arch=90)
-    assert sorted(s.name for s in specs) == ["linear_act_bwd_tma"] + ["linear_act_fwd_tma"] * 6
-    fwd = next(s for s in specs if s.name == "linear_act_fwd_tma" and s.constexprs["ACT"] == 0)
-    tile = la.linear_act_config(torch.bfloat16, 90).fwd
-    assert fwd.signature["x_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>"
-    assert fwd.signature["h_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_n // 2}]>"
+    assert sorted(s.name for s in specs) == sorted(
+        [f"linear_act_bwd{infix}_tma" for infix in ("", "_co_resident")]
+        + [f"linear_act_fwd{infix}_tma" for infix in ("", "_co_resident")] * 6)
+    for infix, tile in (("", la.linear_act_config(torch.bfloat16, 90).fwd), ("_co_resident", la.CO_RESIDENT_TMA)):
+        fwd = next(s for s in specs if s.name == f"linear_act_fwd{infix}_tma" and s.constexprs["ACT"] == 0)
+        assert fwd.signature["x_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>"
+        assert fwd.signature["h_desc"] == f"tensordesc<bf16[{tile.block_m}, {tile.block_n // 2}]>"
+        assert fwd.num_warps == tile.num_warps and fwd.num_stages == tile.num_stages
     assert all(s.has_dot for s in specs)
     assert tma_specs(dtype=torch.bfloat16, arch=80) == tma_specs(dtype=torch.float32, arch=90) == []

@@ -1,5 +1,6 @@
 """What the Triton GEMM kernels share (linear_act's pointer and TMA kernels, patch_embed's GEMMs): the tile config
-type and the grouped order in which programs take output tiles."""
+type, the grouped order in which programs take output tiles and the column split of an accumulator for its
+epilogue."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,3 +29,10 @@ def grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def column_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The left and right (BLOCK_M, BLOCK_N // 2) halves of an accumulator tile: an epilogue run per part holds
+    fewer live registers."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))

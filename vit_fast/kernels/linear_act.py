@@ -59,7 +59,7 @@ import triton.language as tl
 
 from . import _tuning, linear_act_tma
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
-from ._gemm import GROUP_M, GemmTile, grouped_tile
+from ._gemm import GROUP_M, GemmTile, column_halves, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
 from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
 from ._utils import cdiv, check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
@@ -112,11 +112,23 @@ def _linear_act_fwd_kernel(
     # B = W^T: (BLOCK_K, BLOCK_N) tiles of W, the reduction along W's contiguous columns
     acc = _main_loop(X, W, a_rows, b_cols, stride_xm, 1, stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                      INPUT_PRECISION)
-    # epilogue, once per element: in two column halves (fewer live registers: 128 x 256 fits without spills)
-    halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-    half_cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-    _fwd_epilogue(halves[0], H, DACT, BIAS, rows, half_cols, M, N, stride_hm, stride_dm, HAS_BIAS, STORE_DACT, ACT)
-    _fwd_epilogue(halves[1], H, DACT, BIAS, rows, half_cols + BLOCK_N // 2, M, N, stride_hm, stride_dm, HAS_BIAS,
+    # epilogue, once per element, in four column quarters (fewer live registers: at 128 x 256 the tanh-GELU build
+    # takes 220 registers on sm_90 where halves took 255 and spilled)
+    halves = column_halves(acc, BLOCK_M, BLOCK_N)
+    col0 = tile_n * BLOCK_N
+    _fwd_epilogue_half(halves[0], H, DACT, BIAS, rows, col0, M, N, stride_hm, stride_dm, BLOCK_M, BLOCK_N // 2,
+                       HAS_BIAS, STORE_DACT, ACT)
+    _fwd_epilogue_half(halves[1], H, DACT, BIAS, rows, col0 + BLOCK_N // 2, M, N, stride_hm, stride_dm, BLOCK_M,
+                       BLOCK_N // 2, HAS_BIAS, STORE_DACT, ACT)
+
+
+@triton.jit
+def _fwd_epilogue_half(acc, H, DACT, BIAS, rows, col0, M, N, stride_hm, stride_dm, BLOCK_M: tl.constexpr,
+                       HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DACT: tl.constexpr, ACT: tl.constexpr):
+    quarters = column_halves(acc, BLOCK_M, HALF_N)
+    cols = col0 + tl.arange(0, HALF_N // 2)
+    _fwd_epilogue(quarters[0], H, DACT, BIAS, rows, cols, M, N, stride_hm, stride_dm, HAS_BIAS, STORE_DACT, ACT)
+    _fwd_epilogue(quarters[1], H, DACT, BIAS, rows, cols + HALF_N // 2, M, N, stride_hm, stride_dm, HAS_BIAS,
                   STORE_DACT, ACT)
 
 
@@ -129,7 +141,7 @@ def _fwd_epilogue(acc, H, DACT, BIAS, rows, cols, M, N, stride_hm, stride_dm,
         acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & col_ok[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    h, dact = act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
+    h, dact = act_fwd_bwd(acc, ACT)  # one exp serves both
     tl.store(H + rows64 * stride_hm + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
     if STORE_DACT:
         tl.store(DACT + rows64 * stride_dm + cols[None, :], dact.to(DACT.dtype.element_ty), mask=mask)
@@ -171,25 +183,22 @@ class LinearActConfig:
     bwd: GemmTile  # fc2 dgrad * act'
 
 
-def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None,
-                      activation: str = "gelu") -> LinearActConfig:
+def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = None) -> LinearActConfig:
     """Tiles per (dtype, arch, fp32 dot precision): a small explicit table, the static first candidate of
     autotuning (kernels/_tuning.py).
 
     16-bit: the shapes of Triton's tutorial GEMM, which reads a 100% main-loop ceiling and runs near
     cuBLAS: sm_90 128x256x64, 8 warps (two warpgroups of HGMMA.64x256x16), sm_80 128x256x32 8 warps,
-    grouped tile order; the fc1 epilogue runs in two column halves to fit. QuickGELU's epilogue still
-    spills 32 B at 128x256 on sm_90, so it takes 128x128. The dgrad holds the accumulator and the
-    act'(u) tile: sm_90 256x128x64 (HGMMA.64x128x16), sm_80 128x256x32.
+    grouped tile order, for every activation; the fc1 epilogue runs in four column quarters to fit. The dgrad
+    holds the accumulator and the act'(u) tile: sm_90 256x128x64 (HGMMA.64x128x16), sm_80 128x256x32.
     Checked by hand (CONTRIBUTING.md 3b2, bf16, C = 768, H = 3072; cuobjdump --dump-sass, loop = the backward
     branch holding the MMAs; the same count gives gelu_linear's forward 730 instructions, 35%):
-        sm_90 fwd gelu/tanh 128x256x64 w8: 128 instr/warp, 4 HGMMA.64x256x16: issue 256 vs MMA 1024
-        sm_90 fwd quick 128x128x64 w8: 97 instr, 4 HGMMA.64x128x16: 194 vs 512
+        sm_90 fwd 128x256x64 w8: 128 instr/warp, 4 HGMMA.64x256x16: issue 256 vs MMA 1024
         sm_90 dgrad 256x128x64 w8: 129 instr, 8 HGMMA.64x128x16: 258 vs 1024
         sm_80 fwd 128x256x32 w8: 171 instr, 64 HMMA.16816: 342 vs 1024
         sm_80 dgrad 128x256x32 w8: 169 instr, 64 HMMA.16816: 338 vs 1024
-    no MUFU in any loop: ceiling 100% everywhere. Registers 226-252 (fwd 128x256), 128 (quick sm_90),
-    248-250 (dgrad), 0 spill bytes. IEEE fp32 dots run on the FMA units and take small tiles; tf32
+    no MUFU in any loop: ceiling 100% everywhere. Registers (bf16 / fp16, triton 3.8) fwd 245-253 (GELU),
+    227-229 (tanh-GELU), 240-246 (QuickGELU), 248-250 (dgrad), 0 spill bytes. IEEE fp32 dots run on the FMA units and take small tiles; tf32
     operand tiles take twice the registers / shared memory of 16-bit ones."""
     if dtype == torch.float32 and (precision or input_precision(dtype)) == "ieee":
         tile = GemmTile(64, 64, 32, 4, 2)
@@ -197,12 +206,9 @@ def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = Non
     if dtype == torch.float32:
         tile = GemmTile(128, 64, 32, 8, 3)
         return LinearActConfig(fwd=tile, bwd=tile)
-    wide = activation != "quick_gelu"  # QuickGELU's epilogue spills 32 B at 128 x 256 on sm_90
     if arch >= 90:
-        fwd = GemmTile(128, 256, 64, 8, 3) if wide else GemmTile(128, 128, 64, 8, 4)
-        return LinearActConfig(fwd=fwd, bwd=GemmTile(256, 128, 64, 8, 3))
-    fwd = GemmTile(128, 256, 32, 8, 3) if wide else GemmTile(128, 128, 32, 8, 4)
-    return LinearActConfig(fwd=fwd, bwd=GemmTile(128, 256, 32, 8, 3))
+        return LinearActConfig(fwd=GemmTile(128, 256, 64, 8, 3), bwd=GemmTile(256, 128, 64, 8, 3))
+    return LinearActConfig(fwd=GemmTile(128, 256, 32, 8, 3), bwd=GemmTile(128, 256, 32, 8, 3))
 
 
 # --------------------------------------------------------------------------- launchers
@@ -225,8 +231,8 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
     with_tma = linear_act_tma.autotuned()  # in the key: a choice made without the TMA tiles must not stand for one with
     key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact, with_tma)
-    static = linear_act_config(x.dtype, arch, precision, activation).fwd
-    candidates = _candidates(static, x.dtype, arch, tma_only.on, with_tma, arch < 90 or activation != "quick_gelu")
+    static = linear_act_config(x.dtype, arch, precision).fwd
+    candidates = _candidates(static, x.dtype, arch, tma_only.on, with_tma, True)
     launch(_tuning.choose("linear_act_fwd", key, candidates, launch, x.device))
     return h, dact
 
@@ -251,11 +257,9 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
 tma_only = _tuning.ThreadSwitch()
 
 
-# The fc1 forward's co-resident tiles (16 bits): two programs of 4 warps share an SM, so that (PREDICTED, from the
-# sm_90 SASS; bench/gpu_probe.py gemm measures it) one program's epilogue overlaps the other's MMAs: exact-erf GELU
-# and its derivative take about 50 instructions per element there, about as many issue cycles per tile as the
-# tile's MMAs. Not for sm_90's QuickGELU forward, nor for the dgrad (its epilogue is one multiply), where the 4-warp
-# pointer tiles spill. Checked by hand with cuobjdump, not yet listed in ``aot_specs``.
+# The fc1 forward's co-resident tiles (16 bits): two programs of 4 warps share an SM, so that (PREDICTED; not yet
+# timed) one program's epilogue overlaps the other's MMAs. Not for the pointer dgrad, whose 4-warp tile spills.
+# In ``aot_specs``.
 CO_RESIDENT = {80: GemmTile(128, 128, 32, 4, 4), 90: GemmTile(128, 128, 64, 4, 3)}
 CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)  # both passes
 
@@ -264,8 +268,8 @@ CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)  # both passes
 def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False, with_tma: bool = False,
                 co_resident: bool = False) -> tuple[GemmTile, ...]:
     """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage, in 16 bits
-    ``CO_RESIDENT[arch]`` where ``co_resident`` and, ``with_tma`` (``VIT_FAST_TMA_GEMM=1``) on sm_90+, the static
-    tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma`` (``tma_only``): the static tile on the
+    ``CO_RESIDENT[arch]`` where ``co_resident`` (the forward) and, ``with_tma`` (``VIT_FAST_TMA_GEMM=1``) on sm_90+,
+    the static tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma`` (``tma_only``): the static tile on the
     TMA kernels alone, in 16 bits."""
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if only_tma and sixteen_bit:
@@ -449,8 +453,8 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
         cfg = linear_act_config(dtype, arch, precision)
         tensor_cores = dtype != torch.float32 or precision == "tf32"
+        fwd = cfg.fwd
         for name, code in ACTIVATIONS.items():
-            fwd = linear_act_config(dtype, arch, precision, name).fwd
             for store in (True, False):  # training / inference
                 add("linear_act_fwd", _linear_act_fwd_kernel, fwd,
                     dict(ACT=code, INPUT_PRECISION=precision, EVEN_K=c % fwd.block_k == 0, STORE_DACT=store),
@@ -459,7 +463,16 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             dict(INPUT_PRECISION=precision, EVEN_N=c % cfg.bwd.block_k == 0), types, bwd_values, tensor_cores,
             f"C={c} H={hid}")
     specs.append(sum_partials_spec(par, sum_partials_block_n(hid), f"N={hid} (db1)", width=hid))
-    if arch >= 90 and dtype in (torch.float16, torch.bfloat16):  # the static tiles as TMA candidates
-        fwd_tiles = {name: linear_act_config(dtype, arch, activation=name).fwd for name in ACTIVATIONS}
-        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, fwd_tiles, linear_act_config(dtype, arch).bwd)
+    if dtype in (torch.float16, torch.bfloat16):  # the co-resident forward candidate
+        tile = CO_RESIDENT[90 if arch >= 90 else 80]
+        for name, code in ACTIVATIONS.items():
+            for store in (True, False):
+                add("linear_act_fwd_co_resident", _linear_act_fwd_kernel, tile,
+                    dict(ACT=code, INPUT_PRECISION="ieee", EVEN_K=c % tile.block_k == 0, STORE_DACT=store),
+                    types, fwd_values, True, f"C={c} H={hid} {name} store_dact={store}")
+    if dtype in (torch.float16, torch.bfloat16) and arch >= 90:  # the static and co-resident tiles as TMA candidates
+        cfg = linear_act_config(dtype, arch)
+        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, dict.fromkeys(ACTIVATIONS, cfg.fwd), cfg.bwd)
+        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, dict.fromkeys(ACTIVATIONS, CO_RESIDENT_TMA),
+                                              CO_RESIDENT_TMA, infix="_co_resident")
     return specs

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
-from ._gemm import GROUP_M, GemmTile, grouped_tile
+from ._gemm import GROUP_M, GemmTile, column_halves, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
 from ._utils import cdiv, programs_to_fill
 
@@ -77,7 +77,7 @@ def _linear_act_fwd_tma_kernel(
             b = w_desc.load([col0, k0])
             acc = tl.dot(a, b.T, acc)
         # epilogues in two column halves: fewer live registers, half-size shared-memory buffers for TMA
-        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        halves = column_halves(acc, BLOCK_M, BLOCK_N)
         _fwd_epilogue_tma(halves[0], h_desc, dact_desc, BIAS, row0, col0, N, HAS_BIAS, STORE_DACT, ACT)
         _fwd_epilogue_tma(halves[1], h_desc, dact_desc, BIAS, row0, col0 + BLOCK_N // 2, N, HAS_BIAS, STORE_DACT,
                           ACT)
@@ -115,7 +115,7 @@ def _linear_act_bwd_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for n0 in range(0, N, BLOCK_K):  # reduction over the N outputs of fc2, along W's rows
             acc = tl.dot(dy_desc.load([row0, n0]), w_desc.load([n0, col0]), acc)
-        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        halves = column_halves(acc, BLOCK_M, BLOCK_N)
         _bwd_epilogue_tma(halves[0], du_desc, dact_desc, PARTIAL, tile_m, row0, col0, K, HAS_BIAS)
         _bwd_epilogue_tma(halves[1], du_desc, dact_desc, PARTIAL, tile_m, row0, col0 + BLOCK_N // 2, K, HAS_BIAS)
 
@@ -181,10 +181,10 @@ def launch_bwd(du: torch.Tensor, partial: Optional[torch.Tensor], dy: torch.Tens
 
 # --------------------------------------------------------------------------- ahead-of-time specs
 def tma_aot_specs(width: int, mlp_hidden: int, dtype: torch.dtype, param_dtype: torch.dtype,
-                  fwd_tiles: dict[str, GemmTile], bwd_tile: GemmTile) -> list[AotSpec]:
+                  fwd_tiles: dict[str, GemmTile], bwd_tile: GemmTile, infix: str = "") -> list[AotSpec]:
     """The TMA kernels as linear_act's sm_90+ 16-bit candidates launch them (``linear_act.aot_specs``): fc1
     forward on ``fwd_tiles[activation]`` for each activation (training and inference) and fc2's dgrad on
-    ``bwd_tile`` (C = width, H = mlp_hidden; the bias in ``param_dtype``)."""
+    ``bwd_tile`` (C = width, H = mlp_hidden; the bias in ``param_dtype``); ``infix`` marks the entries' names (``linear_act_fwd{infix}_tma``)."""
     act, par = TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     c, hid = width, mlp_hidden
 
@@ -205,13 +205,13 @@ def tma_aot_specs(width: int, mlp_hidden: int, dtype: torch.dtype, param_dtype: 
         types = dict(h_desc=half, dact_desc=half, x_desc=desc(t.block_m, t.block_k),
                      w_desc=desc(t.block_n, t.block_k), BIAS=par)
         for store in (True, False):  # training / inference
-            specs.append(spec("linear_act_fwd_tma", _linear_act_fwd_tma_kernel, t,
+            specs.append(spec(f"linear_act_fwd{infix}_tma", _linear_act_fwd_tma_kernel, t,
                               dict(ACT=code, STORE_DACT=store), types, dict(N=hid, K=c),
                               f"C={c} H={hid} {name} store_dact={store}"))
     t = bwd_tile
     half = desc(t.block_m, t.block_n // 2)
     types = dict(du_desc=half, dact_desc=half, dy_desc=desc(t.block_m, t.block_k), w_desc=desc(t.block_k, t.block_n),
                  PARTIAL="*fp32")
-    specs.append(spec("linear_act_bwd_tma", _linear_act_bwd_tma_kernel, t, {}, types, dict(N=c, K=hid),
+    specs.append(spec(f"linear_act_bwd{infix}_tma", _linear_act_bwd_tma_kernel, t, {}, types, dict(N=c, K=hid),
                       f"C={c} H={hid}"))
     return specs

@@ -10,10 +10,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-import torch.nn.functional as F
 
 from tests.numerics import DEVICE, assert_close
 from vit_fast.kernels._math import ACTIVATIONS, act_fwd_bwd, normal_cdf_pdf

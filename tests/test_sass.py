@@ -129,8 +129,8 @@ KNOWN_BELOW_BAR = {
     # once per K / BLOCK_K steps (12 at ViT-B's fc1, 48 at its dgrad) but counted here at every step
     ("linear_act_fwd_tma", 90, False): "5-13%: the epilogue inside the flattened persistent loop, counted per step",
     ("linear_act_bwd_tma", 90, False): "22-36%: the epilogue inside the flattened persistent loop, counted per step",
-    ("linear_act_fwd_co_resident_tma", 90, False): "the epilogue inside the flattened persistent loop, counted per step",
-    ("linear_act_bwd_co_resident_tma", 90, False): "the epilogue inside the flattened persistent loop, counted per step",
+    ("linear_act_fwd_co_resident_tma", 90, False): "the epilogue inside the flattened loop, counted per step",
+    ("linear_act_bwd_co_resident_tma", 90, False): "the epilogue inside the flattened loop, counted per step",
 }
 
 

@@ -198,8 +198,8 @@ def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = Non
         sm_80 fwd 128x256x32 w8: 171 instr, 64 HMMA.16816: 342 vs 1024
         sm_80 dgrad 128x256x32 w8: 169 instr, 64 HMMA.16816: 338 vs 1024
     no MUFU in any loop: ceiling 100% everywhere. Registers (bf16 / fp16, triton 3.8) fwd 245-253 (GELU),
-    227-229 (tanh-GELU), 240-246 (QuickGELU), 248-250 (dgrad), 0 spill bytes. IEEE fp32 dots run on the FMA units and take small tiles; tf32
-    operand tiles take twice the registers / shared memory of 16-bit ones."""
+    204-229 (tanh-GELU), 240-246 (QuickGELU), 248-250 (dgrad), 0 spill bytes. IEEE fp32 dots run on the FMA units
+    and take small tiles; tf32 operand tiles take twice the registers / shared memory of 16-bit ones."""
     if dtype == torch.float32 and (precision or input_precision(dtype)) == "ieee":
         tile = GemmTile(64, 64, 32, 4, 2)
         return LinearActConfig(fwd=tile, bwd=tile)
@@ -269,8 +269,8 @@ def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool 
                 co_resident: bool = False) -> tuple[GemmTile, ...]:
     """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage, in 16 bits
     ``CO_RESIDENT[arch]`` where ``co_resident`` (the forward) and, ``with_tma`` (``VIT_FAST_TMA_GEMM=1``) on sm_90+,
-    the static tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma`` (``tma_only``): the static tile on the
-    TMA kernels alone, in 16 bits."""
+    the static tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma`` (``tma_only``): the static
+    tile on the TMA kernels alone, in 16 bits."""
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if only_tma and sixteen_bit:
         return (TmaTile.of(static),)

@@ -184,7 +184,8 @@ def tma_aot_specs(width: int, mlp_hidden: int, dtype: torch.dtype, param_dtype: 
                   fwd_tiles: dict[str, GemmTile], bwd_tile: GemmTile, infix: str = "") -> list[AotSpec]:
     """The TMA kernels as linear_act's sm_90+ 16-bit candidates launch them (``linear_act.aot_specs``): fc1
     forward on ``fwd_tiles[activation]`` for each activation (training and inference) and fc2's dgrad on
-    ``bwd_tile`` (C = width, H = mlp_hidden; the bias in ``param_dtype``); ``infix`` marks the entries' names (``linear_act_fwd{infix}_tma``)."""
+    ``bwd_tile`` (C = width, H = mlp_hidden; the bias in ``param_dtype``); ``infix`` marks the entries' names
+    (``linear_act_fwd{infix}_tma``)."""
     act, par = TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     c, hid = width, mlp_hidden
 

@@ -254,22 +254,26 @@ def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_every_sm90_backward_candidate_matches_float64(monkeypatch, p):
-    """Each config autotuning may pick for sm_90's 16-bit backward at 197 tokens (the static 128 rows owned on 8
-    warps, 64 rows on one warpgroup, the halved steps) runs the whole backward, with and without dropout, the qkv
-    bias's gradient partials included (``attention_linear``)."""
+def test_every_sm90_candidate_matches_float64(monkeypatch, p):
+    """Each config autotuning may pick for sm_90's 16-bit forward and backward at 197 tokens (the static 128 rows
+    on 8 warps, 64 rows on one warpgroup, the halved steps) runs forward and backward, with and without dropout,
+    the qkv bias's gradient partials included (``attention_linear``)."""
     B, N, H, D, seed = 1, 197, 2, 64, 3
     monkeypatch.setattr(AI, "gpu_arch", lambda device: 90)
     monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
-    candidates = AI._bwd_candidates(A.attention_config(N, D, torch.float16, 90, dropout=bool(p)))
+    static = A.attention_config(N, D, torch.float16, 90, dropout=bool(p))
+    candidates, forwards = AI._bwd_candidates(static), AI._fwd_candidates(static.fwd)
     halved = candidates[1]
     assert (halved.dq.block_m, halved.dq.num_warps, halved.dkdv.block_n) == (64, 4, 64)
+    assert (forwards[1].block_m, forwards[1].num_warps) == (static.fwd.block_m // 2, 4)
     real_choose = AI._tuning.choose
     x, weight, bias = make_linear(B, N, H, D, torch.float16)
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
-    for cfg in candidates:
-        monkeypatch.setattr(AI._tuning, "choose", lambda op, key, cands, launch, device, cfg=cfg:
-                            cfg if op == "attention_bwd" else real_choose(op, key, cands, launch, device))
+    forwards += (forwards[0],) * (len(candidates) - len(forwards))
+    for cfg, fwd in zip(candidates, forwards):
+        chosen = {"attention_bwd": cfg, "attention_fwd": fwd}
+        monkeypatch.setattr(AI._tuning, "choose", lambda op, key, cands, launch, device, chosen=chosen:
+                            chosen.get(op) or real_choose(op, key, cands, launch, device))
         check_2x_eager(lambda *t: A.attention_linear(*t, H, dropout_p=p, training=True),
                        lambda *t: A.attention_linear_ref(*t, H, dropout_p=p, training=True, dropout_mask=keep),
                        [x, weight, bias], ["dx", "dweight", "dbias"])

@@ -247,6 +247,108 @@ def test_the_source_hash_covers_inlined_helper_modules():
     assert len(_tuning.source_hash("vit_fast.kernels.layer_norm")) == 16
 
 
+# ------------------------------------------------------------------------------------ compile ahead
+class FakeKernel:
+    """A jit kernel's launch surface: ``kernel[grid](...)`` runs, ``kernel.warmup(..., grid=)`` compiles only."""
+
+    def __init__(self):
+        self.runs, self.warmups = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.runs.append((grid, args))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((grid, args))
+
+
+class FakeAsyncCompileMode:
+    entered = []
+
+    def __init__(self, executor, ignore_errors=False):
+        self.executor, self.ignore_errors = executor, ignore_errors
+
+    def __enter__(self):
+        FakeAsyncCompileMode.entered.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_compile_ahead_warms_every_candidate_under_async_compile(cpu_tuning, monkeypatch):
+    """On CUDA every candidate's launches become warmups (with their grids) under Triton's AsyncCompileMode with a
+    thread pool, errors included; an op launched inside (a nested ``choose``) takes its static config untimed; the
+    flag is off afterwards. CPU, one candidate or VIT_FAST_PARALLEL_COMPILE=0 compile nothing ahead."""
+    import triton
+
+    monkeypatch.setattr(triton, "AsyncCompileMode", FakeAsyncCompileMode, raising=False)
+    monkeypatch.setattr(_tuning, "interpreter_active", lambda: False)
+    FakeAsyncCompileMode.entered.clear()
+    kernel, inner = FakeKernel(), []
+    cuda = torch.device("cuda")
+
+    def launch(cfg):
+        _tuning.launcher(kernel, (cfg[1],))(cfg[0])
+        inner.append(_tuning.choose("inner_op", cfg, CANDIDATES, lambda c: None, cuda))
+        if cfg[0] == "wide":
+            raise RuntimeError("a candidate that fails while compiling ahead")
+
+    with cpu_tuning(NoTimer()):
+        _tuning._compile_ahead(CANDIDATES, launch, cuda)
+    assert kernel.warmups == [((64,), ("static",)), ((128,), ("wide",)), ((32,), ("narrow",))] and not kernel.runs
+    (mode,) = FakeAsyncCompileMode.entered
+    assert mode.ignore_errors and mode.executor._max_workers >= 1
+    assert inner == [CANDIDATES[0]] * 3 and not _tuning._warming.on
+    _tuning.launcher(kernel, (8,))("after")
+    assert kernel.runs == [((8,), ("after",))]
+    for device, candidates, env in ((CPU, CANDIDATES, "1"), (cuda, CANDIDATES[:1], "1"), (cuda, CANDIDATES, "0")):
+        monkeypatch.setenv(_tuning.ENV_PARALLEL_COMPILE, env)
+        _tuning._compile_ahead(candidates, launch, device)
+    assert len(kernel.warmups) == 3 and len(FakeAsyncCompileMode.entered) == 1
+
+
+_FAKE_DRIVER_SCRIPT = r"""
+import os, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+class FakeDriver:  # what JITFunction.run asks a driver before compiling; no launch is possible
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+    def get_device_interface(self): return torch.cuda
+driver.set_active(FakeDriver())
+
+from vit_fast.kernels import _tuning, linear_act as la
+m, k, n = 256, 768, 3072
+x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n)
+h, d = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+candidates = la._candidates(la.linear_act_config(torch.bfloat16, 90).fwd, torch.bfloat16, 90, False, False, True)
+_tuning._compile_ahead(candidates, lambda t: la.launch_fwd(h, d, x, w, b, "gelu", True, t), torch.device("cuda"))
+cache = la._linear_act_fwd_kernel.device_caches[0][0]
+print(len(candidates), len(cache), sorted({type(kernel).__name__ for kernel in cache.values()}))
+"""
+
+
+@pytest.mark.slow
+def test_compile_ahead_compiles_the_real_kernels_for_sm90_without_a_gpu(tmp_path):
+    """Triton's own JIT path (not the interpreter) behind a driver that only names an sm_90 target: compiling
+    linear_act's forward candidates ahead leaves one compiled kernel per candidate in the jit cache, launched
+    never (this driver could not launch)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    out = subprocess.run([sys.executable, "-c", _FAKE_DRIVER_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["4", "4", "['CompiledKernel']"], out.stdout
+
+
 # ------------------------------------------------------------------------------------ per-fusion choice
 def tiny_model(**overrides):
     torch.manual_seed(0)

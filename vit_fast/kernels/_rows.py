@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._aot import LAUNCH_DEFAULT_STAGES, AotSpec, divisible_args, kernel_signature
+from ._tuning import launcher
 from ._utils import cdiv, check_float, check_shape, next_power_of_2, programs_to_fill
 
 
@@ -63,8 +64,8 @@ def sum_partials(partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     k, g, n = partial.shape
     out = torch.empty((k, n), device=partial.device, dtype=out_dtype)
     block_n = sum_partials_block_n(n)
-    _sum_partials_kernel[(k, cdiv(n, block_n))](out, partial, g, n, BLOCK_G=_BLOCK_G,
-                                                       BLOCK_N=block_n, num_warps=_WARPS)
+    launcher(_sum_partials_kernel, (k, cdiv(n, block_n)))(out, partial, g, n, BLOCK_G=_BLOCK_G, BLOCK_N=block_n,
+                                                          num_warps=_WARPS)
     return out
 
 

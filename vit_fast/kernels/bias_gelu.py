@@ -72,7 +72,7 @@ from ._rows import (
     sum_partials_block_n,
     sum_partials_spec,
 )
-from ._tuning import bucket
+from ._tuning import bucket, launcher
 from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, unit_stride
 
 
@@ -224,8 +224,9 @@ def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: st
     def launch(cfg: RowTile) -> None:
         block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         grid = (cdiv(m, block_m), cdiv(n, block_n))
-        _bias_gelu_fwd_kernel[grid](y, x, bias, x.stride(0), y.stride(0), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh", num_warps=warps)
+        launcher(_bias_gelu_fwd_kernel, grid)(
+            y, x, bias, x.stride(0), y.stride(0), m, n, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
+            APPROX_TANH=approximate == "tanh", num_warps=warps)
     key = (bucket(m), n, str(x.dtype), bias is not None, approximate)
     launch(_tuning.choose("bias_gelu_fwd", key, _tuning.row_candidates(tile_config(n)), launch, x.device))
     return y
@@ -250,9 +251,9 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor
         col_tiles = cdiv(n, block_n)
         g = num_partials(cdiv(m, block_m), col_tiles, x.device, per_sm=BWD_PROGRAMS_PER_SM)
         partial = torch.empty((1, g, n), device=x.device, dtype=torch.float32) if has_bias else None
-        _bias_gelu_bwd_kernel[(g, col_tiles)](dx, partial, dy, x, bias, dy.stride(0), x.stride(0), dx.stride(0), m, n,
-                                              g, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
-                                              APPROX_TANH=approximate == "tanh", num_warps=warps)
+        launcher(_bias_gelu_bwd_kernel, (g, col_tiles))(
+            dx, partial, dy, x, bias, dy.stride(0), x.stride(0), dx.stride(0), m, n, g, BLOCK_M=block_m,
+            BLOCK_N=block_n, HAS_BIAS=has_bias, APPROX_TANH=approximate == "tanh", num_warps=warps)
         return sum_partials(partial, bias.dtype)[0] if has_bias else x.new_empty(0)
     key = (bucket(m), n, str(dy.dtype), str(x.dtype), has_bias, approximate)
     candidates = _tuning.row_candidates(bwd_tile_config(n), grow=False)
@@ -287,7 +288,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     def launch(cfg: RowTile) -> None:
         block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         grid = (cdiv(m, block_m), cdiv(n, block_n))
-        _bias_dropout_add_fwd_kernel[grid](
+        launcher(_bias_dropout_add_fwd_kernel, grid)(
             out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
             seed, p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
     key = (bucket(m), n, str(x.dtype), str(residual.dtype), *flags.values())
@@ -322,7 +323,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
         col_tiles = cdiv(n, block_n)
         g = num_partials(cdiv(m, block_m), col_tiles, x.device)
         partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
-        _bias_dropout_add_bwd_kernel[(g, col_tiles)](
+        launcher(_bias_dropout_add_bwd_kernel, (g, col_tiles))(
             dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0),
             dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, **flags)

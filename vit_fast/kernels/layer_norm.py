@@ -59,7 +59,7 @@ from . import _tuning
 from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
 from ._rows import RowTile, as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
-from ._tuning import bucket
+from ._tuning import bucket, launcher
 from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
 
@@ -236,7 +236,7 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
     def launch(cfg: RowTile) -> None:
         block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
-        _layer_norm_fwd_kernel[(cdiv(m, block_m),)](
+        launcher(_layer_norm_fwd_kernel, (cdiv(m, block_m),))(
             y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
             x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
             m, n, tokens, eps, seed, p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
@@ -278,7 +278,7 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
         block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
         g = num_partials(cdiv(m, block_m), 1, dev)
         partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
-        _layer_norm_bwd_kernel[(g,)](
+        launcher(_layer_norm_bwd_kernel, (g,))(
             dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
             dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), dh.stride(0),
             dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -62,6 +62,7 @@ from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._gemm import GROUP_M, GemmTile, column_halves, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
 from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
+from ._tuning import launcher
 from ._utils import cdiv, check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
 from .linear_act_tma import TmaTile, tma_compatible
 
@@ -245,7 +246,7 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
         return linear_act_tma.launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
     m, k = x.shape
     n = weight.shape[0]
-    _linear_act_fwd_kernel[(cdiv(m, t.block_m) * cdiv(n, t.block_n),)](
+    launcher(_linear_act_fwd_kernel, (cdiv(m, t.block_m) * cdiv(n, t.block_n),))(
         h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
         HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation],
@@ -326,7 +327,7 @@ def launch_bwd(du: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, dact: t
     if isinstance(t, TmaTile) and tma_compatible(du, dy, weight, dact):
         linear_act_tma.launch_bwd(du, partial, dy, weight, dact, t)
         return partial
-    _linear_act_bwd_kernel[(row_tiles * cdiv(k, t.block_n),)](
+    launcher(_linear_act_bwd_kernel, (row_tiles * cdiv(k, t.block_n),))(
         du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
         HAS_BIAS=has_bias, INPUT_PRECISION=input_precision(dact.dtype), num_warps=t.num_warps,

@@ -27,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._gemm import GROUP_M, GemmTile, column_halves, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
+from ._tuning import launcher
 from ._utils import cdiv, programs_to_fill
 
 # The TMA kernels join linear_act's autotuning candidates only with VIT_FAST_TMA_GEMM=1 until a GPU has run them:
@@ -154,7 +155,7 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     programs = persistent_programs(x.device, tiles, tile.programs_per_sm)
     h_desc = TensorDescriptor.from_tensor(h, half)
-    _linear_act_fwd_tma_kernel[(programs,)](
+    launcher(_linear_act_fwd_tma_kernel, (programs,))(
         h_desc, TensorDescriptor.from_tensor(dact, half) if store_dact else h_desc,  # h_desc: never written as dact
         TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
         TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), bias, m, n, k, programs,
@@ -172,7 +173,7 @@ def launch_bwd(du: torch.Tensor, partial: Optional[torch.Tensor], dy: torch.Tens
     tiles = cdiv(m, tile.block_m) * cdiv(k, tile.block_n)
     programs = persistent_programs(dact.device, tiles, tile.programs_per_sm)
     half = [tile.block_m, tile.block_n // 2]
-    _linear_act_bwd_tma_kernel[(programs,)](
+    launcher(_linear_act_bwd_tma_kernel, (programs,))(
         TensorDescriptor.from_tensor(du, half), partial, TensorDescriptor.from_tensor(dy, [tile.block_m, tile.block_k]),
         TensorDescriptor.from_tensor(weight, [tile.block_k, tile.block_n]), TensorDescriptor.from_tensor(dact, half),
         m, n, k, programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,

@@ -63,7 +63,7 @@ import triton.language as tl
 from . import _tuning
 from ._aot import TRITON_DTYPE_NAMES, AotSpec
 from ._gemm import GemmTile
-from ._tuning import bucket
+from ._tuning import bucket, launcher
 from ._utils import (
     FLOAT_DTYPES,
     SM_COUNT,
@@ -585,7 +585,7 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         consts, opts, _ = _gemm_launch(tile, compute_dtype, P, C)
         rows = cdiv(M, consts["BLOCK_M"]) + cdiv(B * prefix, consts["BLOCK_M"])
         grid = (rows * cdiv(D, consts["BLOCK_N"]),)
-        _patch_embed_fwd_kernel[grid](
+        launcher(_patch_embed_fwd_kernel, grid)(
             out, images, weight, bias if bias is not None else weight, pos_embed,
             cls_token if cls_token is not None else weight, reg_tokens if reg_tokens is not None else weight,
             *images.stride(), *weight.stride(), pos_embed.stride(1), pos_embed.stride(2),
@@ -654,7 +654,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
             splits, per_split = _dweight_split(M, D, k_tiles, tile, cfg.num_sms)
             partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
             grid = (cdiv(D, consts["BLOCK_N"]) * (k_tiles + (bias is not None)), splits)
-            _patch_embed_dweight_kernel[grid](
+            launcher(_patch_embed_dweight_kernel, grid)(
                 partials, dtokens, images, *dtokens.stride(), *images.stride(),
                 M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None,
                 ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, consts["BLOCK_M"]), **consts, **opts)
@@ -665,7 +665,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
     red = cfg.reduce
     reduce_programs = cdiv(D * K + D, red.block) if needs_proj_grads else 0
     grid = (reduce_programs + cdiv(T * D, red.block // red.batch_tile),)
-    _patch_embed_reduce_kernel[grid](
+    launcher(_patch_embed_reduce_kernel, grid)(
         dW if needs_proj_grads else dpos, dbias if bias is not None and needs_proj_grads else dpos, dpos,
         dcls if cls_token is not None else dpos, dreg if reg_tokens is not None else dpos, partials, dtokens,
         *dtokens.stride(), splits, B, D, K, T, prefix, 0 if pos_embed_covers_prefix else prefix,
@@ -680,7 +680,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
         def launch_dimages(tile: GemmTile) -> None:
             consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
             grid = (cdiv(M, consts["BLOCK_M"]) * k_tiles,)
-            _patch_embed_dimages_kernel[grid](
+            launcher(_patch_embed_dimages_kernel, grid)(
                 dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
                 M, D, C, Np, Wp, prefix, **consts, **opts)
         launch_dimages(_tuning.choose("patch_embed_dimages", key + (dx_aligned,), _candidates(dx_tile),

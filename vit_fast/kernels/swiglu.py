@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._rows import RowTile
+from ._tuning import launcher
 from ._utils import cdiv, check_float, check_kernel_device, next_power_of_2, run_op
 
 
@@ -92,8 +93,8 @@ def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return y
     tile = tile_config(f)
     block_m, block_f, warps = tile.block_m, tile.block_n, tile.num_warps
-    _swiglu_fwd_kernel[_grid(m, f, block_m, block_f)](y, a, b, a.stride(0), b.stride(0), y.stride(0), m, f,
-                                                       BLOCK_M=block_m, BLOCK_F=block_f, num_warps=warps)
+    launcher(_swiglu_fwd_kernel, _grid(m, f, block_m, block_f))(
+        y, a, b, a.stride(0), b.stride(0), y.stride(0), m, f, BLOCK_M=block_m, BLOCK_F=block_f, num_warps=warps)
     return y
 
 
@@ -117,9 +118,9 @@ def swiglu_bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, packed: int) 
         return grad
     tile = tile_config(f)
     block_m, block_f, warps = tile.block_m, tile.block_n, tile.num_warps
-    _swiglu_bwd_kernel[_grid(m, f, block_m, block_f)](da, db, dy, a, b, da.stride(0), db.stride(0), dy.stride(0),
-                                                       a.stride(0), b.stride(0), m, f, BLOCK_M=block_m,
-                                                       BLOCK_F=block_f, num_warps=warps)
+    launcher(_swiglu_bwd_kernel, _grid(m, f, block_m, block_f))(
+        da, db, dy, a, b, da.stride(0), db.stride(0), dy.stride(0), a.stride(0), b.stride(0), m, f, BLOCK_M=block_m,
+        BLOCK_F=block_f, num_warps=warps)
     return grad
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .. import _tuning
 from .._aot import TRITON_DTYPE_NAMES, AotSpec
 from .._rows import sum_partials
-from .._tuning import bucket
+from .._tuning import bucket, launcher
 from .._utils import (
     cdiv,
     check_float,
@@ -178,7 +178,7 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optiona
 
     def launch(cfg: Tile) -> None:
         block_d, tail = _block_dims(D, cfg.split)
-        _attention_fwd_kernel[attention_grid(B * H, q_len, cfg.block_m)](
+        launcher(_attention_fwd_kernel, attention_grid(B * H, q_len, cfg.block_m))(
             out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             H, N, D, q_len, scale, threshold, inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout,
@@ -208,7 +208,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
         partial = None if bias_dtype is None else _empty((3, B * cdiv(N, cfg.dq.block_m), H * D),
                                                          torch.float32, q.device)
         slabs = (None, None, None) if partial is None else partial.unbind(0)
-        _attention_bwd_kernel[attention_grid(B * H, N, cfg.dq.block_m)](
+        launcher(_attention_bwd_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
             dq, dk, dv, *slabs, q, k, v, out, do, lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
             H, N, D, q_len, scale, threshold, inv_keep, seed,
@@ -234,7 +234,7 @@ def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: O
     if cfg.fwd is None:
         _launch_fwd(q, k, v, out, lse, scale, dropout_p, seed)
         return
-    _attention_short_fwd_kernel[attention_grid(B * H, q_len, cfg.fwd.block_m)](
+    launcher(_attention_short_fwd_kernel, attention_grid(B * H, q_len, cfg.fwd.block_m))(
         out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, D, q_len, scale, threshold, inv_keep, seed,
         BLOCK_M=cfg.fwd.block_m, **cfg.segment_constexprs("KEYS"), BLOCK_D=_block_d(D), DROPOUT=dropout,
@@ -262,11 +262,11 @@ def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p
     if cfg.dq_workspace:
         delta = _empty((B * H, q_len), torch.float32, q.device)
         dq_acc = _empty((B * H, q_len, _block_d(D)), torch.float32, q.device)
-        _attention_short_bwd_streamed_kernel[attention_grid(B * H, 1, 1)](
+        launcher(_attention_short_bwd_streamed_kernel, attention_grid(B * H, 1, 1))(
             dq, dk, dv, *slabs, q, k, v, out, do, lse, delta, dq_acc, *strides, *values,
             BLOCK_M=cfg.bwd.block_m, **common)
     else:
-        _attention_short_bwd_kernel[attention_grid(B * H, 1, 1)](
+        launcher(_attention_short_bwd_kernel, attention_grid(B * H, 1, 1))(
             dq, dk, dv, *slabs, q, k, v, out, do, lse, *strides, *values, **cfg.segment_constexprs("ROWS"),
             **common)
     return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
@@ -591,7 +591,7 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
     precision = dot_input_precision(qkv.dtype)
     cfg = attention_config(N, head_dim, qkv.dtype, gpu_arch(qkv.device), precision).dq
     block_m = min(cfg.block_m, max(16, next_power_of_2(R)))
-    _attention_probs_kernel[attention_grid(B * num_heads, R, block_m)](
+    launcher(_attention_probs_kernel, attention_grid(B * num_heads, R, block_m))(
         probs, q, k, lse, rows, *q.stride(), *k.stride(), num_heads, N, head_dim, R, scale,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(head_dim),
         INPUT_PRECISION=precision, HEAD_ALIGN=_head_align(q, k), num_warps=cfg.num_warps)
@@ -606,7 +606,7 @@ def attention_dropout_mask(seed: int | torch.Tensor, batch: int, num_heads: int,
     keep = _empty((batch * num_heads, seq_len, seq_len), torch.int8, torch.device(device))
     seed = torch.as_tensor(seed, dtype=torch.int64, device=device).reshape(1)
     block_m = 16
-    _attention_dropout_mask_kernel[(cdiv(seq_len, block_m), batch * num_heads)](
+    launcher(_attention_dropout_mask_kernel, (cdiv(seq_len, block_m), batch * num_heads))(
         keep, seq_len, dropout_threshold(dropout_p), seed, BLOCK_M=block_m, BLOCK_N=32)
     return keep.view(batch, num_heads, seq_len, seq_len).bool()
 

@@ -4,6 +4,7 @@ Every kernel result is compared with a float64 reference; low-precision results 
 within 2x the error of eager PyTorch in the same dtype (the FlashAttention rule, CONTRIBUTING.md 4).
 All launcher allocations are poisoned with NaN, so an element a kernel forgets to write fails.
 """
+import itertools
 import math
 
 import pytest
@@ -253,30 +254,39 @@ def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
                    [make_qkv(B, N, H, D, torch.float16)], ["dqkv"])
 
 
-@pytest.mark.parametrize("p", [0.0, 0.25])
-def test_every_sm90_candidate_matches_float64(monkeypatch, p):
+@pytest.mark.parametrize("D, p", [(64, 0.0), (64, 0.25), (72, 0.0)])
+def test_every_sm90_candidate_matches_float64(monkeypatch, D, p):
     """Each config autotuning may pick for sm_90's 16-bit forward and backward at 197 tokens (the static 128 rows
-    on 8 warps, 64 rows on one warpgroup, the halved steps) runs forward and backward, with and without dropout,
-    the qkv bias's gradient partials included (``attention_linear``)."""
-    B, N, H, D, seed = 1, 197, 2, 64, 3
+    on 8 warps, 64 rows on one warpgroup, the halved steps) runs forward and backward, with and without dropout, the
+    qkv bias's gradient partials included (``attention_linear``), head_dim 64 and So400m's 72 (64 + 16 columns).
+    The interpreter ignores num_warps, which is what the 4-warp candidates change: on a GPU this test compiles them
+    (bench/gpu_session.sh runs it)."""
+    B, N, H, seed = 1, 197, 2, 3
     monkeypatch.setattr(AI, "gpu_arch", lambda device: 90)
     monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
     static = A.attention_config(N, D, torch.float16, 90, dropout=bool(p))
-    candidates, forwards = AI._bwd_candidates(static), AI._fwd_candidates(static.fwd)
+    candidates, forwards = AI._bwd_candidates(static), AI._fwd_candidates(static.fwd, D)
     halved = candidates[1]
     assert (halved.dq.block_m, halved.dq.num_warps, halved.dkdv.block_n) == (64, 4, 64)
     assert (forwards[1].block_m, forwards[1].num_warps) == (static.fwd.block_m // 2, 4)
     real_choose = AI._tuning.choose
     x, weight, bias = make_linear(B, N, H, D, torch.float16)
     keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
-    forwards += (forwards[0],) * (len(candidates) - len(forwards))
-    for cfg, fwd in zip(candidates, forwards):
-        chosen = {"attention_bwd": cfg, "attention_fwd": fwd}
-        monkeypatch.setattr(AI._tuning, "choose", lambda op, key, cands, launch, device, chosen=chosen:
-                            chosen.get(op) or real_choose(op, key, cands, launch, device))
+    launched = []
+    for bwd, fwd in itertools.zip_longest(candidates, forwards):
+        chosen = {"attention_bwd": bwd or candidates[0], "attention_fwd": fwd or forwards[0]}
+
+        def choose(op, key, cands, launch, device, chosen=chosen):
+            if op in chosen:
+                assert chosen[op] in cands
+                launched.append(chosen[op])
+                return chosen[op]
+            return real_choose(op, key, cands, launch, device)
+        monkeypatch.setattr(AI._tuning, "choose", choose)
         check_2x_eager(lambda *t: A.attention_linear(*t, H, dropout_p=p, training=True),
                        lambda *t: A.attention_linear_ref(*t, H, dropout_p=p, training=True, dropout_mask=keep),
                        [x, weight, bias], ["dx", "dweight", "dbias"])
+    assert set(candidates) | set(forwards) == set(launched)
 
 
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])

@@ -113,8 +113,8 @@ def _linear_act_fwd_kernel(
     # B = W^T: (BLOCK_K, BLOCK_N) tiles of W, the reduction along W's contiguous columns
     acc = _main_loop(X, W, a_rows, b_cols, stride_xm, 1, stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                      INPUT_PRECISION)
-    # epilogue, once per element, in four column quarters (fewer live registers: at 128 x 256 the tanh-GELU build
-    # takes 220 registers on sm_90 where halves took 255 and spilled)
+    # epilogue, once per element, in four column quarters: fewer live registers, so that every activation's
+    # 128 x 256 tile and the 4-warp co-resident tiles compile without spills
     halves = column_halves(acc, BLOCK_M, BLOCK_N)
     col0 = tile_n * BLOCK_N
     _fwd_epilogue_half(halves[0], H, DACT, BIAS, rows, col0, M, N, stride_hm, stride_dm, BLOCK_M, BLOCK_N // 2,
@@ -198,9 +198,9 @@ def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = Non
         sm_90 dgrad 256x128x64 w8: 129 instr, 8 HGMMA.64x128x16: 258 vs 1024
         sm_80 fwd 128x256x32 w8: 171 instr, 64 HMMA.16816: 342 vs 1024
         sm_80 dgrad 128x256x32 w8: 169 instr, 64 HMMA.16816: 338 vs 1024
-    no MUFU in any loop: ceiling 100% everywhere. Registers (bf16 / fp16, triton 3.8) fwd 245-253 (GELU),
-    204-229 (tanh-GELU), 240-246 (QuickGELU), 248-250 (dgrad), 0 spill bytes. IEEE fp32 dots run on the FMA units
-    and take small tiles; tf32 operand tiles take twice the registers / shared memory of 16-bit ones."""
+    no MUFU in any loop: ceiling 100% everywhere; 0 spill bytes for every activation on both archs (``vit-fast
+    report``, which also lists the registers). IEEE fp32 dots run on the FMA units and take small tiles; tf32
+    operand tiles take twice the registers / shared memory of 16-bit ones."""
     if dtype == torch.float32 and (precision or input_precision(dtype)) == "ieee":
         tile = GemmTile(64, 64, 32, 4, 2)
         return LinearActConfig(fwd=tile, bwd=tile)
@@ -233,7 +233,7 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     with_tma = linear_act_tma.autotuned()  # in the key: a choice made without the TMA tiles must not stand for one with
     key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact, with_tma)
     static = linear_act_config(x.dtype, arch, precision).fwd
-    candidates = _candidates(static, x.dtype, arch, tma_only.on, with_tma, True)
+    candidates = _candidates(static, x.dtype, arch, tma_only.on, with_tma, co_resident=True)
     launch(_tuning.choose("linear_act_fwd", key, candidates, launch, x.device))
     return h, dact
 
@@ -262,6 +262,10 @@ tma_only = _tuning.ThreadSwitch()
 # timed) one program's epilogue overlaps the other's MMAs. Not for the pointer dgrad, whose 4-warp tile spills.
 # In ``aot_specs``.
 CO_RESIDENT = {80: GemmTile(128, 128, 32, 4, 4), 90: GemmTile(128, 128, 64, 4, 3)}
+
+
+def co_resident_tile(arch: int) -> GemmTile:
+    return CO_RESIDENT[90 if arch >= 90 else 80]
 CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)  # both passes
 
 
@@ -277,7 +281,7 @@ def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool 
         return (TmaTile.of(static),)
     tiles = _tuning.tile_candidates(static, ("block_m",), stages="num_stages")
     if sixteen_bit and co_resident:
-        tiles.append(CO_RESIDENT[90 if arch >= 90 else 80])
+        tiles.append(co_resident_tile(arch))
     if sixteen_bit and with_tma and arch >= 90:
         tiles += [TmaTile.of(static), CO_RESIDENT_TMA]
     return tuple(_tuning.unique(tiles))
@@ -433,9 +437,9 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
               arch: int = 80, param_dtype: torch.dtype = torch.float32, **_) -> list[AotSpec]:
     """Every launch of one ViT MLP's linear_act (C = width, H = mlp_hidden): fc1 forward with each
     activation (training and inference), fc2's dgrad, and the db1 partial sum; fp32 with both dot
-    precisions (IEEE entries run on FMA units: has_dot False); on sm_90 in 16 bits the same tiles on the TMA
-    kernels too. Weights are in the activation dtype (the launcher casts them); the bias in ``param_dtype`` for
-    16-bit activations (autocast), else fp32."""
+    precisions (IEEE entries run on FMA units: has_dot False); in 16 bits the forward's co-resident tile, and on
+    sm_90 the static and the co-resident tiles on the TMA kernels too. Weights are in the activation dtype (the
+    launcher casts them); the bias in ``param_dtype`` for 16-bit activations (autocast), else fp32."""
     param_dtype = param_dtype if dtype != torch.float32 else torch.float32
     act, par = "*" + TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
     c, hid = width, mlp_hidden
@@ -465,7 +469,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
             f"C={c} H={hid}")
     specs.append(sum_partials_spec(par, sum_partials_block_n(hid), f"N={hid} (db1)", width=hid))
     if dtype in (torch.float16, torch.bfloat16):  # the co-resident forward candidate
-        tile = CO_RESIDENT[90 if arch >= 90 else 80]
+        tile = co_resident_tile(arch)
         for name, code in ACTIVATIONS.items():
             for store in (True, False):
                 add("linear_act_fwd_co_resident", _linear_act_fwd_kernel, tile,
@@ -473,7 +477,7 @@ def aot_specs(tokens: int = 197, width: int = 768, mlp_hidden: int = 3072, dtype
                     types, fwd_values, True, f"C={c} H={hid} {name} store_dact={store}")
     if dtype in (torch.float16, torch.bfloat16) and arch >= 90:  # the static and co-resident tiles as TMA candidates
         cfg = linear_act_config(dtype, arch)
-        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, dict.fromkeys(ACTIVATIONS, cfg.fwd), cfg.bwd)
-        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, dict.fromkeys(ACTIVATIONS, CO_RESIDENT_TMA),
-                                              CO_RESIDENT_TMA, infix="_co_resident")
+        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, cfg.fwd, cfg.bwd)
+        specs += linear_act_tma.tma_aot_specs(c, hid, dtype, param_dtype, CO_RESIDENT_TMA, CO_RESIDENT_TMA,
+                                              infix="_co_resident")
     return specs

@@ -91,7 +91,7 @@ def _fwd_epilogue_tma(acc, h_desc, dact_desc, BIAS, row0, col0, N,
     if HAS_BIAS:
         cols = col0 + tl.arange(0, acc.shape[1])
         acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    h, dact = act_fwd_bwd(acc, ACT)  # one erf (or exp) serves both
+    h, dact = act_fwd_bwd(acc, ACT)  # one exp serves both
     h_desc.store([row0, col0], h.to(h_desc.dtype))
     if STORE_DACT:
         dact_desc.store([row0, col0], dact.to(dact_desc.dtype))
@@ -182,9 +182,9 @@ def launch_bwd(du: torch.Tensor, partial: Optional[torch.Tensor], dy: torch.Tens
 
 # --------------------------------------------------------------------------- ahead-of-time specs
 def tma_aot_specs(width: int, mlp_hidden: int, dtype: torch.dtype, param_dtype: torch.dtype,
-                  fwd_tiles: dict[str, GemmTile], bwd_tile: GemmTile, infix: str = "") -> list[AotSpec]:
+                  fwd_tile: GemmTile, bwd_tile: GemmTile, infix: str = "") -> list[AotSpec]:
     """The TMA kernels as linear_act's sm_90+ 16-bit candidates launch them (``linear_act.aot_specs``): fc1
-    forward on ``fwd_tiles[activation]`` for each activation (training and inference) and fc2's dgrad on
+    forward on ``fwd_tile`` for each activation (training and inference) and fc2's dgrad on
     ``bwd_tile`` (C = width, H = mlp_hidden; the bias in ``param_dtype``); ``infix`` marks the entries' names
     (``linear_act_fwd{infix}_tma``)."""
     act, par = TRITON_DTYPE_NAMES[dtype], "*" + TRITON_DTYPE_NAMES[param_dtype]
@@ -201,11 +201,11 @@ def tma_aot_specs(width: int, mlp_hidden: int, dtype: torch.dtype, param_dtype: 
                        divisible_by_16=divisible_args(signature, values))
 
     specs = []
+    t = fwd_tile
+    half = desc(t.block_m, t.block_n // 2)
+    types = dict(h_desc=half, dact_desc=half, x_desc=desc(t.block_m, t.block_k), w_desc=desc(t.block_n, t.block_k),
+                 BIAS=par)
     for name, code in ACTIVATIONS.items():
-        t = fwd_tiles[name]
-        half = desc(t.block_m, t.block_n // 2)
-        types = dict(h_desc=half, dact_desc=half, x_desc=desc(t.block_m, t.block_k),
-                     w_desc=desc(t.block_n, t.block_k), BIAS=par)
         for store in (True, False):  # training / inference
             specs.append(spec(f"linear_act_fwd{infix}_tma", _linear_act_fwd_tma_kernel, t,
                               dict(ACT=code, STORE_DACT=store), types, dict(N=hid, K=c),

@@ -188,7 +188,7 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optiona
     static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
     # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
     launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N),
-                          _fwd_candidates(static), launch, q.device))
+                          _fwd_candidates(static, D), launch, q.device))
 
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: Optional[torch.Tensor],
@@ -273,12 +273,13 @@ def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_candidates(static: Tile) -> tuple[Tile, ...]:
-    """The static tile, then the q rows halved (from sm_90's 128 rows on 8 warps to 64 on 4, one warpgroup's
-    wgmma rows: on the H200, 2026-11-26, 64 rows on the same 8 warps took 0.328 ms at ViT-B/16 b256 against
-    0.193), the keys per step halved, the warps doubled."""
+def _fwd_candidates(static: Tile, head_dim: int) -> tuple[Tile, ...]:
+    """The static tile, then the q rows halved (for heads up to 80 wide, from 128 rows on 8 warps to 64 on 4: on
+    sm_90 one warpgroup's wgmma rows; on the H200, 2026-11-26, 64 rows on the same 8 warps took 0.328 ms at ViT-B/16
+    b256 against 0.193; 128-wide heads keep 8 warps, their 4-warp sm_80 build spills 64 B), the keys per step
+    halved, the warps doubled."""
     candidates = _tuning.tile_candidates(static)
-    if static.block_m >= 128 and static.num_warps == 8:
+    if static.block_m >= 128 and static.num_warps == 8 and head_dim <= 80:
         candidates = [replace(c, num_warps=4) if (c.block_m, c.block_n) == (static.block_m // 2, static.block_n)
                       else c for c in candidates]
     return tuple(candidates)

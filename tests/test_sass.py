@@ -127,10 +127,10 @@ KNOWN_BELOW_BAR = {
     ("attention_probs", 90, False): "47%: attention maps for inspection, outside training",
     # the persistent TMA GEMMs: their flattened loop holds the epilogue (bias, GELU and GELU', TMA stores), run
     # once per K / BLOCK_K steps (12 at ViT-B's fc1, 48 at its dgrad) but counted here at every step
-    ("linear_act_fwd_tma", 90, False): "5-13%: the epilogue inside the flattened persistent loop, counted per step",
-    ("linear_act_bwd_tma", 90, False): "22-36%: the epilogue inside the flattened persistent loop, counted per step",
-    ("linear_act_fwd_co_resident_tma", 90, False): "the epilogue inside the flattened loop, counted per step",
-    ("linear_act_bwd_co_resident_tma", 90, False): "the epilogue inside the flattened loop, counted per step",
+    ("linear_act_fwd_tma", 90, False): "9-16%: the epilogue inside the flattened persistent loop, counted per step",
+    ("linear_act_bwd_tma", 90, False): "22-23%: the epilogue inside the flattened persistent loop, counted per step",
+    ("linear_act_fwd_co_resident_tma", 90, False): "11-19%: the epilogue inside the flattened loop, counted per step",
+    ("linear_act_bwd_co_resident_tma", 90, False): "23-25%: the epilogue inside the flattened loop, counted per step",
 }
 
 

@@ -29,6 +29,15 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE_VALUES
 
 
+_OFF_VALUES = ("0", "false", "off", "no")
+
+
+def env_switch(name: str) -> bool:
+    """A vit_fast on/off environment variable (VIT_FAST_AUTOTUNE, VIT_FAST_PARALLEL_COMPILE,
+    VIT_FAST_BLOCK_FUNCTION): on unless set to '0', 'false', 'off' or 'no' (any case, spaces ignored)."""
+    return os.environ.get(name, "1").strip().lower() not in _OFF_VALUES
+
+
 class _Direct(threading.local):
     on = False  # set by ``direct_ops`` for this thread
 

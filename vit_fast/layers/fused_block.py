@@ -17,7 +17,6 @@ whether a call qualifies. Its backward runs the parts autograd would run, no mor
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..adapters import effective_bias, effective_weight, fusable_linear
-from ..kernels._utils import compute_dtype_for, direct_ops, next_seed, unit_stride
+from ..kernels._utils import compute_dtype_for, direct_ops, env_switch, next_seed, unit_stride
 from ..kernels.attention.interface import AttentionFunction, _dropout_and_seed
 from ..kernels.bias_gelu import BiasDropoutAddFunction
 from ..kernels.layer_norm import AddLayerNormFunction
@@ -146,7 +145,7 @@ def _block_types() -> tuple:
 
 # The switch: VIT_FAST_BLOCK_FUNCTION=0 (or false / off / no) at import, or ``fused_block.enabled = False``, runs
 # every block per part (an A/B of the host work on a GPU; the same numbers either way).
-enabled = os.environ.get("VIT_FAST_BLOCK_FUNCTION", "1").strip().lower() not in ("0", "false", "off", "no")
+enabled = env_switch("VIT_FAST_BLOCK_FUNCTION")
 
 
 def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Tensor,

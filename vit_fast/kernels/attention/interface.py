@@ -275,9 +275,9 @@ def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p
 @functools.lru_cache(maxsize=None)
 def _fwd_candidates(static: Tile, head_dim: int) -> tuple[Tile, ...]:
     """The static tile, then the q rows halved (for heads up to 80 wide, from 128 rows on 8 warps to 64 on 4: on
-    sm_90 one warpgroup's wgmma rows; on the H200, 2026-11-26, 64 rows on the same 8 warps took 0.328 ms at ViT-B/16
-    b256 against 0.193; 128-wide heads keep 8 warps, their 4-warp sm_80 build spills 64 B), the keys per step
-    halved, the warps doubled."""
+    sm_90 one warpgroup's wgmma rows; on the H200 (torch 2.11, triton 3.6, 2026-11-26) 64 rows on the same 8 warps
+    took 0.328 ms at ViT-B/16 b256 against 0.193; 128-wide heads keep 8 warps, their 4-warp sm_80 build spills
+    64 B), the keys per step halved, the warps doubled."""
     candidates = _tuning.tile_candidates(static)
     if static.block_m >= 128 and static.num_warps == 8 and head_dim <= 80:
         candidates = [replace(c, num_warps=4) if (c.block_m, c.block_n) == (static.block_m // 2, static.block_n)
@@ -288,9 +288,9 @@ def _fwd_candidates(static: Tile, head_dim: int) -> tuple[Tile, ...]:
 @functools.lru_cache(maxsize=None)  # asked on every backward launch: built once per config
 def _bwd_candidates(static: AttentionConfig) -> tuple[AttentionConfig, ...]:
     """The static backward config, then: the rows each program owns halved (both phases; from sm_90's 128 rows on 8
-    warps to 64 on 4, one warpgroup's wgmma rows: on the H200, 2026-11-26, 64 rows on the same 8 warps took 1.72 ms
-    at ViT-B/16 b256 against 0.98), the q rows per dK/dV step halved, the k/v rows per dQ step halved, the warps
-    doubled (both phases share the launch)."""
+    warps to 64 on 4, one warpgroup's wgmma rows: on the H200 (torch 2.11, triton 3.6, 2026-11-26) 64 rows on the
+    same 8 warps took 1.72 ms at ViT-B/16 b256 against 0.98), the q rows per dK/dV step halved, the k/v rows per dQ
+    step halved, the warps doubled (both phases share the launch)."""
     dkdv, dq = static.dkdv, static.dq
     pairs = [(dkdv, dq)]
     if dq.block_m >= 32:

@@ -380,6 +380,28 @@ def _compile_ahead(candidates: Sequence[Any], launch: Callable[[Any], Any], devi
                       "they compile one by one", RuntimeWarning, stacklevel=3)
 
 
+# ----------------------------------------------------------------------------------- launch plans
+class LaunchPlans:
+    """One op's launch plans: what a launcher derives from its inputs' layout alone (the tuning key, the candidate
+    tiles, flags, row counts, strides), built once per layout (shapes, strides, dtypes, flags, device: the caller's
+    ``key``) instead of on every call. Bounded: layouts that keep changing are planned again rather than kept."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, build: Callable[..., Any]):
+        self.build = build
+        self.plans: dict = {}
+
+    def get(self, key: Any, *args: Any) -> Any:
+        """The plan for ``key``, built by ``build(*args)`` the first time."""
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) >= self.MAX_ENTRIES:
+                self.plans.clear()
+            plan = self.plans[key] = self.build(*args)
+        return plan
+
+
 # ---------------------------------------------------------------------------------------- choose
 def describe(candidate: Any) -> str:
     """A stable text for a config (dataclass repr / tuple repr) that identifies it in the cache."""

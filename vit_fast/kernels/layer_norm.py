@@ -48,7 +48,7 @@ Inputs whose last dimension is not contiguous are copied once; row strides are p
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +211,36 @@ def ln_config(n: int, arch: int = 80, backward: bool = False, spill_prone: bool 
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
+class _FwdPlan(NamedTuple):
+    """What ``add_layer_norm_fwd`` derives from its inputs' layout (``LaunchPlans``)."""
+
+    out_dtype: torch.dtype
+    h_shape: tuple  # (M, N), or (0,) without a residual
+    h_dtype: torch.dtype
+    tokens: int  # rows per sample of the drop-path scale
+    flags: dict
+    strides: tuple  # row strides of x, residual, normed, h
+    key: tuple  # the tuning key
+    candidates: tuple
+
+
+def _fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype) -> _FwdPlan:
+    m, n = x.shape
+    has_res = residual is not None
+    y_dtype = out_dtype or x.dtype
+    h_dtype = torch.promote_types(x.dtype, residual.dtype) if has_res else x.dtype
+    flags = dict(HAS_RESIDUAL=has_res, HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None,
+                 HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
+    return _FwdPlan(y_dtype, (m, n) if has_res else (0,), h_dtype,
+                    m // sample_scale.shape[0] if sample_scale is not None and len(sample_scale) else 1, flags,
+                    (x.stride(0), residual.stride(0) if has_res else 0, n, n if has_res else 0),
+                    (bucket(m), n, str(x.dtype), str(h_dtype), str(y_dtype), *flags.values()),
+                    tuple(_tuning.row_candidates(ln_config(n))))
+
+
+_FWD_PLANS = _tuning.LaunchPlans(_fwd_plan)
+
+
 @torch.library.custom_op("vit_fast::add_layer_norm_fwd", mutates_args=())
 def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
                        branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
@@ -222,26 +252,23 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     empty placeholder (the plain LayerNorm)."""
     m, n = x.shape
     dev = x.device
-    y = torch.empty((m, n), device=dev, dtype=out_dtype or x.dtype)
-    has_res = residual is not None
-    h = torch.empty((m, n) if has_res else (0,), device=dev,
-                    dtype=torch.promote_types(x.dtype, residual.dtype) if has_res else x.dtype)
+    plan = _FWD_PLANS.get((x.shape, x.stride(0), x.dtype, None if residual is None else (residual.dtype,
+                           residual.stride(0)), out_dtype, branch_bias is None, gamma is None,
+                           None if sample_scale is None else sample_scale.shape[0], p > 0, dev),
+                          x, residual, branch_bias, gamma, sample_scale, p, out_dtype)
+    y = torch.empty((m, n), device=dev, dtype=plan.out_dtype)
+    h = torch.empty(plan.h_shape, device=dev, dtype=plan.h_dtype)
     mean = torch.empty((m,), device=dev, dtype=torch.float32)
     rstd = torch.empty((m,), device=dev, dtype=torch.float32)
     if m == 0:
         return y, h, mean, rstd
-    tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
-    flags = dict(HAS_RESIDUAL=has_res, HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None,
-                 HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
 
     def launch(cfg: RowTile) -> None:
-        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
-        launcher(_layer_norm_fwd_kernel, (cdiv(m, block_m),))(
-            y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale,
-            x.stride(0), residual.stride(0) if has_res else 0, y.stride(0), h.stride(0) if has_res else 0,
-            m, n, tokens, eps, seed, p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
-    key = (bucket(m), n, str(x.dtype), str(h.dtype), str(y.dtype), *flags.values())
-    launch(_tuning.choose("layer_norm_fwd", key, _tuning.row_candidates(ln_config(n)), launch, dev))
+        launcher(_layer_norm_fwd_kernel, (cdiv(m, cfg.block_m),))(
+            y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale, *plan.strides,
+            m, n, plan.tokens, eps, seed, p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            **plan.flags)
+    launch(_tuning.choose("layer_norm_fwd", plan.key, plan.candidates, launch, dev))
     return y, h, mean, rstd
 
 
@@ -255,6 +282,38 @@ def _(x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, p, seed,
         torch.empty_like(stats)
 
 
+class _BwdPlan(NamedTuple):
+    """What ``add_layer_norm_bwd`` derives from its inputs' layout (``LaunchPlans``)."""
+
+    dx_shape: tuple  # (M, N), or (0,) when dx is dh
+    params: int  # parameter gradients summed over rows: w, b, gamma?, branch_bias?
+    grad_dtype: torch.dtype  # theirs
+    tokens: int
+    flags: dict
+    strides: tuple  # row strides of dy, d(h), h, x, dh, dx
+    key: tuple
+    candidates: tuple
+    partials: dict  # tile -> programs along the rows (rows of the partial buffer), filled as tiles launch
+
+
+def _bwd_plan(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, p, store_dx, arch) -> _BwdPlan:
+    m, n = h.shape
+    params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
+    flags = dict(HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
+                 HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
+    spill_prone = bwd_spill_prone(gamma is not None, branch_bias is not None, dy.dtype == torch.float32)
+    tile = ln_config(n, arch, backward=True, spill_prone=spill_prone)
+    return _BwdPlan((m, n) if store_dx else (0,), len(params), param_grad_dtype(params),
+                    m // sample_scale.shape[0] if sample_scale is not None and len(sample_scale) else 1, flags,
+                    (dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), n,
+                     n if store_dx else 0),
+                    (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values()),
+                    tuple(_tuning.row_candidates(tile, grow=False)), {})
+
+
+_BWD_PLANS = _tuning.LaunchPlans(_bwd_plan)
+
+
 @torch.library.custom_op("vit_fast::add_layer_norm_bwd", mutates_args=())
 def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor, x: torch.Tensor,
                        weight: torch.Tensor, bias: torch.Tensor, branch_bias: Optional[torch.Tensor],
@@ -265,31 +324,29 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
     x.dtype or an empty placeholder when dx is dh, (K, N) grads of [w, b, gamma?, branch_bias?])."""
     m, n = h.shape
     dev = h.device
+    arch = gpu_arch(dev)
+    plan = _BWD_PLANS.get((h.shape, h.dtype, h.stride(0), dy.dtype, dy.stride(0),
+                           None if dh_out is None else dh_out.stride(0), x.dtype, x.stride(0), weight.dtype,
+                           bias.dtype, None if gamma is None else gamma.dtype,
+                           None if branch_bias is None else branch_bias.dtype,
+                           None if sample_scale is None else sample_scale.shape[0], p > 0, store_dx, dev, arch),
+                          dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, p, store_dx, arch)
     dh = torch.empty((m, n), device=dev, dtype=h.dtype)
-    dx = torch.empty((m, n) if store_dx else (0,), device=dev, dtype=x.dtype)
-    params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
+    dx = torch.empty(plan.dx_shape, device=dev, dtype=x.dtype)
     if m == 0:
-        return dh, dx, torch.zeros((len(params), n), device=dev, dtype=param_grad_dtype(params))
-    tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
-    flags = dict(HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
-                 HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
+        return dh, dx, torch.zeros((plan.params, n), device=dev, dtype=plan.grad_dtype)
 
     def launch(cfg: RowTile) -> torch.Tensor:
-        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
-        g = num_partials(cdiv(m, block_m), 1, dev)
-        partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
+        g = plan.partials.get(cfg)
+        if g is None:
+            g = plan.partials[cfg] = num_partials(cdiv(m, cfg.block_m), 1, dev)
+        partial = torch.empty((plan.params, g, n), device=dev, dtype=torch.float32)
         launcher(_layer_norm_bwd_kernel, (g,))(
-            dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
-            dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), dh.stride(0),
-            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=warps, **flags)
-        return sum_partials(partial, param_grad_dtype(params))
-    arch = gpu_arch(dev)
-    key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values())
-    spill_prone = bwd_spill_prone(gamma is not None, branch_bias is not None, dy.dtype == torch.float32)
-    tile = ln_config(n, arch, backward=True, spill_prone=spill_prone)
-    candidates = _tuning.row_candidates(tile, grow=False)
-    return dh, dx, launch(_tuning.choose("layer_norm_bwd", key, candidates, launch, dev))
+            dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, *plan.strides,
+            m, n, g, plan.tokens, seed, p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            **plan.flags)
+        return sum_partials(partial, plan.grad_dtype)
+    return dh, dx, launch(_tuning.choose("layer_norm_bwd", plan.key, plan.candidates, launch, dev))
 
 
 @add_layer_norm_bwd.register_fake

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -169,26 +169,63 @@ def _dropout_args(dropout_p: float) -> tuple[bool, int, float]:
     return threshold > 0, threshold, (0.0 if threshold >= 256 else 256.0 / (256 - threshold))
 
 
+class _FlashPlan(NamedTuple):
+    """What a flash launch derives from its tensors' layout (``LaunchPlans``): q, k, v, out (and for the backward
+    dO, dq, dk, dv) shapes, strides and dtype, the dropout rate, the bias gradient's dtype, the dot precision and
+    the GPU architecture."""
+
+    strides: tuple  # every tensor's four strides, in the kernel's argument order
+    precision: str
+    dropout: bool
+    threshold: int
+    inv_keep: float
+    head_align: int
+    key: tuple  # the tuning key
+    candidates: tuple
+    dims: dict  # config -> (BLOCK_D, BLOCK_D_TAIL, grid), filled as configs launch
+
+
+def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, bias_dtype: Optional[torch.dtype],
+                precision: str, arch: int) -> _FlashPlan:
+    q = tensors[0]
+    B, H, N, D = q.shape
+    dropout, threshold, inv_keep = _dropout_args(dropout_p)
+    static = attention_config(N, D, q.dtype, arch, precision, dropout)
+    # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
+    if op == "attention_fwd":
+        key, candidates = (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N), \
+            _fwd_candidates(static.fwd, D)
+    else:
+        key, candidates = (bucket(N), D, str(q.dtype), arch, precision, dropout, bias_dtype is not None,
+                           q_len == N), _bwd_candidates(static)
+    strides = tuple(stride for t in tensors for stride in t.stride())
+    return _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates, {})
+
+
+_FWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_fwd"))
+_BWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_bwd"))
+
+
 def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:
     """out (B, H, M, D) and lse (B, H, M) of the first M = out.shape[2] query rows (M <= N)."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
-    precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
-    dropout, threshold, inv_keep = _dropout_args(dropout_p)
+    tensors = (q, k, v, out)
+    precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)  # read per launch: torch's tf32 flag
+    plan = _FWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), q.dtype, dropout_p,
+                           precision, arch), tensors, q_len, dropout_p, None, precision, arch)
 
     def launch(cfg: Tile) -> None:
-        block_d, tail = _block_dims(D, cfg.split)
-        launcher(_attention_fwd_kernel, attention_grid(B * H, q_len, cfg.block_m))(
-            out, lse, q, k, v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            H, N, D, q_len, scale, threshold, inv_keep, seed,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout,
-            INPUT_PRECISION=precision, TAIL_N=LAST_STEP, PEEL=cfg.peel, HEAD_ALIGN=_head_align(q, k, v, out),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-    static = attention_config(N, D, q.dtype, arch, precision, dropout).fwd
-    # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
-    launch(_tuning.choose("attention_fwd", (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N),
-                          _fwd_candidates(static, D), launch, q.device))
+        dims = plan.dims.get(cfg)
+        if dims is None:
+            dims = plan.dims[cfg] = (*_block_dims(D, cfg.split), attention_grid(B * H, q_len, cfg.block_m))
+        block_d, tail, grid = dims
+        launcher(_attention_fwd_kernel, grid)(
+            out, lse, q, k, v, *plan.strides, H, N, D, q_len, scale, plan.threshold, plan.inv_keep, seed,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout,
+            INPUT_PRECISION=plan.precision, TAIL_N=LAST_STEP, PEEL=cfg.peel, HEAD_ALIGN=plan.head_align,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(_tuning.choose("attention_fwd", plan.key, plan.candidates, launch, q.device))
 
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: Optional[torch.Tensor],
@@ -200,28 +237,29 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     forward's): the other rows of dq are written as zeros."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
+    # the kernel's argument order: q, k, v, out, dO, then dq (dk and dv share its layout)
+    tensors = (q, k, v, out, do, dq, dk, dv)
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
-    dropout, threshold, inv_keep = _dropout_args(dropout_p)
+    plan = _BWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), do.stride(),
+                           dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, bias_dtype, precision, arch),
+                          tensors, q_len, dropout_p, bias_dtype, precision, arch)
 
     def launch(cfg: AttentionConfig) -> Optional[torch.Tensor]:
-        block_d, tail = _block_dims(D, cfg.dq.split)
+        dims = plan.dims.get(cfg)
+        if dims is None:
+            dims = plan.dims[cfg] = (*_block_dims(D, cfg.dq.split), attention_grid(B * H, N, cfg.dq.block_m))
+        block_d, tail, grid = dims
         partial = None if bias_dtype is None else _empty((3, B * cdiv(N, cfg.dq.block_m), H * D),
                                                          torch.float32, q.device)
         slabs = (None, None, None) if partial is None else partial.unbind(0)
-        launcher(_attention_bwd_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
-            dq, dk, dv, *slabs, q, k, v, out, do, lse,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
-            H, N, D, q_len, scale, threshold, inv_keep, seed,
-            BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
-            BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=dropout, INPUT_PRECISION=precision,
-            BIAS_GRAD=partial is not None, TAIL=LAST_STEP, PEEL=cfg.dq.peel,
-            HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv),
+        launcher(_attention_bwd_kernel, grid)(
+            dq, dk, dv, *slabs, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
+            plan.inv_keep, seed, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
+            BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision,
+            BIAS_GRAD=partial is not None, TAIL=LAST_STEP, PEEL=cfg.dq.peel, HEAD_ALIGN=plan.head_align,
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
         return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
-    static = attention_config(N, D, q.dtype, arch, precision, dropout)
-    return launch(_tuning.choose("attention_bwd", (bucket(N), D, str(q.dtype), arch, precision, dropout,
-                                                   bias_dtype is not None, q_len == N), _bwd_candidates(static),
-                                 launch, q.device))
+    return launch(_tuning.choose("attention_bwd", plan.key, plan.candidates, launch, q.device))
 
 
 def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:

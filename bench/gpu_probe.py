@@ -17,6 +17,9 @@ Run by bench/gpu_probe.sh, one subprocess per item under its own timeout, with
                             warps and partial-row counts (programs per SM), CUDA-graph timed
   trace --preset --path     every kernel of one path's training step (torch.profiler): name, family,
                             launches and ms per step, the longest first
+  launch                    host microseconds per launch of a few vit_fast kernels on one-tile shapes (GPU work
+                            smaller than the host's): the op as the model calls it, Triton's JIT launch
+                            (``kernel[grid](...)``), and the compiled kernel called directly with the same arguments
 
 ``--tiny`` shrinks every shape so the script can be smoke-tested on CPU (figures meaningless).
 """
@@ -369,9 +372,79 @@ def item_trace(args) -> None:
              launches_per_step=k["launches"], ms_per_step=k["seconds"] * 1e3)
 
 
+# ------------------------------------------------------------------------------------------------ launch
+def _host_us(fn, calls: int) -> float:
+    """Median host microseconds per call over five rounds of ``calls`` back-to-back calls (the GPU work per call is
+    a few microseconds, so the host sets the pace; the queue is drained between rounds)."""
+    rounds = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+        sync()
+    return sorted(rounds)[2]
+
+
+def _captured_launch(launch):
+    """(compiled kernel, grid, the arguments Triton's JIT passed to it) of the one Triton launch ``launch`` makes."""
+    from triton.runtime.jit import JITFunction
+
+    seen = []
+    real = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = real(self, *args, grid=grid, warmup=warmup, **kwargs)
+        seen.append((self, kernel, grid, args, kwargs))
+        return kernel
+    JITFunction.run = run
+    try:
+        launch()
+    finally:
+        JITFunction.run = real
+    return seen
+
+
+def item_launch(args) -> None:
+    from vit_fast.kernels import layer_norm as ln
+    from vit_fast.kernels.attention import interface as ai
+
+    calls = 50 if args.tiny else 2000
+    dt = torch.bfloat16
+    x = torch.randn(8, 768, device=DEVICE, dtype=dt)
+    w, b = torch.ones(768, device=DEVICE), torch.zeros(768, device=DEVICE)
+    qkv = torch.randn(1, 197, 3 * 768, device=DEVICE, dtype=dt)
+    cases = {
+        "layer_norm_fwd": lambda: ln.add_layer_norm_fwd._init_fn(x, x, w, b, None, None, None, 1e-6, 0.0, None, None),
+        "attention_fwd": lambda: ai.attention_fwd._init_fn(qkv, 12, 0.125, 0.0, None, 197),
+    }
+    for name, op in cases.items():
+        def measure(name=name, op=op):
+            op()  # compiled (and tuned) first
+            row = dict(case=name, op_us=_host_us(op, calls))
+            launches = _captured_launch(op)
+            row["triton_launches_per_op"] = len(launches)
+            jit_fn, kernel, grid, a, kw = launches[0]
+            row["kernel"] = jit_fn.__name__
+            row["jit_launch_us"] = _host_us(lambda: jit_fn[grid](*a, **kw), calls)
+            # every argument, constexprs included, in the kernel's order: what JITFunction.run hands the compiled
+            # kernel (its binder is the last entry of the device's cache tuple in triton 3.6 and 3.8)
+            from triton.runtime import driver
+
+            binder = jit_fn.device_caches[driver.active.get_current_device()][-1]
+            bound = binder(*a, **kw)[0]
+            grid = tuple(grid(bound) if callable(grid) else grid)
+            direct = kernel[grid + (1,) * (3 - len(grid))]  # the compiled kernel's runner takes all three
+            values = tuple(bound.values())
+            row["direct_launch_us"] = _host_us(lambda: direct(*values), calls)
+            emit("launch", **row)
+        safe("launch", measure, case=name)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("item", choices=["env", "hang", "step", "attn", "micro", "gemm", "gelubwd", "trace"])
+    parser.add_argument("item", choices=["env", "hang", "step", "attn", "micro", "gemm", "gelubwd", "trace", "launch"])
     parser.add_argument("--preset", default="vit_base_patch16_224")
     parser.add_argument("--path", default="vit_fast")
     parser.add_argument("--batch", type=int, default=256)

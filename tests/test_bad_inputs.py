@@ -394,3 +394,21 @@ def test_damaged_newest_training_checkpoint_falls_back_naming_it(tmp_path_factor
     assert found.name == "step_00000001" and str(path) in caplog.text
     assert (root / "step_00000002.damaged").is_dir() and (root / ckpt.LATEST).read_text().strip() == found.name
     assert torch.equal(ckpt.read_weights(found)["w"], torch.ones(64))
+
+
+@interpreter_or_gpu
+def test_join_ops_refuse_a_drop_path_scale_that_does_not_divide_the_rows():
+    """The join custom ops index the drop-path scale per sample (row // rows per sample): called directly with a
+    scale whose length does not divide the rows, they refuse it instead of reading past its end."""
+    device = device_for("triton")
+    x = torch.randn(6, 32, device=device)
+    w, b = torch.ones(32, device=device), torch.zeros(32, device=device)
+    for scale in (torch.ones(4, device=device), torch.ones(0, device=device)):
+        with pytest.raises(ValueError, match="one entry per sample"):
+            torch.ops.vit_fast.add_layer_norm_fwd(x, x, w, b, None, None, scale, 1e-6, 0.0, None)
+        with pytest.raises(ValueError, match="one entry per sample"):
+            torch.ops.vit_fast.bias_dropout_add_fwd(x, None, x, None, scale, 0.0, None)
+    stats = torch.zeros(6, device=device)
+    with pytest.raises(ValueError, match="one entry per sample"):
+        torch.ops.vit_fast.add_layer_norm_bwd(x, None, x, x, w, b, None, None, torch.ones(4, device=device), stats,
+                                              stats, 0.0, None, True)

@@ -64,6 +64,18 @@ def stores_dx(p: float, gamma, sample_scale, grad_dtype: torch.dtype, x_dtype: t
     return p > 0 or gamma is not None or sample_scale is not None or grad_dtype != x_dtype
 
 
+def rows_per_sample(op: str, m: int, sample_scale: Optional[torch.Tensor]) -> int:
+    """Rows of the (M, N) view per entry of the drop-path scale (the kernels index it as ``row // tokens``); 1
+    without one. The functionals check its length (``check_sample_scale``); a direct custom-op call with a
+    length that does not divide the rows is refused here rather than read out of bounds."""
+    if sample_scale is None or m == 0:
+        return 1
+    samples = sample_scale.shape[0]
+    if samples == 0 or m % samples:
+        raise ValueError(f"{op}: expected sample_scale with one entry per sample ({m} rows), got {samples} entries")
+    return m // samples
+
+
 def check_sample_scale(op: str, sample_scale: Optional[torch.Tensor], x: torch.Tensor) -> None:
     if sample_scale is None:
         return

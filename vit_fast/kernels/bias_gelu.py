@@ -59,7 +59,7 @@ import triton.language as tl
 
 from . import _tuning
 from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
-from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
+from ._join import prepare_join, residual_join_bwd, residual_join_fwd, rows_per_sample, stores_dx
 from ._math import gelu_fwd_bwd
 from ._rows import (
     RowTile,
@@ -281,7 +281,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     out = full.view(m, n)
     if m == 0:
         return full
-    tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
+    tokens = rows_per_sample("bias_dropout_add_fwd", m, sample_scale)
     flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
                  HAS_DROPOUT=p > 0)
 
@@ -314,7 +314,7 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
     param_dtype = param_grad_dtype(params)
     if m == 0 or (not params and not store_dx):
         return dx, torch.zeros((len(params), n), device=x.device, dtype=param_dtype)
-    tokens = m // sample_scale.shape[0] if sample_scale is not None else 1
+    tokens = rows_per_sample("bias_dropout_add_bwd", m, sample_scale)
     flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
                  HAS_DROPOUT=p > 0, STORE_DX=store_dx)
 

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from . import _tuning
 from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
-from ._join import prepare_join, residual_join_bwd, residual_join_fwd, stores_dx
+from ._join import prepare_join, residual_join_bwd, residual_join_fwd, rows_per_sample, stores_dx
 from ._rows import RowTile, as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket, launcher
 from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, unit_stride
@@ -232,7 +232,7 @@ def _fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype) -> _F
     flags = dict(HAS_RESIDUAL=has_res, HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None,
                  HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
     return _FwdPlan(y_dtype, (m, n) if has_res else (0,), h_dtype,
-                    m // sample_scale.shape[0] if sample_scale is not None and len(sample_scale) else 1, flags,
+                    rows_per_sample("add_layer_norm_fwd", m, sample_scale), flags,
                     (x.stride(0), residual.stride(0) if has_res else 0, n, n if has_res else 0),
                     (bucket(m), n, str(x.dtype), str(h_dtype), str(y_dtype), *flags.values()),
                     tuple(_tuning.row_candidates(ln_config(n))))
@@ -304,7 +304,7 @@ def _bwd_plan(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, 
     spill_prone = bwd_spill_prone(gamma is not None, branch_bias is not None, dy.dtype == torch.float32)
     tile = ln_config(n, arch, backward=True, spill_prone=spill_prone)
     return _BwdPlan((m, n) if store_dx else (0,), len(params), param_grad_dtype(params),
-                    m // sample_scale.shape[0] if sample_scale is not None and len(sample_scale) else 1, flags,
+                    rows_per_sample("add_layer_norm_bwd", m, sample_scale), flags,
                     (dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), n,
                      n if store_dx else 0),
                     (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values()),

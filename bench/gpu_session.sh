@@ -32,6 +32,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 step campaign 300 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --quick --out "$R/campaign"
 # linear_act's Triton GEMMs, pointer vs persistent TMA kernels (never run on a GPU before), against cuBLAS
 step gemm 60 python3 bench/gpu_probe.py gemm --dump-after 50
+# host microseconds per launch: the op, Triton's JIT launch and the compiled kernel called directly (what a leaner
+# launch path could save; 15.8-22.1 us vs 2.1-2.4 us per launch behind a fake driver on the 2-core CPU machine)
+step launch 30 python3 bench/gpu_probe.py launch --dump-after 20
 # what only a GPU checks: the activations with the GPU's approximate exp2, the TMA kernels and every sm_90 attention
 # candidate against float64, graph replays draw fresh dropout masks, a block as one autograd Function bitwise its
 # parts on the compiled kernels, the short kernels
@@ -39,9 +42,6 @@ step tests 120 python3 -m pytest -q tests/test_math.py tests/test_linear_act_tma
 # the host work's A/B: ViT-S/16 eager with each block as one autograd Function (the default) and per part; at batch
 # 1 the GPU work is a small part of the step, which is then about the host's time per step
 step host_ab 60 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 256 --paths vit_fast vit_fast_per_part timm_eager --steps 20 --warmup 5 --out "$R/host_ab"
-# host microseconds per launch: the op, Triton's JIT launch and the compiled kernel called directly (what a leaner
-# launch path could save; 15.8-22.1 us vs 2.1-2.4 us per launch behind a fake driver on the 2-core CPU machine)
-step launch 30 python3 bench/gpu_probe.py launch --dump-after 20
 # every part's candidates timed on ViT-B/16 b256 (the MLP's cuBLAS + bias_gelu route was never measured), as JSON;
 # linear_act's kernels with the TMA tiles among their autotuning candidates
 VIT_FAST_TMA_GEMM=1 step tune 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" tune --model vit_base_patch16_224 --batch 256 --json "$R/tune_b16_b256.json"

@@ -407,6 +407,8 @@ def _captured_launch(launch):
 
 
 def item_launch(args) -> None:
+    from triton.runtime import driver
+
     from vit_fast.kernels import layer_norm as ln
     from vit_fast.kernels.attention import interface as ai
 
@@ -430,8 +432,6 @@ def item_launch(args) -> None:
             row["jit_launch_us"] = _host_us(lambda: jit_fn[grid](*a, **kw), calls)
             # every argument, constexprs included, in the kernel's order: what JITFunction.run hands the compiled
             # kernel (its binder is the last entry of the device's cache tuple in triton 3.6 and 3.8)
-            from triton.runtime import driver
-
             binder = jit_fn.device_caches[driver.active.get_current_device()][-1]
             bound = binder(*a, **kw)[0]
             grid = tuple(grid(bound) if callable(grid) else grid)

@@ -182,7 +182,6 @@ class _FlashPlan(NamedTuple):
     head_align: int
     key: tuple  # the tuning key
     candidates: tuple
-    dims: dict  # config -> (BLOCK_D, BLOCK_D_TAIL, grid), filled as configs launch
 
 
 def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, bias_dtype: Optional[torch.dtype],
@@ -199,7 +198,7 @@ def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, bias_dtyp
         key, candidates = (bucket(N), D, str(q.dtype), arch, precision, dropout, bias_dtype is not None,
                            q_len == N), _bwd_candidates(static)
     strides = tuple(stride for t in tensors for stride in t.stride())
-    return _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates, {})
+    return _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates)
 
 
 _FWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_fwd"))
@@ -216,11 +215,8 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optiona
                            precision, arch), tensors, q_len, dropout_p, None, precision, arch)
 
     def launch(cfg: Tile) -> None:
-        dims = plan.dims.get(cfg)
-        if dims is None:
-            dims = plan.dims[cfg] = (*_block_dims(D, cfg.split), attention_grid(B * H, q_len, cfg.block_m))
-        block_d, tail, grid = dims
-        launcher(_attention_fwd_kernel, grid)(
+        block_d, tail = _block_dims(D, cfg.split)
+        launcher(_attention_fwd_kernel, attention_grid(B * H, q_len, cfg.block_m))(
             out, lse, q, k, v, *plan.strides, H, N, D, q_len, scale, plan.threshold, plan.inv_keep, seed,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout,
             INPUT_PRECISION=plan.precision, TAIL_N=LAST_STEP, PEEL=cfg.peel, HEAD_ALIGN=plan.head_align,
@@ -245,14 +241,11 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
                           tensors, q_len, dropout_p, bias_dtype, precision, arch)
 
     def launch(cfg: AttentionConfig) -> Optional[torch.Tensor]:
-        dims = plan.dims.get(cfg)
-        if dims is None:
-            dims = plan.dims[cfg] = (*_block_dims(D, cfg.dq.split), attention_grid(B * H, N, cfg.dq.block_m))
-        block_d, tail, grid = dims
+        block_d, tail = _block_dims(D, cfg.dq.split)
         partial = None if bias_dtype is None else _empty((3, B * cdiv(N, cfg.dq.block_m), H * D),
                                                          torch.float32, q.device)
         slabs = (None, None, None) if partial is None else partial.unbind(0)
-        launcher(_attention_bwd_kernel, grid)(
+        launcher(_attention_bwd_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
             dq, dk, dv, *slabs, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
             plan.inv_keep, seed, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
             BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision,

@@ -33,7 +33,8 @@ step campaign 300 python3 -c "import sys; from vit_fast.tools.cli import main; s
 # linear_act's Triton GEMMs, pointer vs persistent TMA kernels (never run on a GPU before), against cuBLAS
 step gemm 60 python3 bench/gpu_probe.py gemm --dump-after 50
 # host microseconds per launch: the op, Triton's JIT launch and the compiled kernel called directly (what a leaner
-# launch path could save; 15.8-22.1 us vs 2.1-2.4 us per launch behind a fake driver on the 2-core CPU machine)
+# launch path could save; 15.8-22.1 us vs 2.1-2.4 us per launch behind a fake sm_90 driver on the 2-core CPU
+# machine, triton 3.8.0, 2026-11-27: a CPU check, not a GPU timing)
 step launch 30 python3 bench/gpu_probe.py launch --dump-after 20
 # what only a GPU checks: the activations with the GPU's approximate exp2, the TMA kernels and every sm_90 attention
 # candidate against float64, graph replays draw fresh dropout masks, a block as one autograd Function bitwise its

@@ -142,10 +142,10 @@ def test_record_is_written_under_docs_measured(tmp_path, monkeypatch):
                                     images_per_s=2719.0, step_ms=94.1, p10_ms=93.5, p90_ms=97.6, mfu=0.3,
                                     peak_mem_gb=18.1)]
     written = campaign.write_outputs(c)
-    assert "docs/measured/nvidia-h200-2026-11-26.md" in written
-    record = (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26.md").read_text()
+    assert "docs/measured/nvidia-h200-2026-11-26-0700.md" in written
+    record = (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26-0700.md").read_text()
     assert "NVIDIA H200" in record and "2719" in record and "DRY RUN" not in record
-    assert (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26" / "throughput.csv").exists()
+    assert (tmp_path / "docs" / "measured" / "nvidia-h200-2026-11-26-0700" / "throughput.csv").exists()
     assert not (tmp_path / "vit_fast").exists()  # no profile: nothing for the calibrated model
 
 
@@ -173,7 +173,7 @@ def test_record_with_a_profile_is_shipped_as_calibration_data(tmp_path, monkeypa
     c.results["profile"] = [dict(row, path="vit_fast", family=f, kernel_ms_per_step=ms, launches_per_step=n,
                                  step_ms=79.0) for f, ms, n in (("GEMM", 45.0, 192), ("attention", 9.0, 26))]
     campaign.write_outputs(c)
-    shipped = tmp_path / "vit_fast" / "data" / "measured" / "nvidia-h100-80gb-hbm3-2026-12-01.json"
+    shipped = tmp_path / "vit_fast" / "data" / "measured" / "nvidia-h100-80gb-hbm3-2026-12-01-0700.json"
     doc = json.loads(shipped.read_text())
     m = calibration.Measurement.from_json("h100", doc)
     assert m.gpu_kind == "H100" and m.copy_tb_per_s == 3.0 and m.dense_peak_tflops == 989.0

@@ -749,14 +749,17 @@ def write_outputs(c: Campaign) -> list[str]:
 
 
 def record_name(meta: dict) -> str:
-    """docs/measured/<gpu>-<date>: e.g. 'nvidia-h200-2026-11-26'."""
+    """docs/measured/<gpu>-<date>-<hhmm>, the campaign's start in UTC: e.g. 'nvidia-h200-2026-11-26-0700' (two
+    campaigns of one day are two records)."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(meta.get("gpu", "gpu")).lower()).strip("-")
-    return f"{gpu}-{str(meta.get('date', ''))[:10]}"
+    date = str(meta.get("date", ""))
+    time = f"-{date[11:13]}{date[14:16]}" if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d", date) else ""
+    return f"{gpu}-{date[:10]}{time}"
 
 
 def write_record(c: Campaign) -> str:
-    """The campaign as a record ready to commit: docs/measured/<gpu>-<date>.md (the summary) and its CSVs in
-    docs/measured/<gpu>-<date>/ (a later campaign of the same GPU and day overwrites both)."""
+    """The campaign as a record ready to commit: docs/measured/<name>.md (the summary) and its CSVs in
+    docs/measured/<name>/, <name> from ``record_name``."""
     import shutil
 
     folder = os.path.join(REPO, "docs", "measured", record_name(c.meta))

@@ -72,6 +72,19 @@ def test_synthetic():
     assert torch.equal(info.train[300][0], info.train[300 % 256][0])
 
 
+@pytest.mark.parametrize("name", ["digits", "synthetic"])
+def test_datasets_stay_on_the_cpu_under_another_default_device(name):
+    """Datasets are built on the CPU whatever torch's default device (a CUDA one in users' scripts and in the GPU
+    test run: a CPU generator's draw onto it fails); the meta device stands in for it here."""
+    torch.set_default_device("meta")
+    try:
+        info = data.build_datasets(name, img_size=16)
+        image, label = info.train[5]
+    finally:
+        torch.set_default_device(None)
+    assert image.device.type == "cpu" and isinstance(label, int)
+
+
 def _write_image_tree(root, corrupt_in=("train", "val")):
     for split in ("train", "val"):
         for cls in ("cat", "dog"):

@@ -1,6 +1,7 @@
 """Datasets and loaders for `vit-fast train`.
 
-Three sources, all returning ``(image CHW float tensor, int label)``:
+Three sources, all returning ``(image CHW float tensor, int label)`` on the CPU (every draw names it: a CUDA default
+device must not move a dataset, nor meet a CPU generator):
 
 - ``digits``: scikit-learn's bundled handwritten digits (1,797 real 8x8 greyscale images, no download),
   resized to ``img_size`` (bilinear), normalised with fixed statistics, split once into 1,438 train /
@@ -59,7 +60,7 @@ def random_shift(max_shift: int, background: float) -> Callable[[torch.Tensor], 
     """Translate an image by up to ``max_shift`` pixels each way, filling with ``background``."""
 
     def shift(image: torch.Tensor) -> torch.Tensor:
-        dy, dx = torch.randint(-max_shift, max_shift + 1, (2,)).tolist()
+        dy, dx = torch.randint(-max_shift, max_shift + 1, (2,), device="cpu").tolist()
         padded = F.pad(image, (max_shift, max_shift, max_shift, max_shift), value=background)
         h, w = image.shape[-2:]
         return padded[..., max_shift + dy:max_shift + dy + h, max_shift + dx:max_shift + dx + w]
@@ -89,7 +90,8 @@ def load_digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
 
         bunch = load_digits()
         pixels, target = bunch.data, bunch.target
-    return torch.tensor(pixels, dtype=torch.float32).view(-1, 8, 8), torch.tensor(target, dtype=torch.long)
+    return (torch.tensor(pixels, dtype=torch.float32, device="cpu").view(-1, 8, 8),
+            torch.tensor(target, dtype=torch.long, device="cpu"))
 
 
 def stratified_split(labels: torch.Tensor, test_fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +100,7 @@ def stratified_split(labels: torch.Tensor, test_fraction: float, seed: int = 0) 
     train, test = [], []
     for cls in labels.unique().tolist():
         members = (labels == cls).nonzero().flatten()
-        members = members[torch.randperm(len(members), generator=generator)]
+        members = members[torch.randperm(len(members), generator=generator, device="cpu")]
         n_test = round(len(members) * test_fraction)
         test.append(members[:n_test])
         train.append(members[n_test:])
@@ -124,8 +126,9 @@ class SyntheticImages(Dataset):
     def __init__(self, length: int, in_chans: int, img_size: int, num_classes: int, pool: int = 256, seed: int = 0):
         generator = torch.Generator().manual_seed(seed)
         self.length = length
-        self.images = torch.randn(min(pool, length), in_chans, img_size, img_size, generator=generator)
-        self.labels = torch.randint(0, num_classes, (min(pool, length),), generator=generator)
+        self.images = torch.randn(min(pool, length), in_chans, img_size, img_size, generator=generator,
+                                  device="cpu")
+        self.labels = torch.randint(0, num_classes, (min(pool, length),), generator=generator, device="cpu")
 
     def __len__(self) -> int:
         return self.length
@@ -288,7 +291,7 @@ def build_loaders(data: DataInfo, micro_batch: int, rank: int = 0, world: int = 
     # A private generator: creating a loader iterator must not draw from the global RNG (bitwise resume).
     train = DataLoader(EpochSeeded(data.train, seed), batch_size=micro_batch, sampler=sampler, drop_last=True,
                        generator=torch.Generator().manual_seed(seed), **common)
-    placeholder = torch.zeros(data.in_chans, data.img_size, data.img_size)
+    placeholder = torch.zeros(data.in_chans, data.img_size, data.img_size, device="cpu")
     test = DataLoader(EvalShard(data.test, rank, world, placeholder), batch_size=max(micro_batch, 64),
                       shuffle=False, **common)
     return sampler, train, test

@@ -593,3 +593,26 @@ def test_tune_model_handles_frozen_parts_and_models_without_class_token(cpu_tuni
     with cpu_tuning(FakeTimer(**{"patch_embed:eager": 0.1})):
         result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
     assert result.choices["patch_embed"] == "eager" and model.patch_embed.impl == "eager"
+
+
+def test_a_forcing_switch_holds_in_other_threads_too():
+    """`vit-fast check` and the tests force one candidate with ``with switch():``; autograd runs a CUDA backward on
+    its own device thread, so the switch must read on there (thread-local, the GPU's backward tested the pointer
+    dgrad while the TMA one was asked for)."""
+    import threading
+
+    switch = _tuning.ProcessSwitch()
+    seen = []
+
+    def read():
+        seen.append(switch.on)
+
+    with switch():
+        with switch():
+            pass
+        worker = threading.Thread(target=read)
+        worker.start()
+        worker.join()
+        seen.append(switch.on)
+    read()
+    assert seen == [True, True, False]

@@ -565,26 +565,29 @@ def _memoized(build: Callable[..., list]) -> Callable[..., list]:
     return cached
 
 
-class ThreadSwitch:
-    """A per-thread switch, off until a ``with switch():`` block turns it on for that block: how a launcher is told
+class ProcessSwitch:
+    """A process-wide switch, off until a ``with switch():`` block turns it on for that block: how a launcher is told
     to run one candidate whatever the autotuner would pick, so `vit-fast check` and the tests can compare that
-    candidate with float64."""
+    candidate with float64. Not per thread: autograd runs a CUDA backward on its own device thread, where a
+    thread-local switch would read off and the backward would test another kernel."""
 
     def __init__(self):
-        self._local = threading.local()
+        self._depth = 0
+        self._lock = threading.Lock()
 
     @property
     def on(self) -> bool:
-        return getattr(self._local, "on", False)
+        return self._depth > 0
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
-        before = self.on
-        self._local.on = True
+        with self._lock:
+            self._depth += 1
         try:
             yield
         finally:
-            self._local.on = before
+            with self._lock:
+                self._depth -= 1
 
 
 def unique(items: list) -> list:

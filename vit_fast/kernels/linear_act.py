@@ -253,9 +253,9 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
         INPUT_PRECISION=input_precision(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
 
 
-# inside ``with tma_only():`` every 16-bit launch of the thread runs the static tile on the TMA kernels (where the
-# operands allow), whatever the architecture or the autotuner would pick
-tma_only = _tuning.ThreadSwitch()
+# inside ``with tma_only():`` every 16-bit launch (of any thread: backwards included) runs the static tile on the
+# TMA kernels (where the operands allow), whatever the architecture or the autotuner would pick
+tma_only = _tuning.ProcessSwitch()
 
 
 # The fc1 forward's co-resident tiles (16 bits): two programs of 4 warps share an SM, so that (PREDICTED; not yet

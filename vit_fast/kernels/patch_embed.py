@@ -445,8 +445,8 @@ class LibraryDweight:
 
 
 LIBRARY_DWEIGHT = LibraryDweight()
-# inside ``with library_dweight_only():`` every 16-bit dW launch of the thread takes the library route
-library_dweight_only = _tuning.ThreadSwitch()
+# inside ``with library_dweight_only():`` every 16-bit dW launch (of any thread) takes the library route
+library_dweight_only = _tuning.ProcessSwitch()
 
 
 def _dweight_candidates(tile: GemmTile, dtype: torch.dtype) -> list:

@@ -36,10 +36,11 @@ step gemm 60 python3 bench/gpu_probe.py gemm --dump-after 50
 # launch path could save; 15.8-22.1 us vs 2.1-2.4 us per launch behind a fake sm_90 driver on the 2-core CPU
 # machine, triton 3.8.0, 2026-11-27: a CPU check, not a GPU timing)
 step launch 30 python3 bench/gpu_probe.py launch --dump-after 20
-# what only a GPU checks: the activations with the GPU's approximate exp2, the TMA kernels and every sm_90 attention
+# what only a GPU checks (8 workers; each failure's traceback printed as it happens, which a deadline cannot lose):
+# the activations with the GPU's approximate exp2, the TMA kernels and every sm_90 attention
 # candidate against float64, graph replays draw fresh dropout masks, a block as one autograd Function bitwise its
 # parts on the compiled kernels, the short kernels
-step tests 120 python3 -m pytest -q tests/test_math.py tests/test_linear_act_tma.py "tests/test_attention.py::test_every_sm90_candidate_matches_float64" tests/test_graphs.py tests/test_fused_block.py tests/test_attention_short.py -p no:cacheprovider
+VIT_FAST_FAILURES_AT_ONCE=1 step tests 120 python3 -m pytest -q -n 8 tests/test_math.py tests/test_linear_act_tma.py "tests/test_attention.py::test_every_sm90_candidate_matches_float64" tests/test_graphs.py tests/test_fused_block.py tests/test_attention_short.py -p no:cacheprovider
 # the host work's A/B: ViT-S/16 eager with each block as one autograd Function (the default) and per part; at batch
 # 1 the GPU work is a small part of the step, which is then about the host's time per step
 step host_ab 60 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 256 --paths vit_fast vit_fast_per_part timm_eager --steps 20 --warmup 5 --out "$R/host_ab"

@@ -9,6 +9,7 @@ interpreter instrumentation: launches, loads and stores). Shared constants and c
 (DEVICE, DTYPES, assert_close, check_matches_reference, ...) live in tests/numerics.py.
 """
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -29,6 +30,14 @@ if interpreter_active():
     from vit_fast.tools.interpreter import install_bf16_shims
 
     install_bf16_shims()
+
+
+def pytest_runtest_logreport(report):
+    """With VIT_FAST_FAILURES_AT_ONCE=1 (the GPU session's test step, which a deadline may kill before pytest's
+    summary), each failure's traceback is printed as it happens."""
+    if report.failed and os.environ.get("VIT_FAST_FAILURES_AT_ONCE") == "1":
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+        sys.stderr.flush()
 
 
 @pytest.fixture(autouse=True)

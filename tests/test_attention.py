@@ -258,7 +258,7 @@ def test_last_partial_step_on_sm90_tables(monkeypatch, N, p):
 def test_every_sm90_candidate_matches_float64(monkeypatch, D, p):
     """Each config autotuning may pick for sm_90's 16-bit forward and backward at 197 tokens (the static 128 rows
     on 8 warps, 64 rows on one warpgroup, the halved steps) runs forward and backward, with and without dropout, the
-    qkv bias's gradient partials included (``attention_linear``), head_dim 64 and So400m's 72 (64 + 16 columns).
+    qkv bias's gradient included (``attention_linear``), head_dim 64 and So400m's 72 (64 + 16 columns).
     The interpreter ignores num_warps, which is what the 4-warp candidates change: on a GPU this test compiles them
     (bench/gpu_session.sh runs it)."""
     B, N, H, seed = 1, 197, 2, 3
@@ -429,16 +429,11 @@ def test_config_table_and_aot_specs():
         assert {"stride_qn", "stride_qh"} & set(s.signature) <= set(s.divisible_by_16), s.name
         assert "seq_len" not in s.divisible_by_16  # 197 is no multiple of 16
     bwd = [s for s in specs if s.name == "attention_bwd"]
-    assert sorted(s.constexprs["BIAS_GRAD"] for s in bwd) == [False, False, True, True]  # x dropout on/off
+    assert sorted(s.constexprs["DROPOUT"] for s in bwd) == [False, True]
     short_bwd = [s for s in specs if s.name == "attention_short_bwd"]  # without dropout (held: 208 rows)
     streamed = [s for s in specs if s.name == "attention_short_bwd_streamed"]  # with dropout (held only to 144)
-    assert [s.constexprs["DROPOUT"] for s in short_bwd + streamed] == [False, False, True, True]
-    assert sorted(s.constexprs["BIAS_GRAD"] for s in short_bwd) == sorted(s.constexprs["BIAS_GRAD"] for s in streamed)
+    assert [s.constexprs["DROPOUT"] for s in short_bwd + streamed] == [False, True]
     assert all(s.signature["DQAcc"] == s.signature["Delta"] == "*fp32" for s in streamed)
-    bwd += short_bwd + streamed
-    assert all({"PQ", "PK", "PV"} <= set(s.divisible_by_16) for s in bwd if s.constexprs["BIAS_GRAD"])
-    assert all(s.signature[p] == "*fp32" for s in bwd if s.constexprs["BIAS_GRAD"] for p in ("PQ", "PK", "PV"))
-    assert all(s.constexprs[p] is None for s in bwd if not s.constexprs["BIAS_GRAD"] for p in ("PQ", "PK", "PV"))
 
 
 def test_tf32_only_when_allowed(monkeypatch):
@@ -708,13 +703,10 @@ def test_attention_linear_lse_and_probs():
 
 
 class _Launches:
-    """Counts Triton launches (by kernel name) of the attention kernels and of sum_partials, and the
-    aten ops that run meanwhile."""
+    """Counts Triton launches (by kernel name) of the attention kernels, and the aten ops that run meanwhile."""
 
     def __init__(self, monkeypatch):
         from torch.utils._python_dispatch import TorchDispatchMode
-
-        import vit_fast.kernels._rows as G
 
         self.kernels, self.aten = [], []
         log = self
@@ -727,8 +719,8 @@ class _Launches:
                 log.kernels.append(self.name)
                 return self.fn[grid]
 
-        for module, name in [(AI, "_attention_fwd_kernel"), (AI, "_attention_bwd_kernel"), (G, "_sum_partials_kernel")]:
-            monkeypatch.setattr(module, name, Counted(name.strip("_").replace("_kernel", ""), getattr(module, name)))
+        for name in ("_attention_fwd_kernel", "_attention_bwd_kernel"):
+            monkeypatch.setattr(AI, name, Counted(name.strip("_").replace("_kernel", ""), getattr(AI, name)))
 
         class Aten(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -752,9 +744,8 @@ class _Launches:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_attention_linear_launches(monkeypatch, dtype):
     """Forward: the qkv GEMM with its bias (no separate add) and 1 launch; backward 1 launch (no delta
-    pre-pass) + one sum_partials, no aten sum over d(qkv) and no fill of partial rows (every program
-    writes the partial row of its own dK/dV and dQ tile, the same rows). Without a bias or with a frozen
-    one: 1 + 1, no partials."""
+    pre-pass) and, for a trained bias, one aten sum over d(qkv) (its gradient, as eager's addmm backward), nothing
+    filled. Without a bias or with a frozen one: no sum."""
     B, N, H, D = 1, 37, 2, 64
     launches = _Launches(monkeypatch)
     for case in ("none", "frozen", "trained"):
@@ -766,8 +757,8 @@ def test_attention_linear_launches(monkeypatch, dtype):
         assert not {"add", "add_"} & set(launches.aten), launches.aten
         grad = torch.ones_like(out[0])
         backward = launches.run(lambda: out[0].backward(grad))
-        assert backward == ["attention_bwd"] + (["sum_partials"] if case == "trained" else []), case
-        assert "sum" not in launches.aten, "d(bias) must not be a separate sum over d(qkv)"
+        assert backward == ["attention_bwd"], case
+        assert launches.aten.count("sum") == (case == "trained"), launches.aten
         # (fill_ is the test's NaN poisoning of every allocation, ones_like the test's grad)
         fills = [op for op in launches.aten if op in ("zero_", "zeros", "zeros_like", "new_zeros")]
         assert not fills, launches.aten

@@ -96,7 +96,7 @@ def test_matches_float64(dtype, B, N, H, D, arch, monkeypatch, launches):
 @pytest.mark.parametrize("N, query_rows", [(197, None), (197, 1), (197, 100), (257, None), (257, 1), (257, 100)])
 def test_attention_linear_query_rows_and_bias_gradient(N, query_rows, launches):
     """The qkv Linear with a large bias, every query or the first M (class-token pooling): output, d(x), d(W) and
-    d(bias) from the short backward's one partial row per head (dQ held, and streamed at 257 tokens)."""
+    d(bias), the column sum of the short backward's d(qkv) (dQ held, and streamed at 257 tokens)."""
     H = 2
     x, w, b = make_linear(2, N, H, 64, torch.bfloat16)
     check_2x_eager(lambda x, w, b: A.attention_linear(x, w, b, H, query_rows=query_rows, kernel="short"),

@@ -5,7 +5,7 @@ least one library path with the same numerics contract (tests/test_route.py comp
 
   patch_embed  fused      the ``patch_embed`` kernel (conv as GEMM + class token + position add)
                eager      cuDNN's convolution, cat, position add
-  attention    fused      qkv GEMM (cuBLAS) + vit_fast's flash attention kernels, bias gradient from their partials
+  attention    fused      qkv GEMM (cuBLAS) + vit_fast's flash attention kernels, bias gradient a column sum
                short      the same with the short-sequence kernels (one program per head, S and dP once per tile
                           pair) up to 640 tokens (fp16/bf16, ``kernels.attention.short_supported``), else flash
                sdpa       qkv GEMM + torch's SDPA (cuDNN / flash) on strided views of the packed qkv, the three

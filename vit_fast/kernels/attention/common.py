@@ -59,21 +59,6 @@ def _load(X, rows, row_ok, offs_d, d_ok, stride_n, stride_d, TRANS: tl.constexpr
 
 
 @triton.jit
-def _column_sums(x, row_ok):
-    """Column sums of an fp32 (rows x D) tile over its valid rows (``row_ok``)."""
-    return tl.sum(tl.where(row_ok[:, None], x, 0.0), 0)
-
-
-@triton.jit
-def _store_column_sums(P, x, row_ok, offs_d, d_ok, partial_row, head_dim):
-    """Bias-gradient partial: the column sums of a program's fp32 (rows x D) tile x over its valid
-    rows, stored at row ``partial_row`` of a (G * H, D) fp32 buffer (row (b * tiles + tile) * H + h).
-    Every (row, column) has exactly one writer: no atomics, and the second stage sums rows in a fixed
-    order."""
-    tl.store(P + partial_row * head_dim + offs_d, _column_sums(x, row_ok), mask=d_ok)
-
-
-@triton.jit
 def _q_row_tiles(q_head, o_head, do_head, rows, row_ok, offs, ok, stride_qn, stride_qd, stride_on, stride_od,
                  stride_gn, stride_gd, TRANS_Q: tl.constexpr):
     """q (transposed with ``TRANS_Q``) and dO of some q rows and columns, and those columns' share of

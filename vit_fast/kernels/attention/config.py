@@ -44,10 +44,10 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
                      input_precision: str | None = None, dropout: bool = False) -> AttentionConfig:
     """Block sizes per (N, D, dtype, arch, dropout on or off): a small explicit table, no autotuning.
 
-    ``vit-fast report`` compiles every entry for sm_80 and sm_90, with and without dropout and the
-    qkv bias's gradient partials, and prints its registers and spills. The tiles were sized when the
-    kernels still added the qkv bias themselves (the notes below are from then); they now hold fewer
-    live values, and larger tiles are worth timing on a GPU before any change. fp32 depends on the dot
+    ``vit-fast report`` compiles every entry for sm_80 and sm_90, with and without dropout, and prints its
+    registers and spills. The tiles were sized when the kernels still added the qkv bias and wrote its
+    gradient's partials themselves (the notes below are from then); they now hold fewer live values, and
+    larger tiles are worth timing on a GPU before any change. fp32 depends on the dot
     precision (default: the torch tf32 flag): IEEE fp32 dots run on the FMA units and need smaller
     tiles than tf32 ones. The backward's two phases share one launch, hence one warp count.
     Short sequences clamp the tiles to N rounded up to a power of two (>= 16), which only lowers
@@ -57,10 +57,9 @@ def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
     and steps over 32 q rows in dK/dV and 64 keys in dQ, so every dot is a wgmma of N >= 32 (the former
     64 rows owned with 16-row steps gave 64x16 wgmma tiles; its main loops read 53-56% in ``vit-fast
     report``'s SASS ceiling, these 86-92% without dropout and 44-46% with it, no spills at 173-246
-    registers; with the full tiles unmasked, 100% and 50-59%). 64x64 steps at 4 warps spill with the bias
-    partials, at 8 warps they split into 64x32
-    wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads keep the small tiles: 64-row steps
-    with a 128-wide head spill hundreds of bytes.
+    registers; with the full tiles unmasked, 100% and 50-59%). 64x64 steps at 4 warps spilled with the
+    partials, at 8 warps they split into 64x32 wgmma tiles (68%); 128x64 steps spill with dropout. Wider heads
+    keep the small tiles: 64-row steps with a 128-wide head spill hundreds of bytes.
 
     Dropout's keep tile (16 bytes per Philox call, spread over the score tile) holds registers of its own, so
     a few entries shrink when ``dropout`` is on, where the no-dropout tile would spill: the wide 16-bit forward

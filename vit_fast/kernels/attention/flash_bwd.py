@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .._math import LOG2E
 from .._utils import dropout_keep_tile
-from .common import _head, _load, _q_row_tiles, _store_column_sums, _tile, _tile_mask
+from .common import _head, _load, _q_row_tiles, _tile, _tile_mask
 
 
 @triton.jit
@@ -67,12 +67,12 @@ def _dkdv_step(
 
 @triton.jit
 def _bwd_dkdv(
-    dk_head, dv_head, PK, PV, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+    dk_head, dv_head, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
     seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr, PEEL: tl.constexpr,
 ):
     """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles: full ones
@@ -128,18 +128,12 @@ def _bwd_dkdv(
     dk = dk * scale
     tl.store(dk_head + offsets, dk.to(dk_head.dtype.element_ty), mask=mask)
     tl.store(dv_head + offsets, dv.to(dv_head.dtype.element_ty), mask=mask)
-    if BIAS_GRAD:  # padded k/v rows hold junk (p of a zero key), hence the row mask
-        _store_column_sums(PK, dk, col_ok, offs_d, d_ok, partial_row, head_dim)
-        _store_column_sums(PV, dv, col_ok, offs_d, d_ok, partial_row, head_dim)
     if BLOCK_D_TAIL:
         offsets_t = _tile(cols, offs_t, stride_dn, stride_dd, False)
         mask_t = _tile_mask(col_ok, t_ok, False)
         dk_t = dk_t * scale
         tl.store(dk_head + offsets_t, dk_t.to(dk_head.dtype.element_ty), mask=mask_t)
         tl.store(dv_head + offsets_t, dv_t.to(dv_head.dtype.element_ty), mask=mask_t)
-        if BIAS_GRAD:
-            _store_column_sums(PK, dk_t, col_ok, offs_t, t_ok, partial_row, head_dim)
-            _store_column_sums(PV, dv_t, col_ok, offs_t, t_ok, partial_row, head_dim)
 
 
 @triton.jit
@@ -184,12 +178,12 @@ def _dq_step(
 
 @triton.jit
 def _bwd_dq(
-    dq_head, PQ, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile, partial_row,
+    dq_head, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
     stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
     seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D_TAIL: tl.constexpr, TAIL_N: tl.constexpr, PEEL: tl.constexpr,
 ):
     """Phase 2 of the backward: dQ of q tile ``tile`` (BLOCK_M rows), looping over k/v tiles as the forward
@@ -239,20 +233,15 @@ def _bwd_dq(
     store_ok = rows < seq_len  # every q row of the gradient is written, the rows past q_len as zeros
     tl.store(dq_head + _tile(rows, offs_d, stride_dn, stride_dd, False), dq.to(dq_head.dtype.element_ty),
              mask=_tile_mask(store_ok, d_ok, False))
-    if BIAS_GRAD:
-        _store_column_sums(PQ, dq, row_ok, offs_d, d_ok, partial_row, head_dim)
     if BLOCK_D_TAIL:
         dq_t = dq_t * scale
         tl.store(dq_head + _tile(rows, offs_t, stride_dn, stride_dd, False), dq_t.to(dq_head.dtype.element_ty),
                  mask=_tile_mask(store_ok, t_ok, False))
-        if BIAS_GRAD:
-            _store_column_sums(PQ, dq_t, row_ok, offs_t, t_ok, partial_row, head_dim)
 
 
 @triton.jit
 def _attention_bwd_kernel(
     DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
-    PQ, PK, PV,  # BIAS_GRAD outputs: (B * tiles * H, D) fp32 column partials of dq, dk, dv, else None
     Q, K, V, O, DO,  # inputs through strides; dO may be non-contiguous
     Lse,  # (B * H, q_len) fp32
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -270,7 +259,6 @@ def _attention_bwd_kernel(
     BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,  # also write column partials of dq, dk, dv (the qkv bias's gradient)
     BLOCK_D_TAIL: tl.constexpr = 0,  # 16: head_dim as BLOCK_D + a 16-wide tail (see the forward)
     TAIL: tl.constexpr = 16,  # the last, partial q step (dK/dV) or k/v step (dQ) runs this wide when it fits
     HEAD_ALIGN: tl.constexpr = 1,  # every head's offset is a multiple of this many elements (_head_align)
@@ -281,26 +269,25 @@ def _attention_bwd_kernel(
     num_tiles = tl.cdiv(seq_len, BLOCK)
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
-    partial_row = (((bh // num_heads) * num_tiles + tile) * num_heads + bh % num_heads).to(tl.int64)
     # Each phase gets its heads' pointers computed at its call (not kept live across phase 1).
     _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
-              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PK, PV,
+              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
               _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
               _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
               _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
               _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
-              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
+              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
               seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
-              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)
-    _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN), PQ,
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL)
+    _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
             _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
             _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
             _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
             _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
-            _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile, partial_row,
+            _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile,
             stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
             seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
-            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD, BLOCK_D_TAIL, TAIL, PEEL)
+            BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from .. import _tuning
 from .._aot import TRITON_DTYPE_NAMES, AotSpec
-from .._rows import sum_partials
 from .._tuning import bucket, launcher
 from .._utils import (
     cdiv,
@@ -171,8 +170,7 @@ def _dropout_args(dropout_p: float) -> tuple[bool, int, float]:
 
 class _FlashPlan(NamedTuple):
     """What a flash launch derives from its tensors' layout (``LaunchPlans``): q, k, v, out (and for the backward
-    dO, dq, dk, dv) shapes, strides and dtype, the dropout rate, the bias gradient's dtype, the dot precision and
-    the GPU architecture."""
+    dO, dq, dk, dv) shapes, strides and dtype, the dropout rate, the dot precision and the GPU architecture."""
 
     strides: tuple  # every tensor's four strides, in the kernel's argument order
     precision: str
@@ -184,19 +182,14 @@ class _FlashPlan(NamedTuple):
     candidates: tuple
 
 
-def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, bias_dtype: Optional[torch.dtype],
-                precision: str, arch: int) -> _FlashPlan:
+def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision: str, arch: int) -> _FlashPlan:
     q = tensors[0]
     B, H, N, D = q.shape
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
     # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
-    if op == "attention_fwd":
-        key, candidates = (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N), \
-            _fwd_candidates(static.fwd, D)
-    else:
-        key, candidates = (bucket(N), D, str(q.dtype), arch, precision, dropout, bias_dtype is not None,
-                           q_len == N), _bwd_candidates(static)
+    key = (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N)
+    candidates = _fwd_candidates(static.fwd, D) if op == "attention_fwd" else _bwd_candidates(static)
     strides = tuple(stride for t in tensors for stride in t.stride())
     return _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates)
 
@@ -212,7 +205,7 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optiona
     tensors = (q, k, v, out)
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)  # read per launch: torch's tf32 flag
     plan = _FWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), q.dtype, dropout_p,
-                           precision, arch), tensors, q_len, dropout_p, None, precision, arch)
+                           precision, arch), tensors, q_len, dropout_p, precision, arch)
 
     def launch(cfg: Tile) -> None:
         block_d, tail = _block_dims(D, cfg.split)
@@ -224,35 +217,28 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optiona
     launch(_tuning.choose("attention_fwd", plan.key, plan.candidates, launch, q.device))
 
 
-def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: Optional[torch.Tensor],
-                bias_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-    """One launch writes dq, dk, dv (which share one stride layout). With ``bias_dtype`` (the qkv bias's
-    gradient is wanted) its programs also write fp32 column partials of dk, dv and dq into the three
-    slabs of one (3, G, H * D) buffer (G = B * tiles), and ``sum_partials`` (one launch) returns
-    d(bias) (3 * H * D,) in that dtype. out, dO and lse may hold the first M < N query rows only (the
-    forward's): the other rows of dq are written as zeros."""
+def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float,
+                seed: Optional[torch.Tensor]) -> None:
+    """One launch writes dq, dk, dv (which share one stride layout). out, dO and lse may hold the first
+    M < N query rows only (the forward's): the other rows of dq are written as zeros."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
     # the kernel's argument order: q, k, v, out, dO, then dq (dk and dv share its layout)
     tensors = (q, k, v, out, do, dq, dk, dv)
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     plan = _BWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), do.stride(),
-                           dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, bias_dtype, precision, arch),
-                          tensors, q_len, dropout_p, bias_dtype, precision, arch)
+                           dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch),
+                          tensors, q_len, dropout_p, precision, arch)
 
-    def launch(cfg: AttentionConfig) -> Optional[torch.Tensor]:
+    def launch(cfg: AttentionConfig) -> None:
         block_d, tail = _block_dims(D, cfg.dq.split)
-        partial = None if bias_dtype is None else _empty((3, B * cdiv(N, cfg.dq.block_m), H * D),
-                                                         torch.float32, q.device)
-        slabs = (None, None, None) if partial is None else partial.unbind(0)
         launcher(_attention_bwd_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
-            dq, dk, dv, *slabs, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
+            dq, dk, dv, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
             plan.inv_keep, seed, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
             BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision,
-            BIAS_GRAD=partial is not None, TAIL=LAST_STEP, PEEL=cfg.dq.peel, HEAD_ALIGN=plan.head_align,
-            num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
-        return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
-    return launch(_tuning.choose("attention_bwd", plan.key, plan.candidates, launch, q.device))
+            TAIL=LAST_STEP, PEEL=cfg.dq.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps,
+            num_stages=cfg.dq.num_stages)
+    launch(_tuning.choose("attention_bwd", plan.key, plan.candidates, launch, q.device))
 
 
 def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:
@@ -273,20 +259,16 @@ def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: O
         num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages)
 
 
-def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float, seed: Optional[torch.Tensor],
-                      bias_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float,
+                      seed: Optional[torch.Tensor]) -> None:
     """The short-sequence backward (short_bwd.py), one program per (image, head), dQ in registers or, past
-    ``SHORT_CAPACITY``, in an fp32 workspace; returns d(bias) as ``_launch_bwd`` does, from one partial row per
-    head."""
+    ``SHORT_CAPACITY``, in an fp32 workspace."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     cfg = short_config(N, D, q.dtype, gpu_arch(q.device), dropout)
-    partial = None if bias_dtype is None else _empty((3, B, H * D), torch.float32, q.device)
-    slabs = (None, None, None) if partial is None else partial.unbind(0)
     common = dict(BLOCK_N=cfg.bwd.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
-                  INPUT_PRECISION=dot_input_precision(q.dtype), BIAS_GRAD=partial is not None,
-                  HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv), num_warps=cfg.bwd.num_warps,
+                  INPUT_PRECISION=dot_input_precision(q.dtype), HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv), num_warps=cfg.bwd.num_warps,
                   num_stages=cfg.bwd.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride())
     values = (H, N, D, q_len, scale, threshold, inv_keep, seed)
@@ -294,13 +276,12 @@ def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p
         delta = _empty((B * H, q_len), torch.float32, q.device)
         dq_acc = _empty((B * H, q_len, _block_d(D)), torch.float32, q.device)
         launcher(_attention_short_bwd_streamed_kernel, attention_grid(B * H, 1, 1))(
-            dq, dk, dv, *slabs, q, k, v, out, do, lse, delta, dq_acc, *strides, *values,
+            dq, dk, dv, q, k, v, out, do, lse, delta, dq_acc, *strides, *values,
             BLOCK_M=cfg.bwd.block_m, **common)
     else:
         launcher(_attention_short_bwd_kernel, attention_grid(B * H, 1, 1))(
-            dq, dk, dv, *slabs, q, k, v, out, do, lse, *strides, *values, **cfg.segment_constexprs("ROWS"),
+            dq, dk, dv, q, k, v, out, do, lse, *strides, *values, **cfg.segment_constexprs("ROWS"),
             **common)
-    return None if partial is None else sum_partials(partial, bias_dtype).view(-1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,10 +340,14 @@ def _packed_bwd(op, launch, grad_out, qkv, qkv_bias, out, lse, num_heads, scale,
     if grad_out.shape != out.shape:
         raise ValueError(f"{op}: expected grad_out of shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
     dqkv = _empty(qkv.shape, qkv.dtype, qkv.device)
-    dbias = launch(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads),
-                   lse, *_split_packed(dqkv, num_heads), scale, dropout_p, seed,
-                   None if qkv_bias is None else qkv_bias.dtype)
-    return dqkv, qkv.new_empty(0) if dbias is None else dbias
+    launch(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse,
+           *_split_packed(dqkv, num_heads), scale, dropout_p, seed)
+    if qkv_bias is None:
+        return dqkv, qkv.new_empty(0)
+    # torch's column sum of the rounded d(qkv), as eager's addmm backward (no atomics: bitwise repeatable); in the
+    # kernels' epilogues the same sums cost 0.29 ms against 0.075 per ViT-B/16 b256 block on the H200 (torch
+    # 2.11, triton 3.6, 2026-11-27)
+    return dqkv, dqkv.view(-1, dqkv.shape[-1]).sum(0, dtype=torch.float32).to(qkv_bias.dtype)
 
 
 def _packed_fwd_fake(qkv, num_heads, scale, dropout_p, seed, query_rows):
@@ -461,7 +446,7 @@ def _check_attention(op: str, qkv: torch.Tensor, num_heads: int, dropout_p: floa
 # ----------------------------------------------------------------------------------------- autograd
 class AttentionFunction(torch.autograd.Function):
     """qkv_bias: the qkv Linear's bias already inside qkv (added by the GEMM with the bias detached), or
-    None. It is an input only so that the backward returns its gradient, from the kernel's partials.
+    None. It is an input only so that the backward returns its gradient, the column sum of d(qkv).
     ``kernel``: the family ('flash' or 'short', ``FAMILY_OPS``) running both passes."""
 
     @staticmethod
@@ -562,8 +547,8 @@ def attention_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     (B, M, H * D) with ``query_rows`` = M.
 
     The bias rides in the GEMM's epilogue (cuBLAS; under autocast cast like eager's, so qkv is bitwise
-    eager timm's) and its gradient comes from the attention backward's column partials, not from a
-    separate sum over d(qkv): the Linear sees the bias detached, the attention Function returns d(bias).
+    eager timm's) and its gradient is the attention backward's fp32 column sum of d(qkv): the Linear sees the
+    bias detached, the attention Function returns d(bias).
     ``return_lse``: also return the fp32 log-sum-exp (B, H, N), (B, H, M) with query_rows, for
     ``attention_probs`` (which needs all N rows, so no query_rows, and takes
     the biased qkv, F.linear(x, weight, bias)). ``query_rows`` = M: only the first M tokens' output,
@@ -690,28 +675,19 @@ def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]
     return values
 
 
-_BIAS_GRAD_ARGS = ("PQ", "PK", "PV")  # the qkv bias's gradient partials: None without BIAS_GRAD
-
-
-def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_grad=False):
+def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot):
     """Type every argument of ``fn`` as a launch of the packed path types it: tensors in ``dtype``
-    (lse/delta/probs/partials fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1
+    (lse/delta/probs/workspaces fp32, Rows i64), ints i32, floats fp32; unit strides become constexpr 1
     and multiples of 16 are listed in divisible_by_16, both as Triton specialises a real launch.
-    Without ``bias_grad`` the partials are constexpr None. head_dim is a constexpr; HEAD_ALIGN is what
-    ``_head_align`` finds for the packed layout (its batch and head strides are multiples of D)."""
+    head_dim is a constexpr; HEAD_ALIGN is what ``_head_align`` finds for the packed layout (its batch
+    and head strides are multiples of D)."""
     head_align = next(a for a in (16, 8, 4, 2, 1) if values["head_dim"] % a == 0)
     constexprs = dict(constexprs, head_dim=values["head_dim"], HEAD_ALIGN=head_align,
                       **{a: 1 for a in fn.arg_names if values.get(a) == 1 and a.startswith("stride_")})
-    if "BIAS_GRAD" in fn.arg_names:
-        constexprs["BIAS_GRAD"] = bias_grad
-        if not bias_grad:
-            constexprs.update({a: None for a in _BIAS_GRAD_ARGS})
     width = values["num_heads"] * values["head_dim"]
     elem = torch.empty((), dtype=dtype).element_size()
     aligned = {a: width * elem % 16 == 0 for a in ("K", "V", "DK", "DV")}  # k, v inside qkv / dqkv
-    aligned.update(PK=width * 4 % 16 == 0, PV=width * 4 % 16 == 0)  # slabs 1, 2 of the (3, G, H * D) partials
-    pointer_types = dict(Lse="*fp32", Delta="*fp32", DQAcc="*fp32", P="*fp32", Rows="*i64", SEED="*i64", PQ="*fp32",
-                         PK="*fp32", PV="*fp32")
+    pointer_types = dict(Lse="*fp32", Delta="*fp32", DQAcc="*fp32", P="*fp32", Rows="*i64", SEED="*i64")
     signature, divisible = {}, []
     for arg in fn.arg_names:
         if arg in constexprs:
@@ -732,8 +708,8 @@ def _aot_spec(name, fn, dtype, constexprs, tile, note, values, has_dot, bias_gra
 
 
 def _short_aot_specs(tokens: int, D: int, dtype: torch.dtype, arch: int, values: dict) -> list[AotSpec]:
-    """The short family's launches (the 'short' route), with and without dropout and bias partials (where the head
-    does not fit one program, the flash forward, listed with the flash family's specs)."""
+    """The short family's launches (the 'short' route), with and without dropout (where the head does not fit one
+    program, the flash forward, listed with the flash family's specs)."""
     specs = []
     for dropout in (False, True):
         if not short_supported(tokens, D, dtype):
@@ -746,26 +722,23 @@ def _short_aot_specs(tokens: int, D: int, dtype: torch.dtype, arch: int, values:
             specs.append(_aot_spec("attention_short_fwd", _attention_short_fwd_kernel, dtype,
                                    dict(common, BLOCK_M=cfg.fwd.block_m, **cfg.segment_constexprs("KEYS")),
                                    cfg.fwd, note, values, True))
-        for bias_grad in (False, True):
-            if cfg.dq_workspace:
-                specs.append(_aot_spec("attention_short_bwd_streamed", _attention_short_bwd_streamed_kernel, dtype,
-                                       dict(common, BLOCK_M=cfg.bwd.block_m, BLOCK_N=cfg.bwd.block_n), cfg.bwd,
-                                       f"{note} qkv_bias_grad={bias_grad} keys held={cfg.bwd.block_n} q rows per "
-                                       f"step={cfg.bwd.block_m}", values, True, bias_grad))
-            else:
-                specs.append(_aot_spec("attention_short_bwd", _attention_short_bwd_kernel, dtype,
-                                       dict(common, BLOCK_N=cfg.bwd.block_n, **cfg.segment_constexprs("ROWS")),
-                                       cfg.bwd, f"{note} qkv_bias_grad={bias_grad} keys per step={cfg.bwd.block_n}",
-                                       values, True, bias_grad))
+        if cfg.dq_workspace:
+            specs.append(_aot_spec("attention_short_bwd_streamed", _attention_short_bwd_streamed_kernel, dtype,
+                                   dict(common, BLOCK_M=cfg.bwd.block_m, BLOCK_N=cfg.bwd.block_n), cfg.bwd,
+                                   f"{note} keys held={cfg.bwd.block_n} q rows per step={cfg.bwd.block_m}", values,
+                                   True))
+        else:
+            specs.append(_aot_spec("attention_short_bwd", _attention_short_bwd_kernel, dtype,
+                                   dict(common, BLOCK_N=cfg.bwd.block_n, **cfg.segment_constexprs("ROWS")),
+                                   cfg.bwd, f"{note} keys per step={cfg.bwd.block_n}", values, True))
     return specs
 
 
 def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch: int, **_) -> list[AotSpec]:
     """Every launch the config table makes for one ViT attention layer: training with and without
-    attention dropout, the backward with and without the qkv bias's gradient partials, the
-    attention-map kernel, and for fp32 both dot precisions (IEEE, the default, runs on FMA units, so
-    only tf32 entries are expected to use tensor cores). The d(qkv_bias) reduction is bias_gelu's
-    ``sum_partials`` at width 3 * C (the same BLOCK_N=256 build its own specs list for C)."""
+    attention dropout, the attention-map kernel, and for fp32 both dot precisions (IEEE, the default,
+    runs on FMA units, so only tf32 entries are expected to use tensor cores). The qkv bias's gradient is
+    torch's column sum of d(qkv), no kernel of ours."""
     D = width // num_heads
     values = _launch_values(tokens, num_heads, D)
     specs = []
@@ -782,10 +755,9 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
                                    note, values, tensor_cores))
             bwd = dict(common(cfg.dq), BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
                        TAIL=LAST_STEP)
-            for bias_grad in (False, True):
-                specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
-                                       f"{note} qkv_bias_grad={bias_grad} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
-                                       f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores, bias_grad))
+            specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
+                                   f"{note} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
+                                   f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores))
         specs += _short_aot_specs(tokens, D, dtype, arch, values)
         cfg = attention_config(tokens, D, dtype, arch, precision)
         specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,

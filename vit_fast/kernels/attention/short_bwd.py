@@ -10,9 +10,7 @@ time: per step S = q k^T and dP = dO v^T are computed once for all rows, then
 with dK_j, dV_j written at the end of the step and dQ after the last one. So every product of the
 backward is computed once (the flash backward computes S and dP in both its phases), delta once per row,
 nothing is re-read across programs, and no program reads what another writes: no atomics, no second
-phase, bitwise repeatable. With the qkv bias's gradient (BIAS_GRAD) each program writes one fp32 column
-sum per slab (dq, dk, dv of its head) into row b * H + h of the (3, B, H * D) partials, as the flash
-backward does with one tile per sequence.
+phase, bitwise repeatable.
 
 Longer heads (up to ``config.SHORT_STREAMED``: 640 tokens at head_dim 64, 320 at 128) run
 ``_attention_short_bwd_streamed_kernel``: the same tile pairs, each once, with keys outer and the q rows streamed,
@@ -25,7 +23,7 @@ import triton.language as tl
 
 from .._math import LOG2E
 from .._utils import dropout_keep_tile
-from .common import _column_sums, _delta, _head, _load, _q_row_tiles, _tile, _tile_mask
+from .common import _delta, _head, _load, _q_row_tiles, _tile, _tile_mask
 
 
 @triton.jit
@@ -74,32 +72,16 @@ def _store_rows(X, x, start, n_rows, offs_d, d_ok, stride_n, stride_d, ROWS: tl.
 
 
 @triton.jit
-def _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d, d_ok, stride_n,
-                     stride_d, BLOCK_N: tl.constexpr, BIAS_GRAD: tl.constexpr):
-    """Writes one key block's dK (scaled) and dV; returns the bias-gradient column sums with theirs added (padded
-    keys' rows are exact zeros: p is masked to 0 in ``_tile_pair``)."""
-    dk = dk * scale
-    _store_rows(dk_head, dk, start_n, seq_len, offs_d, d_ok, stride_n, stride_d, BLOCK_N)
+def _store_key_block(dk_head, dv_head, dk, dv, start_n, seq_len, scale, offs_d, d_ok, stride_n, stride_d,
+                     BLOCK_N: tl.constexpr):
+    """Writes one key block's dK (scaled) and dV."""
+    _store_rows(dk_head, dk * scale, start_n, seq_len, offs_d, d_ok, stride_n, stride_d, BLOCK_N)
     _store_rows(dv_head, dv, start_n, seq_len, offs_d, d_ok, stride_n, stride_d, BLOCK_N)
-    if BIAS_GRAD:
-        sum_dk += tl.sum(dk, 0)
-        sum_dv += tl.sum(dv, 0)
-    return sum_dk, sum_dv
-
-
-@triton.jit
-def _store_head_sums(PQ, PK, PV, bh, head_dim, offs_d, d_ok, sum_dq, sum_dk, sum_dv):
-    """The head's bias-gradient partials: row b * H + h of each slab, one writer each."""
-    partial = bh.to(tl.int64) * head_dim + offs_d
-    tl.store(PQ + partial, sum_dq, mask=d_ok)
-    tl.store(PK + partial, sum_dk, mask=d_ok)
-    tl.store(PV + partial, sum_dv, mask=d_ok)
 
 
 @triton.jit
 def _attention_short_bwd_kernel(
     DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
-    PQ, PK, PV,  # BIAS_GRAD outputs: (B * H, D) fp32 column sums of dq, dk, dv per head, else None
     Q, K, V, O, DO,  # inputs through strides
     Lse,  # (B * H, q_len) fp32
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -118,7 +100,6 @@ def _attention_short_bwd_kernel(
     BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
     HEAD_ALIGN: tl.constexpr = 1,
 ):
     bh = tl.program_id(0)
@@ -149,8 +130,6 @@ def _attention_short_bwd_kernel(
     qk_scale = scale * LOG2E
     dk_head = _head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
     dv_head = _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
-    sum_dk = tl.zeros([BLOCK_D], tl.float32)
-    sum_dv = tl.zeros([BLOCK_D], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
@@ -167,28 +146,19 @@ def _attention_short_bwd_kernel(
             dq2, dk, dv = _tile_pair(dq2, dk, dv, q2, do2, lse2, delta2, k, v, bh, ROWS0 + ROWS1, start_n, col_ok,
                                      qk_scale, drop_threshold, inv_keep, SEED, ROWS2, BLOCK_N, DROPOUT,
                                      INPUT_PRECISION)
-        sum_dk, sum_dv = _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d,
-                                          d_ok, stride_dn, stride_dd, BLOCK_N, BIAS_GRAD)
+        _store_key_block(dk_head, dv_head, dk, dv, start_n, seq_len, scale, offs_d, d_ok, stride_dn, stride_dd,
+                         BLOCK_N)
 
     # every q row of the gradient is written, the rows past q_len as the zeros they hold
     dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
     dq0 = dq0 * scale
     _store_rows(dq_head, dq0, 0, seq_len, offs_d, d_ok, stride_dn, stride_dd, ROWS0)
-    sum_dq = tl.zeros([BLOCK_D], tl.float32)
-    if BIAS_GRAD:
-        sum_dq += _column_sums(dq0, tl.arange(0, ROWS0) < q_len)
     if ROWS1:
         dq1 = dq1 * scale
         _store_rows(dq_head, dq1, ROWS0, seq_len, offs_d, d_ok, stride_dn, stride_dd, ROWS1)
-        if BIAS_GRAD:
-            sum_dq += _column_sums(dq1, ROWS0 + tl.arange(0, ROWS1) < q_len)
     if ROWS2:
         dq2 = dq2 * scale
         _store_rows(dq_head, dq2, ROWS0 + ROWS1, seq_len, offs_d, d_ok, stride_dn, stride_dd, ROWS2)
-        if BIAS_GRAD:
-            sum_dq += _column_sums(dq2, ROWS0 + ROWS1 + tl.arange(0, ROWS2) < q_len)
-    if BIAS_GRAD:
-        _store_head_sums(PQ, PK, PV, bh, head_dim, offs_d, d_ok, sum_dq, sum_dk, sum_dv)
 
 
 @triton.jit
@@ -198,14 +168,13 @@ def _workspace_rows(acc_head, rows, offs_d, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _streamed_key_block(q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, sum_dk,
-                        sum_dv, bh, start_n, seq_len, q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd,
-                        stride_vn, stride_vd, stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale,
-                        drop_threshold, inv_keep, SEED, BLOCK_M: tl.constexpr, KEYS: tl.constexpr,
-                        BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                        BIAS_GRAD: tl.constexpr):
+def _streamed_key_block(q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, bh,
+                        start_n, seq_len, q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn,
+                        stride_vd, stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale, drop_threshold,
+                        inv_keep, SEED, BLOCK_M: tl.constexpr, KEYS: tl.constexpr, BLOCK_D: tl.constexpr,
+                        DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """One key block of the streamed backward: its dK, dV over every q tile, each tile's dQ share added to the
-    workspace rows (the first block stores them), then dK, dV written; returns the bias-gradient sums. The barrier
+    workspace rows (the first block stores them), then dK, dV written. The barrier
     orders this block's workspace stores before the next block's loads of the same rows by other threads; nothing
     may overlap the blocks (no loop flattening or warp specialisation across them)."""
     cols = start_n + tl.arange(0, KEYS)
@@ -228,14 +197,12 @@ def _streamed_key_block(q_head, k_head, v_head, do_head, lse_head, delta_head, a
         dq += tl.load(acc, mask=row_ok[:, None] & (start_n > 0), other=0.0)
         tl.store(acc, dq, mask=row_ok[:, None])
     tl.debug_barrier()
-    return _store_key_block(dk_head, dv_head, dk, dv, sum_dk, sum_dv, start_n, seq_len, scale, offs_d, d_ok,
-                            stride_dn, stride_dd, KEYS, BIAS_GRAD)
+    _store_key_block(dk_head, dv_head, dk, dv, start_n, seq_len, scale, offs_d, d_ok, stride_dn, stride_dd, KEYS)
 
 
 @triton.jit
 def _attention_short_bwd_streamed_kernel(
     DQ, DK, DV,  # outputs: (B, H, N, D) through the gradient strides (views of one dqkv buffer)
-    PQ, PK, PV,  # BIAS_GRAD outputs: (B * H, D) fp32 column sums of dq, dk, dv per head, else None
     Q, K, V, O, DO,  # inputs through strides
     Lse,  # (B * H, q_len) fp32
     Delta,  # (B * H, q_len) fp32 workspace: delta of every q row, written here first
@@ -254,7 +221,6 @@ def _attention_short_bwd_streamed_kernel(
     BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
     HEAD_ALIGN: tl.constexpr = 1,
 ):
     """The short backward for heads whose dQ does not fit the registers (up to ``SHORT_STREAMED``): one
@@ -285,25 +251,18 @@ def _attention_short_bwd_streamed_kernel(
     qk_scale = scale * LOG2E
     dk_head = _head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
     dv_head = _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
-    sum_dk = tl.zeros([BLOCK_D], tl.float32)
-    sum_dv = tl.zeros([BLOCK_D], tl.float32)
     # A last block of few keys still streams every q tile: peeling it 16 wide (257 tokens: 2 x 128 + 16 keys) left
     # that loop's SASS ceiling at 21-37% on sm_90 and spilled 16 B in the wide dropout build, so it runs full width.
     for start_n in range(0, seq_len, BLOCK_N):
-        sum_dk, sum_dv = _streamed_key_block(
-            q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, sum_dk, sum_dv, bh,
-            start_n, seq_len, q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_gn, stride_gd, stride_dn, stride_dd, scale, qk_scale, drop_threshold, inv_keep, SEED, BLOCK_M,
-            BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BIAS_GRAD)
+        _streamed_key_block(
+            q_head, k_head, v_head, do_head, lse_head, delta_head, acc_head, dk_head, dv_head, bh, start_n, seq_len,
+            q_len, offs_d, d_ok, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_gn,
+            stride_gd, stride_dn, stride_dd, scale, qk_scale, drop_threshold, inv_keep, SEED, BLOCK_M, BLOCK_N,
+            BLOCK_D, DROPOUT, INPUT_PRECISION)
 
     # every q row of the gradient is written, the rows past q_len as zeros
     dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
-    sum_dq = tl.zeros([BLOCK_D], tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         dq = tl.load(_workspace_rows(acc_head, rows, offs_d, BLOCK_D), mask=(rows < q_len)[:, None], other=0.0) * scale
         _store_rows(dq_head, dq, start_m, seq_len, offs_d, d_ok, stride_dn, stride_dd, BLOCK_M)
-        if BIAS_GRAD:
-            sum_dq += tl.sum(dq, 0)
-    if BIAS_GRAD:
-        _store_head_sums(PQ, PK, PV, bh, head_dim, offs_d, d_ok, sum_dq, sum_dk, sum_dv)

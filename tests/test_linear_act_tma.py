@@ -154,27 +154,29 @@ def _launch_candidates(monkeypatch, arch, dtype, activation="gelu"):
 
 
 def test_candidates_the_launchers_hand_the_autotuner(monkeypatch):
-    """The static tile first (the pointer kernels until a GPU measures others faster); in 16 bits the forward's
-    co-resident tile (every activation; never the dgrad, where it spills) and, with VIT_FAST_TMA_GEMM=1
-    on sm_90, the static and the co-resident tiles on the TMA kernels in both passes; ``tma_only`` hands the static
+    """The static tile first; in 16 bits the forward's co-resident tile (every activation; never the dgrad, where it
+    spills); on sm_90 in 16 bits (unless VIT_FAST_TMA_GEMM=0) the static tile on the TMA kernels first (the static
+    choice, measured faster on the H200) and the co-resident TMA tile in both passes; ``tma_only`` hands the static
     one on the TMA kernels alone; fp32 gets neither."""
     def tma(cands):
         return [c for c in cands if isinstance(c, TmaTile)]
 
-    monkeypatch.delenv(linear_act_tma.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(linear_act_tma.ENV_SWITCH, "0")
     fwd, bwd = _launch_candidates(monkeypatch, 90, torch.bfloat16)
     assert fwd[0] == la.linear_act_config(torch.bfloat16, 90).fwd and fwd[-1] == la.CO_RESIDENT[90]
-    assert not tma(fwd) and not tma(bwd)  # off until a GPU has run them
+    assert not tma(fwd) and not tma(bwd)
     assert la.CO_RESIDENT[90] not in bwd and bwd[0] == la.linear_act_config(torch.bfloat16, 90).bwd
-    for arch, activation in ((90, "quick_gelu"), (80, "gelu"), (80, "quick_gelu")):
+    monkeypatch.delenv(linear_act_tma.ENV_SWITCH)  # the default: on
+    for arch, activation in ((80, "gelu"), (80, "quick_gelu")):
         fwd, bwd = _launch_candidates(monkeypatch, arch, torch.float16, activation)
         assert fwd[-1] == la.CO_RESIDENT[arch] and la.CO_RESIDENT[arch] not in bwd and not tma(fwd + bwd)
-    monkeypatch.setenv(linear_act_tma.ENV_SWITCH, "1")
     for dtype in (torch.bfloat16, torch.float16):
         fwd, bwd = _launch_candidates(monkeypatch, 90, dtype)
         cfg = la.linear_act_config(dtype, 90)
+        assert fwd[0] == TmaTile.of(cfg.fwd) and bwd[0] == TmaTile.of(cfg.bwd)
         assert tma(fwd) == [TmaTile.of(cfg.fwd), la.CO_RESIDENT_TMA]
         assert tma(bwd) == [TmaTile.of(cfg.bwd), la.CO_RESIDENT_TMA]
+        assert cfg.fwd in fwd and la.CO_RESIDENT[90] in fwd and cfg.bwd in bwd  # the pointer tiles still timed
         assert la.CO_RESIDENT_TMA.programs_per_sm == 2 and TmaTile.of(cfg.fwd).programs_per_sm == 1
         assert not tma(_launch_candidates(monkeypatch, 80, dtype)[0])
         with la.tma_only():

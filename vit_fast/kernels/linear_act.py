@@ -43,8 +43,8 @@ and 32C s. Memory held for backward: x, h and act'(u) (eager holds x, u and h).
 Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_specs, `vit-fast report`);
 main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config. On sm_90+ in 16 bits the same
 tiles (and a co-resident one, ``CO_RESIDENT_TMA``) also run on persistent TMA kernels (linear_act_tma.py, a
-``TmaTile``): autotuning candidates with ``VIT_FAST_TMA_GEMM=1`` (not yet run on a GPU), and what ``tma_only()``
-forces for checks. In 16 bits the forward's autotuning also tries a co-resident pointer tile (``CO_RESIDENT``).
+``TmaTile``): the static choice there unless ``VIT_FAST_TMA_GEMM=0`` (measured faster on the H200), and what
+``tma_only()`` forces for checks. In 16 bits the forward's autotuning also tries a co-resident pointer tile (``CO_RESIDENT``).
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     def launch(t: GemmTile) -> None:
         launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
 
-    with_tma = linear_act_tma.autotuned()  # in the key: a choice made without the TMA tiles must not stand for one with
+    with_tma = linear_act_tma.enabled()  # in the key: a choice made without the TMA tiles must not stand for one with
     key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact, with_tma)
     static = linear_act_config(x.dtype, arch, precision).fwd
     candidates = _candidates(static, x.dtype, arch, tma_only.on, with_tma, co_resident=True)
@@ -273,9 +273,10 @@ CO_RESIDENT_TMA = TmaTile(128, 128, 64, 4, 2, programs_per_sm=2)  # both passes
 def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool = False, with_tma: bool = False,
                 co_resident: bool = False) -> tuple[GemmTile, ...]:
     """The static tile first; autotuning (on a GPU) may also try half the rows or one more stage, in 16 bits
-    ``CO_RESIDENT[arch]`` where ``co_resident`` (the forward) and, ``with_tma`` (``VIT_FAST_TMA_GEMM=1``) on sm_90+,
-    the static tile and ``CO_RESIDENT_TMA`` on the persistent TMA kernels. ``only_tma`` (``tma_only``): the static
-    tile on the TMA kernels alone, in 16 bits."""
+    ``CO_RESIDENT[arch]`` where ``co_resident`` (the forward). With ``with_tma`` (``linear_act_tma.enabled``) on
+    sm_90+ in 16 bits the static tile on the persistent TMA kernels comes first (the static choice: faster on the
+    H200, linear_act_tma's docstring) and ``CO_RESIDENT_TMA`` joins the rest. ``only_tma`` (``tma_only``): the
+    static tile on the TMA kernels alone, in 16 bits."""
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if only_tma and sixteen_bit:
         return (TmaTile.of(static),)
@@ -283,7 +284,7 @@ def _candidates(static: GemmTile, dtype: torch.dtype, arch: int, only_tma: bool 
     if sixteen_bit and co_resident:
         tiles.append(co_resident_tile(arch))
     if sixteen_bit and with_tma and arch >= 90:
-        tiles += [TmaTile.of(static), CO_RESIDENT_TMA]
+        tiles = [TmaTile.of(static)] + tiles + [CO_RESIDENT_TMA]
     return tuple(_tuning.unique(tiles))
 
 
@@ -311,7 +312,7 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
     def launch(t: GemmTile) -> Optional[torch.Tensor]:
         return launch_bwd(du, dy, weight, dact, has_bias, t)
 
-    with_tma = linear_act_tma.autotuned()
+    with_tma = linear_act_tma.enabled()
     key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias, with_tma)
     static = linear_act_config(dact.dtype, arch, precision).bwd
     candidates = _candidates(static, dact.dtype, arch, tma_only.on, with_tma)

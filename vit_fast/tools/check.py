@@ -132,7 +132,7 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
         rows += check_op("linear_act", lambda **a: LA.linear_act(**a), LA.linear_act_ref, inputs,
                          ["x", "w1", "b1", "w2"], ["out"], [(B, N, D)], "dot", dtype, g)
         if dtype != torch.float32 and (device.type != "cuda" or LA.gpu_arch(device) >= 90):
-            with LA.tma_only():  # the persistent TMA kernels (sm_90 autotuning candidates with VIT_FAST_TMA_GEMM=1)
+            with LA.tma_only():  # the persistent TMA kernels (sm_90's 16-bit default)
                 rows += check_op("linear_act_tma", lambda **a: LA.linear_act(**a), LA.linear_act_ref, inputs,
                                  ["x", "w1", "b1", "w2"], ["out"], [(B, N, D)], "dot", dtype, g)
     if "bias_dropout_add" in ops:  # dropout off: a random mask has no deterministic reference

@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 
 from .adapters import effective_bias, effective_weight
 from .backend import check_backend, check_model_input, resolve_backend
+from .kernels._utils import compute_dtype_for
 from .kernels.patch_embed import patch_embed as patch_embed_kernel
 from .layers import (
     AttentionPoolLatent,
@@ -285,15 +286,15 @@ class VisionTransformer(nn.Module):
         if pos_embed is None:  # pos_embed='none': the kernel adds zeros
             tokens = grid[0] * grid[1] + (self.num_prefix_tokens if covers_prefix else 0)
             pos_embed = x.new_zeros((1, tokens, self.embed_dim), dtype=self.patch_embed.proj.weight.dtype)
-        # Outside autocast: tokens come out in the images' dtype, so the residual stream keeps the
-        # reference's dtype under AMP (fp32: timm's pos_embed add promotes it); an fp32 patch GEMM is <2%
-        # of the FLOPs. With residual_in_fp32=False the kernel runs under autocast: tokens in its dtype.
-        with torch.autocast(x.device.type, enabled=residual_dtype is not None):
-            # the distillation token follows the class token, as a register token would (config: no both)
-            proj = self.patch_embed.proj
-            tokens = patch_embed_kernel(x, effective_weight(proj), effective_bias(proj), pos_embed,
-                                        self.cls_token, self.reg_token if self.dist_token is None else self.dist_token,
-                                        covers_prefix)
+        # The GEMM in the autocast dtype, as timm's convolution; the tokens in the residual stream's dtype (fp32
+        # under AMP: timm's pos_embed add promotes the convolution's output) or, with residual_in_fp32=False, in
+        # the autocast dtype. The distillation token follows the class token, as a register token would (config:
+        # no both).
+        proj = self.patch_embed.proj
+        tokens = patch_embed_kernel(x, effective_weight(proj), effective_bias(proj), pos_embed, self.cls_token,
+                                    self.reg_token if self.dist_token is None else self.dist_token, covers_prefix,
+                                    tokens_dtype=residual_dtype or torch.promote_types(compute_dtype_for(x),
+                                                                                       pos_embed.dtype))
         # pre_norm (CLIP): the layer_norm kernel on the stream, before block 0's norm1 (a second launch)
         return self.norm_pre(self.pos_drop(tokens))
 

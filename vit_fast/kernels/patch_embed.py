@@ -35,8 +35,11 @@ Backward (dY = dtokens, any strides, e.g. stride 0 from ``.sum()``):
               pixel is written exactly once); only when the images require grad.
 
 Dtype policy: compute dtype = the autocast dtype when autocast is on for the images' device, else the
-images' dtype. fp32 images are cast in the load, fp32 accumulation, tokens come out in the compute
-dtype; every gradient comes out in its tensor's own dtype. fp32 dots use TF32 when
+images' dtype. fp32 images are cast in the load, the weight and bias to the compute dtype (as autocast casts
+the convolution's), fp32 accumulation; tokens come out in the compute dtype or, asked for (``tokens_dtype``:
+the model's fp32 residual stream under autocast), wider, the convolution's output rounded to the compute dtype
+before the fp32 class token and position adds, as eager's conv then promoting add. Every gradient comes out in
+its tensor's own dtype; the GEMMs' dY is rounded to the compute dtype, the batch sums' is not. fp32 dots use TF32 when
 ``torch.backends.cudnn.allow_tf32`` is set (PyTorch's default, as eager Conv2d does), IEEE otherwise.
 
 Traffic per image (ViT-B/16, 224 px, B=256, bf16 autocast, fp32 images and parameters; parameter
@@ -134,7 +137,7 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _patch_embed_fwd_kernel(
-    Out, X, W, Bias, Pos, Cls, Reg,  # tokens (B, T, D) contiguous; images; weight (D, C, P, P); params
+    Out, X, W, Bias, Pos, Cls, Reg,  # tokens (B, T, D) contiguous; images; weight (D, C, P, P) in the compute dtype
     sxb, sxc, sxh, sxw,  # image strides
     swd, swc, swy, swx,  # weight strides
     spt, spd, srt,  # pos_embed strides (token, channel), reg_tokens token stride
@@ -150,7 +153,7 @@ def _patch_embed_fwd_kernel(
     pid_m = pid // num_n
     offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
-    cdt = Out.dtype.element_ty
+    cdt = W.dtype.element_ty  # the compute dtype (the dots'); the tokens may be wider (fp32 residual under autocast)
     if pid_m < tl.cdiv(M, BLOCK_M):
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -161,12 +164,15 @@ def _patch_embed_fwd_kernel(
             wpix, _, _ = _tile_pixels(t, C, swc, swy, swx, PATCH, PATCH_PAD, ROWS, CHANS)
             a = tl.load(X + img[:, None] + xpix[None, :], mask=mask_m[:, None] & valid[None, :], other=0.0)
             w = tl.load(W + offs_n[None, :] * swd + wpix[:, None], mask=valid[:, None] & mask_n[None, :], other=0.0)
-            acc = _dot(a.to(cdt), w.to(cdt), acc, INPUT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc = _dot(a.to(cdt), w, acc, INPUT_PRECISION)
+        if HAS_BIAS:  # in the compute dtype, as autocast casts the convolution's bias
+            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(cdt).to(tl.float32)[None, :]
+        if Out.dtype.element_ty != cdt:  # the convolution's output rounds to the compute dtype before the pos add
+            acc = acc.to(cdt).to(tl.float32)
         acc += tl.load(Pos + (pos_base + p)[:, None] * spt + offs_n[None, :] * spd,
                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        tl.store(Out + tok[:, None] + offs_n[None, :], acc.to(cdt), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(Out + tok[:, None] + offs_n[None, :], acc.to(Out.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
     else:
         # prefix rows r = b*prefix + j: the class token (j = 0), register tokens, their pos_embed rows
         offs_r = (pid_m - tl.cdiv(M, BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,7 +187,7 @@ def _patch_embed_fwd_kernel(
         if POS_PREFIX:
             val += tl.load(Pos + j[:, None] * spt + offs_n[None, :] * spd, mask=mask, other=0.0).to(tl.float32)
         row = (offs_r // prefix).to(tl.int64) * T * D + j * D
-        tl.store(Out + row[:, None] + offs_n[None, :], val.to(cdt), mask=mask)
+        tl.store(Out + row[:, None] + offs_n[None, :], val.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -566,10 +572,13 @@ def _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_em
 @torch.library.custom_op("vit_fast::patch_embed_fwd", mutates_args=())
 def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
-                    pos_embed_covers_prefix: bool, compute_dtype: torch.dtype) -> torch.Tensor:
-    """Tokens (B, prefix + Np, D) in compute_dtype; one launch."""
+                    pos_embed_covers_prefix: bool, compute_dtype: torch.dtype,
+                    tokens_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Tokens (B, prefix + Np, D) in tokens_dtype (default compute_dtype), the GEMM in compute_dtype; one launch."""
     T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
     _check_compute_dtype(compute_dtype)
+    tokens_dtype = tokens_dtype or compute_dtype
+    _check_compute_dtype(tokens_dtype)
     device = check_kernel_device(OP, images, weight, bias, pos_embed, cls_token, reg_tokens)
     B, C, H, W = images.shape
     D, _, P, _ = weight.shape
@@ -578,7 +587,8 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # the kernel reads bias, cls_token and reg_tokens rows with unit channel stride (images, weight and
     # pos_embed go through their strides): copy strided or expanded (stride-0) views, a no-op otherwise
     bias, cls_token, reg_tokens = (t.contiguous() if t is not None else None for t in (bias, cls_token, reg_tokens))
-    out = torch.empty((B, T, D), dtype=compute_dtype, device=device)
+    weight = weight.to(compute_dtype)  # as autocast casts the convolution's weight (a no-op without autocast)
+    out = torch.empty((B, T, D), dtype=tokens_dtype, device=device)
     arch = gpu_arch(device)
 
     def launch(tile: GemmTile) -> None:
@@ -594,7 +604,7 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
             POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
     aligned = images_aligned(images.stride())
-    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), arch, T - Np, aligned)
+    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), str(tokens_dtype), arch, T - Np, aligned)
     launch(_tuning.choose("patch_embed_fwd", key,
                           _candidates(patch_embed_config(arch, compute_dtype, aligned).fwd), launch, device))
     return out
@@ -605,9 +615,10 @@ def _candidates(tile: GemmTile) -> list[GemmTile]:
 
 
 @patch_embed_fwd.register_fake
-def _(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype):
+def _(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype,
+      tokens_dtype=None):
     T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
-    return images.new_empty((images.shape[0], T, weight.shape[0]), dtype=compute_dtype)
+    return images.new_empty((images.shape[0], T, weight.shape[0]), dtype=tokens_dtype or compute_dtype)
 
 
 def _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages, needs_proj_grads):
@@ -621,11 +632,13 @@ def _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_d
 @torch.library.custom_op("vit_fast::patch_embed_bwd", mutates_args=())
 def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
-                    pos_embed_covers_prefix: bool, needs_dimages: bool,
-                    needs_proj_grads: bool = True) -> list[torch.Tensor]:
+                    pos_embed_covers_prefix: bool, needs_dimages: bool, needs_proj_grads: bool = True,
+                    compute_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
     """[dweight, dbias, dpos_embed, dcls_token, dreg_tokens, dimages], each in its tensor's dtype (an
     absent tensor, dimages when not needed, dweight/dbias for a frozen projection give empty tensors).
-    One to three launches: dW/dbias partials (unless frozen), reduction + batch sums, dimages."""
+    One to three launches: dW/dbias partials (unless frozen), reduction + batch sums, dimages. The GEMMs (dW,
+    dbias, dimages) take dtokens rounded to compute_dtype (default its own), as the convolution's gradient under
+    autocast; the batch sums (dpos, dcls, dreg) take dtokens as they are."""
     T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
     B, C, H, W = images.shape
     D, _, P, _ = weight.shape
@@ -641,26 +654,29 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
     if B == 0:  # an empty batch contributes nothing (and would make an empty split of the patch axis)
         return [g.zero_() for g in grads]
     arch = gpu_arch(device)
+    compute_dtype = compute_dtype or dtokens.dtype
+    _check_compute_dtype(compute_dtype)
+    dy = dtokens.to(compute_dtype)  # the GEMMs' operand (a no-op without autocast)
     aligned = images_aligned(images.stride())  # dW gathers from the images, dimages scatters to its own strides
-    cfg = patch_embed_config(arch, dtokens.dtype, aligned)
-    key = (bucket(M), D, C, P, str(images.dtype), str(dtokens.dtype), arch, prefix, bias is not None, aligned)
+    cfg = patch_embed_config(arch, compute_dtype, aligned)
+    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), arch, prefix, bias is not None, aligned)
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
     if needs_proj_grads:
         def launch_dweight(tile: GemmTile | LibraryDweight) -> tuple[int, torch.Tensor]:
             if isinstance(tile, LibraryDweight):
-                return 1, _dweight_by_library(dtokens, images, P, prefix, bias is not None)
-            consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
+                return 1, _dweight_by_library(dy, images, P, prefix, bias is not None)
+            consts, opts, k_tiles = _gemm_launch(tile, compute_dtype, P, C)
             splits, per_split = _dweight_split(M, D, k_tiles, tile, cfg.num_sms)
             partials = torch.empty((splits, D * K + D), dtype=torch.float32, device=device)
             grid = (cdiv(D, consts["BLOCK_N"]) * (k_tiles + (bias is not None)), splits)
             launcher(_patch_embed_dweight_kernel, grid)(
-                partials, dtokens, images, *dtokens.stride(), *images.stride(),
+                partials, dy, images, *dy.stride(), *images.stride(),
                 M, D, K, Np, Wp, prefix, per_split, HAS_BIAS=bias is not None,
                 ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, consts["BLOCK_M"]), **consts, **opts)
             return splits, partials
         splits, partials = launch_dweight(_tuning.choose(
-            "patch_embed_dweight", key, _dweight_candidates(cfg.dweight, dtokens.dtype), launch_dweight, device))
+            "patch_embed_dweight", key, _dweight_candidates(cfg.dweight, compute_dtype), launch_dweight, device))
 
     red = cfg.reduce
     reduce_programs = cdiv(D * K + D, red.block) if needs_proj_grads else 0
@@ -675,13 +691,13 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
 
     if needs_dimages:
         dx_aligned = images_aligned(dimages.stride())
-        dx_tile = patch_embed_config(arch, dtokens.dtype, dx_aligned).dimages
+        dx_tile = patch_embed_config(arch, compute_dtype, dx_aligned).dimages
 
         def launch_dimages(tile: GemmTile) -> None:
-            consts, opts, k_tiles = _gemm_launch(tile, dtokens.dtype, P, C)
+            consts, opts, k_tiles = _gemm_launch(tile, compute_dtype, P, C)
             grid = (cdiv(M, consts["BLOCK_M"]) * k_tiles,)
             launcher(_patch_embed_dimages_kernel, grid)(
-                dimages, dtokens, weight, *dtokens.stride(), *dimages.stride(), *weight.stride(),
+                dimages, dy, weight, *dy.stride(), *dimages.stride(), *weight.stride(),
                 M, D, C, Np, Wp, prefix, **consts, **opts)
         launch_dimages(_tuning.choose("patch_embed_dimages", key + (dx_aligned,), _candidates(dx_tile),
                                       launch_dimages, device))
@@ -690,7 +706,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
 
 @patch_embed_bwd.register_fake
 def _(dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, needs_dimages,
-      needs_proj_grads=True):
+      needs_proj_grads=True, compute_dtype=None):
     return [images.new_empty(s, dtype=dt) for s, dt in _grad_shapes(
         images, weight, bias, pos_embed, cls_token, reg_tokens, needs_dimages, needs_proj_grads)]
 
@@ -698,11 +714,12 @@ def _(dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed
 # ----------------------------------------------------------------------------------------- autograd
 class PatchEmbedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype):
+    def forward(ctx, images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix, compute_dtype,
+                tokens_dtype):
         ctx.save_for_backward(images, weight, bias, pos_embed, cls_token, reg_tokens)
-        ctx.pos_embed_covers_prefix = pos_embed_covers_prefix
+        ctx.pos_embed_covers_prefix, ctx.compute_dtype = pos_embed_covers_prefix, compute_dtype
         return run_op(patch_embed_fwd, images, weight, bias, pos_embed, cls_token, reg_tokens,
-                               pos_embed_covers_prefix, compute_dtype)
+                      pos_embed_covers_prefix, compute_dtype, tokens_dtype)
 
     @staticmethod
     def backward(ctx, dtokens):
@@ -710,30 +727,36 @@ class PatchEmbedFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         dW, dbias, dpos, dcls, dreg, dimages = run_op(patch_embed_bwd,
             dtokens, images, weight, bias, pos_embed, cls_token, reg_tokens,
-            ctx.pos_embed_covers_prefix, needs[0], needs[1] or needs[2])
+            ctx.pos_embed_covers_prefix, needs[0], needs[1] or needs[2], ctx.compute_dtype)
         wanted = lambda i, g: g if needs[i] else None  # noqa: E731
         return (wanted(0, dimages), wanted(1, dW), wanted(2, dbias), wanted(3, dpos), wanted(4, dcls),
-                wanted(5, dreg), None, None)
+                wanted(5, dreg), None, None, None)
 
 
 # --------------------------------------------------------------------------------------- functional
 def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pos_embed: torch.Tensor,
                 cls_token: Optional[torch.Tensor] = None, reg_tokens: Optional[torch.Tensor] = None,
-                pos_embed_covers_prefix: bool = True) -> torch.Tensor:
-    """Conv2d patch embedding + [cls, regs...] prefix + position embedding in one kernel (module docstring)."""
+                pos_embed_covers_prefix: bool = True, tokens_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Conv2d patch embedding + [cls, regs...] prefix + position embedding in one kernel (module docstring).
+    ``tokens_dtype``: the tokens' dtype, default the compute dtype; under autocast torch.float32 gives timm's fp32
+    residual stream (its fp32 pos_embed add promotes the convolution's output, which still rounds to the compute
+    dtype first)."""
     _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
     compute_dtype = compute_dtype_for(images)
     _check_compute_dtype(compute_dtype)
+    if tokens_dtype is not None:
+        _check_compute_dtype(tokens_dtype)
     return PatchEmbedFunction.apply(images, weight, bias, pos_embed, cls_token, reg_tokens,
-                                    pos_embed_covers_prefix, compute_dtype)
+                                    pos_embed_covers_prefix, compute_dtype, tokens_dtype)
 
 
 # ---------------------------------------------------------------------------------------- reference
 def patch_embed_ref(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pos_embed: torch.Tensor,
                     cls_token: Optional[torch.Tensor] = None, reg_tokens: Optional[torch.Tensor] = None,
-                    pos_embed_covers_prefix: bool = True) -> torch.Tensor:
+                    pos_embed_covers_prefix: bool = True, tokens_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Eager reference (timm PatchEmbed + _pos_embed): conv2d -> flatten -> transpose -> cat -> add,
-    returned in the compute dtype (the autocast dtype when autocast is on, else the images' dtype)."""
+    returned in ``tokens_dtype``, default the compute dtype (the autocast dtype when autocast is on, else the
+    images')."""
     _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix,
                   dtypes=FLOAT_DTYPES + (torch.float64,))
     x = F.conv2d(images, weight, bias, stride=weight.shape[-1]).flatten(2).transpose(1, 2)
@@ -742,7 +765,7 @@ def patch_embed_ref(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         x = torch.cat(prefix + [x], dim=1) + pos_embed
     else:
         x = torch.cat(prefix + [x + pos_embed], dim=1)
-    return x.to(compute_dtype_for(images))
+    return x.to(tokens_dtype or compute_dtype_for(images))
 
 
 # ------------------------------------------------------------------------------ ahead-of-time specs
@@ -773,12 +796,12 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     note = f"N={T} D={D} P={P} C={C} {img_size}px {cdt} compute, {img} images, {par} params"
     kernels = [  # (name, kernel, pointer types, flags, config)
         ("patch_embed_fwd", _patch_embed_fwd_kernel,
-         dict(Out=cdt, X=img, W=par, Bias=par, Pos=par, Cls=par, Reg=par),
+         dict(Out=par, X=img, W=cdt, Bias=par, Pos=par, Cls=par, Reg=par),  # tokens: the residual stream's dtype
          dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg.fwd),
         ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
          dict(HAS_BIAS=True, ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, cfg.dweight.block_m)), cfg.dweight),
         ("patch_embed_reduce", _patch_embed_reduce_kernel,
-         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=cdt), dict(flags, HAS_DW=True),
+         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=par), dict(flags, HAS_DW=True),
          cfg.reduce),
         ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg.dimages),
     ]

@@ -128,5 +128,6 @@ def test_non_finite_and_huge_inputs_as_eager_torch(activation):
         y_ref.sum().backward()
         y_ref, dy_ref = y_ref.detach(), x.grad
     for got, want in ((y, y_ref), (dy, dy_ref)):
-        torch.testing.assert_close(got.cpu().double(), want.cpu().double(), rtol=1e-6, atol=1e-6, equal_nan=True,
-                                   msg=lambda m: f"{m}\ninputs {u.tolist()}\nkernel {got.tolist()}\neager {want.tolist()}")
+        torch.testing.assert_close(
+            got.cpu().double(), want.cpu().double(), rtol=1e-6, atol=1e-6, equal_nan=True,
+            msg=lambda m: f"{m}\ninputs {u.tolist()}\nkernel {got.tolist()}\neager {want.tolist()}")

@@ -44,7 +44,8 @@ Configs (linear_act_config) compile for sm_80 / sm_90 with 0 spill bytes (aot_sp
 main-loop ceiling (CONTRIBUTING.md 3b2) in the docstring of linear_act_config. On sm_90+ in 16 bits the same
 tiles (and a co-resident one, ``CO_RESIDENT_TMA``) also run on persistent TMA kernels (linear_act_tma.py, a
 ``TmaTile``): the static choice there unless ``VIT_FAST_TMA_GEMM=0`` (measured faster on the H200), and what
-``tma_only()`` forces for checks. In 16 bits the forward's autotuning also tries a co-resident pointer tile (``CO_RESIDENT``).
+``tma_only()`` forces for checks. In 16 bits the forward's autotuning also tries a co-resident pointer tile
+(``CO_RESIDENT``).
 """
 from __future__ import annotations
 

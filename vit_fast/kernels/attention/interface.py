@@ -268,8 +268,8 @@ def _launch_short_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     cfg = short_config(N, D, q.dtype, gpu_arch(q.device), dropout)
     common = dict(BLOCK_N=cfg.bwd.block_n, BLOCK_D=_block_d(D), DROPOUT=dropout,
-                  INPUT_PRECISION=dot_input_precision(q.dtype), HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv), num_warps=cfg.bwd.num_warps,
-                  num_stages=cfg.bwd.num_stages)
+                  INPUT_PRECISION=dot_input_precision(q.dtype), HEAD_ALIGN=_head_align(q, k, v, out, do, dq, dk, dv),
+                  num_warps=cfg.bwd.num_warps, num_stages=cfg.bwd.num_stages)
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride())
     values = (H, N, D, q_len, scale, threshold, inv_keep, seed)
     if cfg.dq_workspace:

@@ -156,6 +156,7 @@ def item_attn(args) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from vit_fast.kernels.attention import attention, short_supported
+    from vit_fast.kernels.attention.interface import AttentionFunction
 
     shapes = [(2, 17, 2, 64)] if args.tiny else ATTN_SHAPES
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -164,6 +165,7 @@ def item_attn(args) -> None:
         backends = {"math": SDPBackend.MATH}
     for B, N, H, D in shapes:
         qkv = torch.randn(B, N, 3 * H * D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.zeros(3 * H * D, device=DEVICE, requires_grad=True)
         grad = torch.randn(B, N, H * D, device=DEVICE, dtype=torch.bfloat16)
         tags = dict(batch=B, tokens=N, heads=H, head_dim=D)
 
@@ -178,12 +180,17 @@ def item_attn(args) -> None:
 
         providers = {f"sdpa_{name}": (lambda b=b: sdpa(b)) for name, b in backends.items()}
         providers["vit_fast"] = lambda: attention(qkv, H)
+        # with the qkv bias's gradient (the model's case: a column sum of d(qkv)), the bias an fp32 leaf
+        providers["vit_fast_bias_grad"] = lambda: AttentionFunction.apply(qkv, bias, H, D ** -0.5, 0.0, None, N,
+                                                                          "flash")[0]
         if short_supported(N, D, qkv.dtype):  # the short-sequence family where it runs
             providers["vit_fast_short"] = lambda: attention(qkv, H, kernel="short")
         for name, fwd in providers.items():
             def measure(name=name, fwd=fwd):
+                wrt = (qkv, bias) if name.endswith("bias_grad") else (qkv,)
+
                 def fwd_bwd():
-                    return torch.autograd.grad(fwd(), qkv, grad)[0]
+                    return torch.autograd.grad(fwd(), wrt, grad)[0]
 
                 g1 = fwd_bwd()
                 g2 = fwd_bwd()

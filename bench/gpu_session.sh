@@ -44,6 +44,8 @@ VIT_FAST_FAILURES_AT_ONCE=1 step tests 120 python3 -m pytest -q -n 8 tests/test_
 # the host work's A/B: ViT-S/16 eager with each block as one autograd Function (the default) and per part; at batch
 # 1 the GPU work is a small part of the step, which is then about the host's time per step
 step host_ab 60 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 256 --paths vit_fast vit_fast_per_part timm_eager --steps 20 --warmup 5 --out "$R/host_ab"
+# linear_act's TMA kernels (sm_90's default since 2026-11-27) against its pointer kernels in a whole ViT-B/16 step
+VIT_FAST_TMA_GEMM=0 step tma_off 45 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_base_patch16_224 --batches 256 --paths vit_fast --steps 20 --warmup 5 --out "$R/tma_off"
 # every part's candidates timed on ViT-B/16 b256, as JSON
 step tune 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" tune --model vit_base_patch16_224 --batch 256 --json "$R/tune_b16_b256.json"
 step trace 45 python3 bench/gpu_probe.py trace --path vit_fast --dump-after 30

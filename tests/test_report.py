@@ -278,7 +278,7 @@ def test_every_launch_of_a_training_step_is_in_the_aot_report(monkeypatch, dtype
 
     launches = _recorded_launches(monkeypatch, step)
     shape = report.config_shape(model.config)
-    # under autocast the patch embedding runs in fp32 (the stream's dtype): the report's fp32 entries
+    # under autocast the fp32 entries too: average pooling's norm (fc_norm) runs on the fp32 stream
     kinds = [dict(dtype=dtype, param_dtype=dtype, images_dtype=dtype)] if pure else \
         [dict(dtype=dt) for dt in {dtype, torch.float32}]
     specs = [spec for mod in report.kernel_modules() for kind in kinds

@@ -11,11 +11,11 @@ whole token sequence (a dynamic-size pos_embed is resampled first, on the small 
 carries (hidden, residual) pairs so every residual join is fused with the LayerNorm that follows it
 (``Block.forward_pair``): norm1 of block 0 is the only stand-alone LayerNorm, the last block's join
 computes the final norm (or, with fc_norm / no final norm, is a plain ``bias_dropout_add``).
-Under autocast the residual stream keeps the parameter dtype (fp32), as in the reference model (the
-patch embedding runs outside autocast for that); the kernels see the GEMM outputs in the autocast dtype,
-keep statistics in fp32 and return parameter grads in the parameters' dtype. One visible difference: with
-a final norm, forward_features returns the autocast dtype (the join kernel writes the normed output in
-the branch dtype) where the reference returns fp32; the logits' dtype is the same.
+Under autocast the residual stream keeps the parameter dtype (fp32), as in the reference model (the patch
+embedding's GEMM runs in the autocast dtype and its tokens come out in fp32); the kernels see the GEMM outputs
+in the autocast dtype, keep statistics in fp32 and return parameter grads in the parameters' dtype. One
+visible difference: with a final norm, forward_features returns the autocast dtype (the join kernel writes the
+normed output in the branch dtype) where the reference returns fp32; the logits' dtype is the same.
 """
 from __future__ import annotations
 

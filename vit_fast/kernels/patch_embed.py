@@ -2,7 +2,9 @@
 
 Eager ViT embeds patches with a strided Conv2d, flattens and transposes the feature map, concatenates
 the class/register tokens and adds the position embedding (timm ``PatchEmbed`` + ``_pos_embed``).
-Here the forward is one launch and the backward two (three when the images need a gradient).
+Here the forward is one launch (plus the weight's cast to the compute dtype under autocast, as eager's) and
+the backward two (three when the images need a gradient; plus dtokens' cast to the compute dtype when the
+tokens are wider, as eager's cast backward).
 
 Shapes: images (B, C, H, W), weight (D, C, P, P) in Conv2d layout and pos_embed (1, L, D), any strides;
 bias (D,), cls_token (1, 1, D), reg_tokens (1, R, D) or None (copied when not contiguous: a few KB).
@@ -42,12 +44,13 @@ before the fp32 class token and position adds, as eager's conv then promoting ad
 its tensor's own dtype; the GEMMs' dY is rounded to the compute dtype, the batch sums' is not. fp32 dots use TF32 when
 ``torch.backends.cudnn.allow_tf32`` is set (PyTorch's default, as eager Conv2d does), IEEE otherwise.
 
-Traffic per image (ViT-B/16, 224 px, B=256, bf16 autocast, fp32 images and parameters; parameter
-traffic divided by B): forward, 1 launch, reads the image once (602 KB; the other n-blocks re-read it
-from L2) and writes the tokens once (303 KB), ~0.92 MB; eager (cast images, cast weight, cast bias,
-conv, cat, add: 6 launches) moves ~3.6 MB and hands on fp32 tokens (605 KB). Backward, 2 launches:
-dY twice (dW GEMM, batch sums) + the image once + the fp32 dW partials written and read back (S=8 on
-sm_90: 148 KB; S=3 on sm_80: 55 KB), ~1.3-1.4 MB; eager ~3.1-3.5 MB in 5-6 launches. The saved activation is
+Traffic per image (ViT-B/16, 224 px, B=256, bf16 autocast, fp32 images and parameters, the model's fp32
+tokens; parameter traffic divided by B): forward, 1 launch, reads the image once (602 KB; the other n-blocks
+re-read it from L2) and writes the fp32 tokens once (605 KB), ~1.2 MB; eager (cast images, cast weight, cast
+bias, conv, cat, add: 6 launches) moves ~3.6 MB to the same tokens. Backward, 3 launches: dY's cast to bf16
+(605 KB read, 303 KB written), the bf16 dY in the dW GEMM and the fp32 dY in the batch sums, the image once,
+the fp32 dW partials written and read back (S=8 on sm_90: 148 KB; S=3 on sm_80: 55 KB), ~2.3 MB; eager
+~3.1-3.5 MB in 5-6 launches. The saved activation is
 the caller's image (eager also keeps a bf16 copy).
 
 Limits: square patches (P x P, stride P, no padding; any P >= 1: for P <= 2 a K tile spans several
@@ -55,6 +58,7 @@ channels, as tl.dot needs K >= 16), H and W positive multiples of P, float image
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -431,14 +435,19 @@ class PatchEmbedConfig:
     num_sms: int
 
 
-def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True) -> PatchEmbedConfig:
+def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True,
+                       wide_tokens: bool = False) -> PatchEmbedConfig:
     """Launch parameters of every kernel for a GPU arch (80|90), compute dtype and image alignment
     (``images_aligned`` of the strides the kernel gathers from or scatters to); a table (autotuning may try
-    the fwd, dweight and dimages tiles' variants, vit_fast/kernels/_tuning.py)."""
+    the fwd, dweight and dimages tiles' variants, vit_fast/kernels/_tuning.py). ``wide_tokens``: fp32 tokens
+    from a 16-bit GEMM (the model under autocast), whose epilogue holds twice the bytes per output: the forward
+    tile's columns halved (at 128 x 128 the patch-14 builds spill 16-104 B on sm_80 and sm_90; halved none)."""
     key = (arch, 4 if dtype == torch.float32 else 2)
     table = dict(_CONFIGS[key], **({} if aligned else _CONFIGS_UNALIGNED_IMAGES.get(key, {})))
-    return PatchEmbedConfig(**{kernel: GemmTile(*entry) for kernel, entry in table.items()},
-                            reduce=ReduceTile(*_REDUCE), num_sms=SM_COUNT[arch])
+    tiles = {kernel: GemmTile(*entry) for kernel, entry in table.items()}
+    if wide_tokens:
+        tiles["fwd"] = dataclasses.replace(tiles["fwd"], block_n=tiles["fwd"].block_n // 2)
+    return PatchEmbedConfig(**tiles, reduce=ReduceTile(*_REDUCE), num_sms=SM_COUNT[arch])
 
 
 @dataclass(frozen=True)
@@ -587,7 +596,7 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # the kernel reads bias, cls_token and reg_tokens rows with unit channel stride (images, weight and
     # pos_embed go through their strides): copy strided or expanded (stride-0) views, a no-op otherwise
     bias, cls_token, reg_tokens = (t.contiguous() if t is not None else None for t in (bias, cls_token, reg_tokens))
-    weight = weight.to(compute_dtype)  # as autocast casts the convolution's weight (a no-op without autocast)
+    gemm_weight = weight.to(compute_dtype)  # as autocast casts the convolution's weight (a no-op without autocast)
     out = torch.empty((B, T, D), dtype=tokens_dtype, device=device)
     arch = gpu_arch(device)
 
@@ -596,17 +605,18 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         rows = cdiv(M, consts["BLOCK_M"]) + cdiv(B * prefix, consts["BLOCK_M"])
         grid = (rows * cdiv(D, consts["BLOCK_N"]),)
         launcher(_patch_embed_fwd_kernel, grid)(
-            out, images, weight, bias if bias is not None else weight, pos_embed,
+            out, images, gemm_weight, bias if bias is not None else weight, pos_embed,
             cls_token if cls_token is not None else weight, reg_tokens if reg_tokens is not None else weight,
-            *images.stride(), *weight.stride(), pos_embed.stride(1), pos_embed.stride(2),
+            *images.stride(), *gemm_weight.stride(), pos_embed.stride(1), pos_embed.stride(2),
             reg_tokens.stride(1) if reg_tokens is not None else 0,
             M, D, C, Np, Wp, T, prefix, prefix if pos_embed_covers_prefix else 0,
             HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
             POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
     aligned = images_aligned(images.stride())
+    wide = tokens_dtype.itemsize > compute_dtype.itemsize
     key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), str(tokens_dtype), arch, T - Np, aligned)
     launch(_tuning.choose("patch_embed_fwd", key,
-                          _candidates(patch_embed_config(arch, compute_dtype, aligned).fwd), launch, device))
+                          _candidates(patch_embed_config(arch, compute_dtype, aligned, wide).fwd), launch, device))
     return out
 
 
@@ -780,7 +790,8 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     strides become constexpr 1 and multiples of 16 land in divisible_by_16, as Triton specialises them."""
     P, C, D, T = patch_size, in_chans, width, tokens
     image_strides = dict(b=C * img_size * img_size, c=img_size * img_size, h=img_size, w=1)
-    cfg = patch_embed_config(arch, dtype, images_aligned(image_strides.values()))  # images and dimages alike
+    cfg_aligned = images_aligned(image_strides.values())  # images and dimages alike
+    cfg = patch_embed_config(arch, dtype, cfg_aligned)
     Wp = img_size // P
     Np = Wp * Wp
     prefix, K, M = T - Np, C * P * P, batch * Np
@@ -794,15 +805,19 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
         blocks_per_split=per_split, S=splits, B=batch)
     flags = dict(HAS_BIAS=True, HAS_CLS=int(prefix > 0), HAS_REG=prefix > 1)
     note = f"N={T} D={D} P={P} C={C} {img_size}px {cdt} compute, {img} images, {par} params"
+    # tokens: the model's residual stream under autocast (the parameters' dtype, fp32) or the compute dtype
+    # (residual_in_fp32=False, the functional alone); the batch sums read their gradient in that dtype
+    tokens = sorted({par, cdt})
     kernels = [  # (name, kernel, pointer types, flags, config)
-        ("patch_embed_fwd", _patch_embed_fwd_kernel,
-         dict(Out=par, X=img, W=cdt, Bias=par, Pos=par, Cls=par, Reg=par),  # tokens: the residual stream's dtype
-         dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0), cfg.fwd),
+        *(("patch_embed_fwd", _patch_embed_fwd_kernel,
+           dict(Out=out, X=img, W=cdt, Bias=par, Pos=par, Cls=par, Reg=par),
+           dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0),
+           patch_embed_config(arch, dtype, cfg_aligned, out == "fp32" and cdt != "fp32").fwd) for out in tokens),
         ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
          dict(HAS_BIAS=True, ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, cfg.dweight.block_m)), cfg.dweight),
-        ("patch_embed_reduce", _patch_embed_reduce_kernel,
-         dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=par), dict(flags, HAS_DW=True),
-         cfg.reduce),
+        *(("patch_embed_reduce", _patch_embed_reduce_kernel,
+           dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=dy), dict(flags, HAS_DW=True),
+           cfg.reduce) for dy in tokens),
         ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg.dimages),
     ]
     specs = []

@@ -174,11 +174,22 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
                                                               if inputs[k] is not None]
         rows += check_op("patch_embed", lambda **a: P.patch_embed(**a), P.patch_embed_ref, inputs, grads, ["out"],
                          [(B, N, D)], "dot", dtype, g)
+        if dtype != torch.float32:  # fp32 tokens from the 16-bit GEMM: the model's residual stream under autocast
+            rows += check_op("patch_embed_fp32_tokens", lambda **a: P.patch_embed(**a, tokens_dtype=torch.float32),
+                             _wide_tokens_ref, inputs, grads, ["out"], [(B, N, D)], "dot", dtype, g)
         if dtype != torch.float32:  # the dW GEMM on cuBLAS, a candidate the autotuner may pick
             with P.library_dweight_only():
                 rows += check_op("patch_embed_cublas_dw", lambda **a: P.patch_embed(**a), P.patch_embed_ref, inputs,
                                  grads, ["out"], [(B, N, D)], "dot", dtype, g)
     return rows
+
+
+def _wide_tokens_ref(**inputs):
+    """patch_embed_ref with fp32 tokens from 16-bit inputs (eager in the check's dtype), float64 ones in float64."""
+    from ..kernels.patch_embed import patch_embed_ref
+
+    wide = inputs["images"].dtype != torch.float64
+    return patch_embed_ref(**inputs, tokens_dtype=torch.float32 if wide else None)
 
 
 @torch.no_grad()

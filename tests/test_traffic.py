@@ -9,13 +9,18 @@ from vit_fast.tools import traffic
 from . import fixture_kernels as fixture
 
 TINY = "vit_tiny_patch16_224"
-# Issue 25's levels reached on vit_tiny at batch 256 (measured value in the comment; bound with a small margin):
-BYTES_VS_COMPILE = 0.70  # vit_fast / timm torch.compile bytes: 0.694 (issue 25's target, 0.70)
-BYTES_VS_COMPILE_BF16 = 0.615  # with residual_in_fp32=False: 0.607
+# Issue 25's levels reached on vit_tiny at batch 256 (counted value in the comment; bound with a small margin).
+# vit_fast / timm torch.compile bytes: 0.713, over issue 25's 0.70 since the qkv bias's gradient is a column sum
+# re-reading d(qkv) (0.70 GB of 22.3 here; without it 0.690): the attention kernels' per-tile partials moved fewer
+# bytes but measured 0.29 ms per ViT-B/16 b256 block against the sum's 0.075 (H200, 2026-11-27): time decides.
+BYTES_VS_COMPILE = 0.72
+BYTES_VS_COMPILE_BF16 = 0.635  # with residual_in_fp32=False: 0.627
 LAUNCHES = 397  # vit_fast launches per step: 395 (torch.compile 604, eager 657)
-SPEEDUP_VS_EAGER = 1.70  # PREDICTED H100 step, ceilings at 100%: eager / vit_fast 1.722
-SPEEDUP_VS_COMPILE = 1.41  # compile / vit_fast 1.429
-SPEEDUP_VS_COMPILE_BF16 = 1.57  # compile / vit_fast with residual_in_fp32=False 1.591
+# PREDICTED H100 step, ceilings at 100% (the bytes model): the bytes of the
+# qkv bias's column sum counted, not the measured cost of the partials it replaced
+SPEEDUP_VS_EAGER = 1.67  # eager / vit_fast 1.684
+SPEEDUP_VS_COMPILE = 1.38  # compile / vit_fast 1.398
+SPEEDUP_VS_COMPILE_BF16 = 1.53  # compile / vit_fast with residual_in_fp32=False 1.548
 
 
 def test_aten_ops_count_tensor_bytes_flops_and_skip_views():
@@ -126,10 +131,12 @@ def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
     paths' Triton kernels run in the interpreter, identical launches replayed.
 
     The issue's target, at most 45% of eager's bytes, holds against timm eager with materialised
-    attention (fused_attn=False) as built (0.43 measured; 0.37 with the bf16 residual stream). Against
-    SDPA eager the bounds are the measured levels with a small margin (0.55 as built, 0.48 bf16 stream):
+    attention (fused_attn=False) as built (0.449 counted; 0.395 with the bf16 residual stream). Against
+    SDPA eager the bounds are the counted levels with a small margin (0.578 as built, 0.509 bf16 stream):
     there the GEMMs (cuBLAS on both paths) and FlashAttention alone are ~40% of eager's bytes (see
-    docs/gpu-readiness.md, Performance)."""
+    docs/gpu-readiness.md, Performance). Both rose by about 0.02 when the qkv bias's gradient became a column
+    sum re-reading d(qkv) (the kernels' per-tile partials moved fewer bytes but measured 0.29 ms per ViT-B/16
+    block against the sum's 0.075 on the H200) and the patch embedding's tokens fp32 from a bf16 GEMM."""
     if not traffic.fused_model_available()[0]:
         pytest.skip(traffic.fused_model_available()[1])  # only on a CUDA machine without TRITON_INTERPRET
     eager_sdpa = traffic.measure("timm_eager", TINY, 256)
@@ -141,8 +148,8 @@ def test_fused_step_moves_fewer_bytes_and_launches_than_timm_eager():
         assert {"GEMM", "attention", "norm", "elementwise", "embed"} <= triton_families  # every kernel family ran
     detail = ("\n" + traffic.format_summary([eager_sdpa, eager, fused, fused_bf16]) + "\n"
               + traffic.format_top_ops(fused, 10))
-    bounds = [(fused, eager, 0.45), (fused, eager_sdpa, 0.57),
-              (fused_bf16, eager, 0.40), (fused_bf16, eager_sdpa, 0.50)]
+    bounds = [(fused, eager, 0.45), (fused, eager_sdpa, 0.59),
+              (fused_bf16, eager, 0.40), (fused_bf16, eager_sdpa, 0.52)]
     for ours, reference, bound in bounds:
         f, e = ours.totals(), reference.totals()
         ratio = (f["read"] + f["written"]) / (e["read"] + e["written"])

@@ -58,7 +58,6 @@ channels, as tl.dot needs K >= 16), H and W positive multiples of P, float image
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -405,6 +404,14 @@ _CONFIGS_UNALIGNED_IMAGES = {
     (80, 2): dict(fwd=(128, 128, 16, 8, 3), dweight=(16, 256, 64, 8, 3), dimages=(128, 64, 64, 8, 3)),
     (90, 2): dict(fwd=(128, 128, 32, 8, 3), dweight=(32, 512, 64, 8, 3), dimages=(256, 64, 64, 16, 3)),
 }
+# The 16-bit forward with fp32 tokens ({aligned: tile}): the table's 128 x 128 tiles spill at patch 14 (sm_80 16 B,
+# sm_90 32-104 B; `vit-fast report`, triton 3.8). sm_90 halves the K step (0 spills, SASS ceiling 73% at patch 14,
+# 100% at 16), sm_80 and unaligned images halve the columns (0 spills; sm_80 79% / 100%; on sm_90 a 64-column
+# tile reads 52% at patch 14).
+_WIDE_TOKENS_FWD = {
+    (80, 2): {True: (128, 64, 32, 8, 3), False: (128, 64, 16, 8, 3)},
+    (90, 2): {True: (128, 128, 32, 8, 3), False: (128, 64, 32, 8, 3)},
+}
 _REDUCE = (1024, 8, 8, 1)  # batch sums: 8 x 128 tiles
 _DW_PROGRAMS_PER_SM = 2  # the dW split fills the GPU with ~2 programs per SM (_utils.programs_to_fill)
 
@@ -440,14 +447,14 @@ def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True,
     """Launch parameters of every kernel for a GPU arch (80|90), compute dtype and image alignment
     (``images_aligned`` of the strides the kernel gathers from or scatters to); a table (autotuning may try
     the fwd, dweight and dimages tiles' variants, vit_fast/kernels/_tuning.py). ``wide_tokens``: fp32 tokens
-    from a 16-bit GEMM (the model under autocast), whose epilogue holds twice the bytes per output: the forward
-    tile's columns halved (at 128 x 128 the patch-14 builds spill 16-104 B on sm_80 and sm_90; halved none)."""
+    from a 16-bit GEMM (the model under autocast), whose epilogue holds twice the bytes per output
+    (``_WIDE_TOKENS_FWD``)."""
     key = (arch, 4 if dtype == torch.float32 else 2)
     table = dict(_CONFIGS[key], **({} if aligned else _CONFIGS_UNALIGNED_IMAGES.get(key, {})))
-    tiles = {kernel: GemmTile(*entry) for kernel, entry in table.items()}
-    if wide_tokens:
-        tiles["fwd"] = dataclasses.replace(tiles["fwd"], block_n=tiles["fwd"].block_n // 2)
-    return PatchEmbedConfig(**tiles, reduce=ReduceTile(*_REDUCE), num_sms=SM_COUNT[arch])
+    if wide_tokens and key in _WIDE_TOKENS_FWD:
+        table["fwd"] = _WIDE_TOKENS_FWD[key][aligned]
+    return PatchEmbedConfig(**{kernel: GemmTile(*entry) for kernel, entry in table.items()},
+                            reduce=ReduceTile(*_REDUCE), num_sms=SM_COUNT[arch])
 
 
 @dataclass(frozen=True)

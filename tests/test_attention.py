@@ -781,3 +781,51 @@ def test_attention_linear_launches(monkeypatch, dtype):
 def test_attention_linear_bad_input_raises_before_launch(args, match):
     with pytest.raises(ValueError, match=match):
         A.attention_linear(*args(*make_linear(1, 4, 2, 32, torch.float32)))
+
+
+@pytest.mark.parametrize("dtype, N, rows, p, D, arch", [
+    (torch.float16, 1, 1, 0.0, 64, 80), (torch.bfloat16, 17, 17, 0.25, 64, 80), (torch.float32, 50, 50, 0.0, 80, 80),
+    (torch.bfloat16, 197, 197, 0.0, 64, 90), (torch.float16, 197, 1, 0.25, 64, 90),
+    (torch.float16, 71, 40, 0.0, 72, 90),
+], ids=dtype_id)
+def test_stored_ds_backward_matches_float64(monkeypatch, dtype, N, rows, p, D, arch):
+    """The stored-dS backward (``StoredDsConfig``: dK, dV and dS in one launch, dQ = scale dS K from the stored dS
+    in a second), forced by ``stored_ds_only``: every gradient of ``attention_linear`` (the qkv bias's included)
+    within 2x eager of float64, with dropout, query_rows < N (dQ rows past M zeros, no dS for them), the split
+    D = 72 and the padded D = 80, on both tables; its workspace is poisoned (NaN) like every launcher allocation,
+    so a dS entry read before it is written fails. Two runs bitwise equal."""
+    B, H, seed = 2, 2, 7
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
+    inputs = make_linear(B, N, H, D, dtype)
+    fn = lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=rows)  # noqa: E731
+    launched = []
+    real = AI._launch_stored_ds_bwd
+    monkeypatch.setattr(AI, "_launch_stored_ds_bwd", lambda *a: launched.append(a[0]) or real(*a))
+    with AI.stored_ds_only():
+        mine = check_2x_eager(fn, lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True,
+                                                                         dropout_mask=keep, query_rows=rows),
+                              inputs, LINEAR_GRADS)
+        grad = torch.randn(B, rows, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+        again = run(fn, inputs, grad)
+    assert launched and all(isinstance(c, A.StoredDsConfig) for c in launched)
+    assert all(torch.equal(a, b) for a, b in zip(mine[1], again[1])), "not bitwise repeatable"
+
+
+def test_stored_ds_offered_at_vit_lengths_only():
+    """The autotuner gets the stored-dS backward as one more candidate (in its key) up to 640 tokens and a 1 GiB
+    workspace; past either, and for the forward, the candidate lists stay the flash kernel's tiles."""
+    def plan(op, B, N, H, D=64, dtype=torch.bfloat16):
+        q = torch.empty(B, H, N, D, dtype=dtype, device="meta")
+        return AI._flash_plan(op, (q,) * 8, N, 0.0, "ieee", 90)
+    vit_b = plan("attention_bwd", 256, 197, 12)
+    assert isinstance(vit_b.candidates[-1], A.StoredDsConfig) and vit_b.key[-1] == "stored_ds"
+    assert vit_b.candidates[:-1] == AI._bwd_candidates(A.attention_config(197, 64, torch.bfloat16, 90))
+    for kept_out in (plan("attention_bwd", 1, 1025, 2), plan("attention_bwd", 4096, 577, 16),
+                     plan("attention_fwd", 256, 197, 12)):
+        assert not any(isinstance(c, A.StoredDsConfig) for c in kept_out.candidates)
+        assert kept_out.key[-1] != "stored_ds"
+    with AI.stored_ds_only():
+        assert AI._flash_plan("attention_bwd", (torch.empty(1, 2, 1025, 64, device="meta"),) * 8, 1025, 0.0, "ieee",
+                              90).candidates == (A.StoredDsConfig.of(A.attention_config(1025, 64, torch.float32, 90)),)

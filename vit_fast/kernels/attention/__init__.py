@@ -95,6 +95,7 @@ lse as the flash kernels; no atomics; one launch per pass.
 from .config import (
     AttentionConfig,
     ShortConfig,
+    StoredDsConfig,
     Tile,
     attention_config,
     attention_grid,
@@ -117,7 +118,7 @@ from .interface import (
     family_for,
 )
 
-__all__ = ["KERNELS", "AttentionConfig", "ShortConfig", "Tile", "aot_specs", "attention", "attention_config",
-           "attention_dropout_mask", "attention_grid", "attention_linear", "attention_linear_ref", "attention_probs",
-           "attention_qkv", "attention_qkv_ref", "attention_ref", "attention_with_lse", "family_for", "short_config",
-           "short_held", "short_supported"]
+__all__ = ["KERNELS", "AttentionConfig", "ShortConfig", "StoredDsConfig", "Tile", "aot_specs", "attention",
+           "attention_config", "attention_dropout_mask", "attention_grid", "attention_linear", "attention_linear_ref",
+           "attention_probs", "attention_qkv", "attention_qkv_ref", "attention_ref", "attention_with_lse",
+           "family_for", "short_config", "short_held", "short_supported"]

@@ -40,6 +40,32 @@ class AttentionConfig:
                              f"got {dkdv} and {dq}")
 
 
+@dataclass(frozen=True)
+class StoredDsConfig:
+    """The backward in two launches, a candidate of the autotuner: dK, dV with dS stored for every (q row, key)
+    (``_attention_bwd_dkdv_kernel``, ``dkdv``'s tiles), then dQ = scale * dS K from the stored dS
+    (``_attention_bwd_dq_stored_kernel``, ``dq``'s: block_m q rows owned, block_n keys per step). S and dP are
+    computed once per tile pair instead of in both phases; dS costs a (q_len x N) workspace per head in the inputs'
+    dtype, written once and read once. Offered where the workspace stays small (``stored_ds_fits``)."""
+
+    dkdv: Tile
+    dq: Tile
+
+    @staticmethod
+    def of(cfg: AttentionConfig) -> "StoredDsConfig":
+        return StoredDsConfig(cfg.dkdv, cfg.dq)
+
+
+# The stored-dS backward's limits: ViT lengths (224 px at patch 14 / 16, 384 px at patch 16: up to 577 tokens) and
+# a workspace of at most 1 GiB (ViT-B/16 at batch 256: 256 x 12 x 197 x 197 bf16 = 238 MB).
+STORED_DS_MAX_TOKENS = 640
+STORED_DS_MAX_BYTES = 1 << 30
+
+
+def stored_ds_fits(batch_heads: int, q_len: int, seq_len: int, element_size: int) -> bool:
+    """Whether the stored-dS backward is offered for this launch (``StoredDsConfig``)."""
+    return seq_len <= STORED_DS_MAX_TOKENS and batch_heads * q_len * seq_len * element_size <= STORED_DS_MAX_BYTES
+
 def attention_config(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int,
                      input_precision: str | None = None, dropout: bool = False) -> AttentionConfig:
     """Block sizes per (N, D, dtype, arch, dropout on or off): a small explicit table, no autotuning.

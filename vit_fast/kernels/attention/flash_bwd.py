@@ -13,15 +13,16 @@ from .common import _head, _load, _q_row_tiles, _tile, _tile_mask
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh, tile, start_m,
-    stride_qn, stride_qd, stride_on, stride_od, stride_gn, stride_gd,
-    q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
+    dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, ds_head, bh, tile, start_m,
+    stride_qn, stride_qd, stride_on, stride_od, stride_gn, stride_gd, stride_sm,
+    seq_len, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
-    MASK_ROWS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MASK_ROWS: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     """One q tile (rows start_m.. start_m + BLOCK_M) of phase 1; returns the updated (dk, dv, dk_t, dv_t).
     Only the last tile (``MASK_ROWS``) can run past q_len. delta_i = rowsum(dO_i * out_i) is recomputed
-    here from out and dO (no pre-pass)."""
+    here from out and dO (no pre-pass). ``STORE_DS``: dS of the tile, rounded to the inputs' dtype as the dK dot
+    reads it, is also written to the head's (q rows x keys) workspace ``ds_head`` (row stride ``stride_sm``)."""
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
@@ -59,6 +60,13 @@ def _dkdv_step(
         if BLOCK_D_TAIL:
             dv_t += tl.dot(pT.to(do_t.dtype), do_t, input_precision=INPUT_PRECISION)
     dsT = pT * (dpT - delta[None, :])
+    if STORE_DS:
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        ds_mask = cols[:, None] < seq_len
+        if MASK_ROWS:
+            ds_mask = ds_mask & row_ok[None, :]
+        tl.store(ds_head + rows[None, :].to(tl.int64) * stride_sm + cols[:, None], dsT.to(ds_head.dtype.element_ty),
+                 mask=ds_mask)
     dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=INPUT_PRECISION)
     if BLOCK_D_TAIL:
         dk_t += tl.dot(dsT.to(qT_t.dtype), tl.trans(qT_t), input_precision=INPUT_PRECISION)
@@ -67,13 +75,13 @@ def _dkdv_step(
 
 @triton.jit
 def _bwd_dkdv(
-    dk_head, dv_head, q_head, k_head, v_head, o_head, do_head, Lse, bh, tile,
+    dk_head, dv_head, q_head, k_head, v_head, o_head, do_head, Lse, ds_head, bh, tile,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
-    stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+    stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, stride_sm,
     seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr, PEEL: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr, PEEL: tl.constexpr, STORE_DS: tl.constexpr = False,
 ):
     """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles: full ones
     without a row mask, then the rest as one masked step, TAIL_M rows wide when it fits (as the forward's keys).
@@ -101,27 +109,31 @@ def _bwd_dkdv(
     if PEEL:
         full_end = q_len - q_len % BLOCK_M  # over the q_len query rows: the others have zero gradient
         for start_m in range(0, full_end, BLOCK_M):
-            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
-                                            tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
-                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION)
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head,
+                                            ds_head, bh, tile, start_m, stride_qn, stride_qd, stride_on,
+                                            stride_od, stride_gn, stride_gd, stride_sm, seq_len, q_len, head_dim,
+                                            qk_scale, drop_threshold, inv_keep, SEED, BLOCK_M, BLOCK_N, BLOCK_D,
+                                            BLOCK_D_TAIL, False, DROPOUT, INPUT_PRECISION, STORE_DS)
         rest = q_len - full_end  # < BLOCK_M
         if rest > TAIL_M:
-            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
-                                            tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
-                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head,
+                                            ds_head, bh, tile, full_end, stride_qn, stride_qd, stride_on,
+                                            stride_od, stride_gn, stride_gd, stride_sm, seq_len, q_len, head_dim,
+                                            qk_scale, drop_threshold, inv_keep, SEED, BLOCK_M, BLOCK_N, BLOCK_D,
+                                            BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION, STORE_DS)
         elif rest > 0:
-            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
-                                            tile, full_end, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
-                                            TAIL_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head,
+                                            ds_head, bh, tile, full_end, stride_qn, stride_qd, stride_on,
+                                            stride_od, stride_gn, stride_gd, stride_sm, seq_len, q_len, head_dim,
+                                            qk_scale, drop_threshold, inv_keep, SEED, TAIL_M, BLOCK_N, BLOCK_D,
+                                            BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION, STORE_DS)
     else:  # every q tile through the masked step (Tile.peel)
         for start_m in range(0, q_len, BLOCK_M):
-            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head, bh,
-                                            tile, start_m, stride_qn, stride_qd, stride_on, stride_od, stride_gn,
-                                            stride_gd, q_len, head_dim, qk_scale, drop_threshold, inv_keep, SEED,
-                                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION)
+            dk, dv, dk_t, dv_t = _dkdv_step(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_head, o_head, do_head, lse_head,
+                                            ds_head, bh, tile, start_m, stride_qn, stride_qd, stride_on,
+                                            stride_od, stride_gn, stride_gd, stride_sm, seq_len, q_len, head_dim,
+                                            qk_scale, drop_threshold, inv_keep, SEED, BLOCK_M, BLOCK_N, BLOCK_D,
+                                            BLOCK_D_TAIL, True, DROPOUT, INPUT_PRECISION, STORE_DS)
 
     offsets = _tile(cols, offs_d, stride_dn, stride_dd, False)
     mask = _tile_mask(col_ok, d_ok, False)
@@ -276,9 +288,9 @@ def _attention_bwd_kernel(
               _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
               _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
               _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
-              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, bh, tile,
+              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, Lse, bh, tile,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
-              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
+              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, 0,
               seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
@@ -291,3 +303,113 @@ def _attention_bwd_kernel(
             stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd,
             seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
             BLOCK, Q_BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL)
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    DK, DV, DS,  # outputs: dK, dV (B, H, N, D) through the gradient strides; dS (B * H, q_len, N), inputs' dtype
+    Q, K, V, O, DO, Lse,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_db, stride_dh, stride_dn, stride_dd,
+    num_heads, seq_len, head_dim: tl.constexpr, q_len,
+    scale, drop_threshold, inv_keep, SEED,
+    BLOCK: tl.constexpr,  # k/v rows owned
+    KV_BLOCK_M: tl.constexpr,  # q rows per loop step
+    BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr = 0,
+    TAIL: tl.constexpr = 16,
+    HEAD_ALIGN: tl.constexpr = 1,
+    PEEL: tl.constexpr = True,
+):
+    """The stored-dS backward's first launch: program (b, h, t) writes dK, dV of k/v rows t * BLOCK.. as
+    ``_attention_bwd_kernel``'s first phase, and dS of every (q row, key) pair it computes to the workspace, which
+    ``_attention_bwd_dq_stored_kernel`` reads for dQ: S and dP once per tile pair, not twice."""
+    num_tiles = tl.cdiv(seq_len, BLOCK)
+    pid = tl.program_id(0)
+    bh, tile = pid // num_tiles, pid % num_tiles
+    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
+              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
+              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
+              _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
+              _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse,
+              DS + bh.to(tl.int64) * q_len * seq_len, bh, tile,
+              stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, seq_len,
+              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
+              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL, True)
+
+
+@triton.jit
+def _dq_stored_step(dq, dq_t, ds_rows, k_head, row_ok, start_n, seq_len, stride_kn, stride_kd, head_dim,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_TAIL: tl.constexpr,
+                    MASK_KEYS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """dq (and its tail) += dS K over keys start_n.. start_n + BLOCK_N, masked past q_len (and, in the last step,
+    ``MASK_KEYS``, past seq_len); ``ds_rows``: the program's rows of the head's dS (a column of pointers)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    if MASK_KEYS:
+        col_ok = cols < seq_len
+        ds = tl.load(ds_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    else:
+        col_ok = None
+        ds = tl.load(ds_rows + cols[None, :], mask=row_ok[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load(k_head, cols, col_ok, offs_d, offs_d < head_dim, stride_kn, stride_kd, False)
+    dq += tl.dot(ds, k, input_precision=INPUT_PRECISION)
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        k_t = _load(k_head, cols, col_ok, offs_t, offs_t < head_dim, stride_kn, stride_kd, False)
+        dq_t += tl.dot(ds, k_t, input_precision=INPUT_PRECISION)
+    return dq, dq_t
+
+
+@triton.jit
+def _attention_bwd_dq_stored_kernel(
+    DQ,  # output: dQ (B, H, N, D) through the gradient strides, zero past q_len
+    DS, K,  # dS (B * H, q_len, N) from _attention_bwd_dkdv_kernel; k through strides
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_db, stride_dh, stride_dn, stride_dd,
+    num_heads, seq_len, head_dim: tl.constexpr, q_len, scale,
+    BLOCK_M: tl.constexpr,  # q rows owned
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_D_TAIL: tl.constexpr = 0,
+    HEAD_ALIGN: tl.constexpr = 1,
+):
+    """The stored-dS backward's second launch: program (b, h, t) writes dQ = scale * dS K of q rows t * BLOCK_M..,
+    one dot per key step (no S, dP or exponential; full key steps unmasked, then the last); q rows past q_len (no
+    dS) get zeros."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_M)
+    pid = tl.program_id(0)
+    bh, tile = pid // num_tiles, pid % num_tiles
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    ds_rows = DS + bh.to(tl.int64) * q_len * seq_len + rows[:, None].to(tl.int64) * seq_len
+    k_head = _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32) if BLOCK_D_TAIL else 0.0
+    keys = tl.where(tile * BLOCK_M < q_len, seq_len, 0)  # a tile past q_len skips the loop: its dq is 0
+    full_end = keys - keys % BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        dq, dq_t = _dq_stored_step(dq, dq_t, ds_rows, k_head, row_ok, start_n, seq_len, stride_kn, stride_kd,
+                                   head_dim, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, INPUT_PRECISION)
+    if full_end < keys:
+        dq, dq_t = _dq_stored_step(dq, dq_t, ds_rows, k_head, row_ok, full_end, seq_len, stride_kn, stride_kd,
+                                   head_dim, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, INPUT_PRECISION)
+    dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
+    offs_d = tl.arange(0, BLOCK_D)
+    store_ok = rows < seq_len
+    tl.store(dq_head + _tile(rows, offs_d, stride_dn, stride_dd, False), (dq * scale).to(dq_head.dtype.element_ty),
+             mask=_tile_mask(store_ok, offs_d < head_dim, False))
+    if BLOCK_D_TAIL:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_D_TAIL)
+        tl.store(dq_head + _tile(rows, offs_t, stride_dn, stride_dd, False),
+                 (dq_t * scale).to(dq_head.dtype.element_ty), mask=_tile_mask(store_ok, offs_t < head_dim, False))

@@ -30,7 +30,9 @@ from .._utils import (
 from .._utils import input_precision as dot_input_precision
 from .common import LAST_STEP, MAX_HEAD_DIM
 from .config import (
+    STORED_DS_MAX_TOKENS,
     AttentionConfig,
+    StoredDsConfig,
     Tile,
     _block_d,
     _block_dims,
@@ -39,8 +41,9 @@ from .config import (
     short_config,
     short_refusal,
     short_supported,
+    stored_ds_fits,
 )
-from .flash_bwd import _attention_bwd_kernel
+from .flash_bwd import _attention_bwd_dkdv_kernel, _attention_bwd_dq_stored_kernel, _attention_bwd_kernel
 from .flash_fwd import _attention_dropout_mask_kernel, _attention_fwd_kernel, _attention_probs_kernel
 from .short_bwd import _attention_short_bwd_kernel, _attention_short_bwd_streamed_kernel
 from .short_fwd import _attention_short_fwd_kernel
@@ -189,10 +192,21 @@ def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
     # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
     key = (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N)
-    candidates = _fwd_candidates(static.fwd, D) if op == "attention_fwd" else _bwd_candidates(static)
+    if op == "attention_fwd":
+        candidates = _fwd_candidates(static.fwd, D)
+    elif stored_ds_only.on:
+        candidates = (StoredDsConfig.of(static),)
+    else:
+        candidates = _bwd_candidates(static)
+        if stored_ds_fits(B * H, q_len, N, q.element_size()):  # in the key: offered or not, another choice
+            key, candidates = key + ("stored_ds",), candidates + (StoredDsConfig.of(static),)
     strides = tuple(stride for t in tensors for stride in t.stride())
     return _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates)
 
+
+# inside ``with stored_ds_only():`` every flash backward runs the stored-dS launches (``StoredDsConfig``) on the
+# static tiles, whatever its length or the autotuner would pick (the tests and `vit-fast check` compare it)
+stored_ds_only = _tuning.ProcessSwitch()
 
 _FWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_fwd"))
 _BWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_bwd"))
@@ -227,10 +241,13 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     tensors = (q, k, v, out, do, dq, dk, dv)
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     plan = _BWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), do.stride(),
-                           dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch),
-                          tensors, q_len, dropout_p, precision, arch)
+                           dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch,
+                           stored_ds_only.on), tensors, q_len, dropout_p, precision, arch)
 
-    def launch(cfg: AttentionConfig) -> None:
+    def launch(cfg: AttentionConfig | StoredDsConfig) -> None:
+        if isinstance(cfg, StoredDsConfig):
+            _launch_stored_ds_bwd(cfg, plan, do, q, k, v, out, lse, dq, dk, dv, scale, seed)
+            return
         block_d, tail = _block_dims(D, cfg.dq.split)
         launcher(_attention_bwd_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
             dq, dk, dv, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
@@ -239,6 +256,27 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
             TAIL=LAST_STEP, PEEL=cfg.dq.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps,
             num_stages=cfg.dq.num_stages)
     launch(_tuning.choose("attention_bwd", plan.key, plan.candidates, launch, q.device))
+
+
+def _launch_stored_ds_bwd(cfg: StoredDsConfig, plan: _FlashPlan, do, q, k, v, out, lse, dq, dk, dv, scale: float,
+                          seed: Optional[torch.Tensor]) -> None:
+    """The backward as ``StoredDsConfig``: dK, dV and the dS workspace (B * H, q_len, N) in one launch, then dQ
+    from it (rows past q_len zeros) in a second."""
+    B, H, N, D = q.shape
+    q_len = out.shape[2]
+    ds = _empty((B * H, q_len, N), q.dtype, q.device)
+    block_d, tail = _block_dims(D, cfg.dkdv.split)
+    launcher(_attention_bwd_dkdv_kernel, attention_grid(B * H, N, cfg.dkdv.block_n))(
+        dk, dv, ds, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
+        plan.inv_keep, seed, BLOCK=cfg.dkdv.block_n, KV_BLOCK_M=cfg.dkdv.block_m, BLOCK_D=block_d,
+        BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision, TAIL=LAST_STEP,
+        PEEL=cfg.dkdv.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dkdv.num_warps,
+        num_stages=cfg.dkdv.num_stages)
+    block_d, tail = _block_dims(D, cfg.dq.split)
+    launcher(_attention_bwd_dq_stored_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
+        dq, ds, k, *plan.strides[4:8], *plan.strides[20:24], H, N, D, q_len, scale, BLOCK_M=cfg.dq.block_m,
+        BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, INPUT_PRECISION=plan.precision,
+        HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
 
 
 def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:
@@ -758,6 +796,17 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
             specs.append(_aot_spec("attention_bwd", _attention_bwd_kernel, dtype, bwd, cfg.dq,
                                    f"{note} dkdv={cfg.dkdv.block_n}x{cfg.dkdv.block_m} "
                                    f"dq={cfg.dq.block_m}x{cfg.dq.block_n}", values, tensor_cores))
+            if tokens <= STORED_DS_MAX_TOKENS:  # the stored-dS backward, an autotuning candidate (StoredDsConfig)
+                dkdv = dict(common(cfg.dkdv), BLOCK=cfg.dkdv.block_n, KV_BLOCK_M=cfg.dkdv.block_m, TAIL=LAST_STEP)
+                specs.append(_aot_spec("attention_bwd_stored_ds_dkdv", _attention_bwd_dkdv_kernel, dtype, dkdv,
+                                       cfg.dkdv, f"{note} {cfg.dkdv.block_n}x{cfg.dkdv.block_m}", values,
+                                       tensor_cores))
+                if not dropout:  # the dQ launch draws no mask
+                    dq = dict(zip(("BLOCK_D", "BLOCK_D_TAIL"), _block_dims(D, cfg.dq.split)), BLOCK_M=cfg.dq.block_m,
+                              BLOCK_N=cfg.dq.block_n, INPUT_PRECISION=precision)
+                    specs.append(_aot_spec("attention_bwd_stored_ds_dq", _attention_bwd_dq_stored_kernel, dtype, dq,
+                                           cfg.dq, f"N={tokens} D={D} {cfg.dq.block_m}x{cfg.dq.block_n}", values,
+                                           tensor_cores))
         specs += _short_aot_specs(tokens, D, dtype, arch, values)
         cfg = attention_config(tokens, D, dtype, arch, precision)
         specs.append(_aot_spec("attention_probs", _attention_probs_kernel, dtype,

@@ -421,8 +421,11 @@ def test_config_table_and_aot_specs():
                         assert tile.block_m >= 16 and tile.block_n >= 16 and tile.num_warps in (4, 8)
                         assert tile.block_m % 16 == 0 and tile.block_n % 16 == 0
     specs = A.aot_specs(tokens=197, width=768, num_heads=12, dtype=torch.bfloat16, arch=90)
+    stored_ds = {"attention_bwd_stored_ds_dkdv", "attention_bwd_stored_ds_dq"}  # the candidate, up to 640 tokens
     assert {s.name for s in specs} == {"attention_fwd", "attention_bwd", "attention_probs", "attention_short_fwd",
-                                       "attention_short_bwd", "attention_short_bwd_streamed"}
+                                       "attention_short_bwd", "attention_short_bwd_streamed", *stored_ds}
+    assert not stored_ds & {s.name for s in A.aot_specs(tokens=1025, width=768, num_heads=12, dtype=torch.bfloat16,
+                                                        arch=90)}
     for s in specs:  # every kernel argument is typed, constexprs given, alignment as a real launch
         assert list(s.signature) == list(s.fn.arg_names), s.name
         assert all(s.signature[k] == "constexpr" for k in s.constexprs)

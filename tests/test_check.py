@@ -29,7 +29,7 @@ def test_cli_passes_in_a_fresh_process():
     ops = {name.split(" ")[0] for name, *_ in rows}
     assert ops - {"attention_short", "patch_embed_cublas_dw", "linear_act_tma"} == {
         "layer_norm", "add_layer_norm", "bias_gelu", "linear_act", "bias_dropout_add", "attention", "attention_linear",
-        "patch_embed", "model"}, out
+        "attention_linear_stored_ds", "patch_embed", "model"}, out
     # 16-bit only: bf16 on CUDA, fp32 here
     assert ("attention_short" in ops) == ("patch_embed_cublas_dw" in ops) == torch.cuda.is_available(), out
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9

@@ -161,6 +161,11 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
 
         rows += check_op("attention_linear", attention_linear_amp, attention_linear_cast_ref, inputs,
                          ["x", "weight", "bias"], ["out"], [(B, N, D)], "dot", dtype, g)
+        from ..kernels.attention import interface as attention_host
+
+        with attention_host.stored_ds_only():  # the backward with dS stored, a candidate the autotuner may pick
+            rows += check_op("attention_linear_stored_ds", attention_linear_amp, attention_linear_cast_ref, inputs,
+                             ["x", "weight", "bias"], ["out"], [(B, N, D)], "dot", dtype, g)
     if "patch_embed" in ops:
         (h, w), p, C = cfg.img_size, cfg.patch_size[0], cfg.in_chans
         prefix = cfg.num_prefix_tokens

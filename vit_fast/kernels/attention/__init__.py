@@ -27,6 +27,10 @@ Kernels (grid: batch * heads folded onto axis 0 with the tile index, so B * H ma
     _attention_bwd_kernel    one program per (b, h, tile t): dK, dV of k/v tile t looping over q tiles
                              (``_bwd_dkdv``), then dQ of q tile t looping over k/v tiles (``_bwd_dq``);
                              delta of each q tile is recomputed from out and dO where it is needed
+    _attention_bwd_dkdv_kernel, _attention_bwd_dq_stored_kernel
+                             the stored-dS backward (``StoredDsConfig``, an autotuning candidate up to 640
+                             tokens): the dK/dV phase writing dS to a (B * H, q_len, N) workspace, then dQ from
+                             it, one dot per key step (flash_bwd.py)
     _attention_probs_kernel  attention maps: exp(S - lse) for chosen query rows, outside training
 Every loop runs its full tiles without key or row masks, then what is left as one masked step, 16 wide
 when at most 16 are left (ViT's 197 tokens = 3 x 64 + 5 run 208 keys per query row, not 256).
@@ -34,7 +38,7 @@ when at most 16 are left (ViT's 197 tokens = 3 x 64 + 5 run 208 keys per query r
 first M queries only: the forward writes (B, M, C) and lse (B, H, M), the dK/dV loop steps over M query
 rows, dQ tiles past M skip their loop and write zeros.
 No atomics and no program reads what another writes in the same launch: gradients are bitwise
-reproducible. Launches: 1 forward, 1 backward (plus torch's column sum for the qkv bias's gradient).
+reproducible. Launches: 1 forward, 1 backward (2 with dS stored; plus torch's column sum for the qkv bias's gradient).
 
 Dtypes: fp16 and bf16 dots run on tensor cores with fp32 accumulation; softmax, lse and all
 elementwise math are fp32; P is cast to the input dtype for the P v dot (as FlashAttention does).
@@ -71,7 +75,7 @@ addmm backward). The forward's bias costs nothing here: it rides in the qkv GEMM
 Files (split by pass, as FlashAttention-4's flash_fwd / flash_bwd / interface):
     common.py     limits and the jit helpers every kernel shares (program map, strided head tiles)
     flash_fwd.py  the flash forward (any N), the attention-map and dropout-mask kernels
-    flash_bwd.py  the flash backward
+    flash_bwd.py  the flash backward, and the stored-dS backward's two kernels
     short_fwd.py  the short-sequence forward: a whole head's K and V on chip, no online softmax
     short_bwd.py  the short-sequence backwards: one program per (image, head), S and dP once per tile pair,
                   dQ held in registers or streamed through an fp32 workspace

@@ -1,6 +1,12 @@
 """The flash backward: one launch, each program writing dK, dV of its k/v rows (looping over q tiles), then dQ
 of the same q rows (looping over k/v tiles). S and dP are computed in both phases; delta per q tile. Math:
-the package docstring."""
+the package docstring.
+
+The stored-dS backward (``StoredDsConfig``, an autotuning candidate at ViT lengths): the dK/dV phase alone, also
+writing dS (rounded to the inputs' dtype, as the dK dot reads it) to a (B * H, q_len, N) workspace, then dQ =
+scale * dS K from the workspace in a second launch, one dot per key step: S, dP and the exponential once per tile
+pair instead of twice, for 2 * B * H * q_len * N * e more bytes (ViT-B/16 b256 bf16: 238 MB written and read per
+block, about 0.11 ms at the H200's 4.2 TB/s; what the recompute costs is for a GPU to measure)."""
 from __future__ import annotations
 
 import triton

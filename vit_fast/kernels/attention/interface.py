@@ -340,7 +340,8 @@ def _bwd_candidates(static: AttentionConfig) -> tuple[AttentionConfig, ...]:
     """The static backward config, then: the rows each program owns halved (both phases; from sm_90's 128 rows on 8
     warps to 64 on 4, one warpgroup's wgmma rows: on the H200 (torch 2.11, triton 3.6, 2026-11-26) 64 rows on the
     same 8 warps took 1.72 ms at ViT-B/16 b256 against 0.98), the q rows per dK/dV step halved, the k/v rows per dQ
-    step halved, the warps doubled (both phases share the launch)."""
+    step halved, the warps doubled (both phases share the launch); on sm_90's 16-bit D <= 64 tile also the q rows
+    per dK/dV step doubled."""
     dkdv, dq = static.dkdv, static.dq
     pairs = [(dkdv, dq)]
     if dq.block_m >= 32:
@@ -353,6 +354,10 @@ def _bwd_candidates(static: AttentionConfig) -> tuple[AttentionConfig, ...]:
         pairs.append((dkdv, replace(dq, block_n=dq.block_n // 2)))
     if dq.num_warps < 8:
         pairs.append((replace(dkdv, num_warps=8), replace(dq, num_warps=8)))
+    if (dkdv.block_n, dkdv.block_m, dkdv.num_warps, dkdv.split) == (128, 32, 8, False):
+        # sm_90's 16-bit D <= 64 tile with 64-row dK/dV steps: no bias partials in the kernel any more, so it
+        # compiles without spills with and without dropout (246 / 251 registers, sm_90, triton 3.8, 2026-11-28)
+        pairs.append((replace(dkdv, block_m=64), dq))
     return tuple(AttentionConfig(static.fwd, d, q) for d, q in pairs)
 
 

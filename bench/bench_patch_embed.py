@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 
@@ -32,11 +33,12 @@ def eager_stack(images, weight, bias, pos_embed, cls_token):
     return torch.cat([cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos_embed
 
 
-def providers() -> dict:
+def providers(autocast: bool = True) -> dict:
+    """Under autocast the model's tokens are fp32 (timm's fp32 pos_embed add), so vit_fast writes fp32 tokens too."""
     from vit_fast.kernels.patch_embed import patch_embed
 
     return {
-        "vit_fast": patch_embed,
+        "vit_fast": functools.partial(patch_embed, tokens_dtype=torch.float32) if autocast else patch_embed,
         "eager": eager_stack,
         "eager_compiled": torch.compile(eager_stack, dynamic=False),
     }
@@ -56,11 +58,12 @@ def make_inputs(batch, img, patch, width, in_chans, pure_bf16):
 
 def min_bytes(batch, img, patch, width, in_chans, image_bytes, param_bytes, backward):
     """Each input read once, each output written once (what the fused kernel aims at); the backward
-    reads dtokens and the images and writes the parameter gradients."""
+    reads dtokens and the images and writes the parameter gradients. Tokens in the parameters' dtype (fp32
+    under autocast, as the model's)."""
     T = (img // patch) ** 2 + 1
     images = batch * in_chans * img * img * image_bytes
     params = (width * in_chans * patch * patch + width + T * width + width) * param_bytes
-    tokens = batch * T * width * 2
+    tokens = batch * T * width * param_bytes
     return (2 if backward else 1) * (images + params + tokens)
 
 
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     gemm_flop = 2.0 * args.batch * Np * K * args.width
     elt = 2 if args.pure_bf16 else 4
     rows = []
-    for name, fn in providers().items():
+    for name, fn in providers(autocast=not args.pure_bf16).items():
         for backward in (False, True):
             ms = time_provider(fn, images, params, autocast=not args.pure_bf16, backward=backward)
             tflops = gemm_flop * (2 if backward else 1) / ms / 1e9

@@ -315,7 +315,7 @@ def test_backward_is_bitwise_repeatable(monkeypatch):
     """Two backward passes give identical bits, also with the dW partials split over several programs."""
     config = pe.patch_embed_config(80, torch.float32)
     small = dataclasses.replace(config, dweight=dataclasses.replace(config.dweight, block_m=16))
-    monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype, aligned=True, wide_tokens=False: small)
+    monkeypatch.setattr(pe, "patch_embed_config", lambda arch, dtype, aligned=True, tokens_dtype=None: small)
     M, D = 2 * 4 * 6, 64  # rows of the dW GEMM, width
     splits, _ = pe._dweight_split(M, D, 3 * 1, small.dweight, small.num_sms)
     assert splits == 3
@@ -449,3 +449,9 @@ def test_bad_input_raises_value_error(problem, match):
     inputs.update(bad)
     with pytest.raises(ValueError, match=match):
         call(patch_embed, inputs, True)
+
+
+def test_bad_tokens_dtype_is_named():
+    inputs = make_inputs(2, 3, 32, 32, 8, 32, cls=True, seed=11)
+    with pytest.raises(ValueError, match=r"expected a tokens_dtype in \(float32, float16, bfloat16\), got torch.int32"):
+        call(patch_embed, inputs, True, tokens_dtype=torch.int32)

@@ -443,15 +443,15 @@ class PatchEmbedConfig:
 
 
 def patch_embed_config(arch: int, dtype: torch.dtype, aligned: bool = True,
-                       wide_tokens: bool = False) -> PatchEmbedConfig:
+                       tokens_dtype: Optional[torch.dtype] = None) -> PatchEmbedConfig:
     """Launch parameters of every kernel for a GPU arch (80|90), compute dtype and image alignment
     (``images_aligned`` of the strides the kernel gathers from or scatters to); a table (autotuning may try
-    the fwd, dweight and dimages tiles' variants, vit_fast/kernels/_tuning.py). ``wide_tokens``: fp32 tokens
-    from a 16-bit GEMM (the model under autocast), whose epilogue holds twice the bytes per output
-    (``_WIDE_TOKENS_FWD``)."""
+    the fwd, dweight and dimages tiles' variants, vit_fast/kernels/_tuning.py). ``tokens_dtype`` (default the
+    compute dtype): wider tokens than the GEMM's, fp32 from a 16-bit GEMM (the model under autocast), hold twice
+    the epilogue's bytes per output (``_WIDE_TOKENS_FWD``)."""
     key = (arch, 4 if dtype == torch.float32 else 2)
     table = dict(_CONFIGS[key], **({} if aligned else _CONFIGS_UNALIGNED_IMAGES.get(key, {})))
-    if wide_tokens and key in _WIDE_TOKENS_FWD:
+    if tokens_dtype is not None and tokens_dtype.itemsize > dtype.itemsize and key in _WIDE_TOKENS_FWD:
         table["fwd"] = _WIDE_TOKENS_FWD[key][aligned]
     return PatchEmbedConfig(**{kernel: GemmTile(*entry) for kernel, entry in table.items()},
                             reduce=ReduceTile(*_REDUCE), num_sms=SM_COUNT[arch])
@@ -541,9 +541,9 @@ def _gemm_launch(tile: GemmTile, dtype: torch.dtype, patch: int, in_chans: int) 
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
-def _check_compute_dtype(dtype: torch.dtype) -> None:
+def _check_float_dtype(dtype: torch.dtype, what: str = "compute dtype") -> None:
     if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{OP}: expected a compute dtype in (float32, float16, bfloat16), got {dtype}")
+        raise ValueError(f"{OP}: expected a {what} in (float32, float16, bfloat16), got {dtype}")
 
 
 def _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix,
@@ -592,9 +592,9 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                     tokens_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Tokens (B, prefix + Np, D) in tokens_dtype (default compute_dtype), the GEMM in compute_dtype; one launch."""
     T = _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
-    _check_compute_dtype(compute_dtype)
+    _check_float_dtype(compute_dtype)
     tokens_dtype = tokens_dtype or compute_dtype
-    _check_compute_dtype(tokens_dtype)
+    _check_float_dtype(tokens_dtype, "tokens_dtype")
     device = check_kernel_device(OP, images, weight, bias, pos_embed, cls_token, reg_tokens)
     B, C, H, W = images.shape
     D, _, P, _ = weight.shape
@@ -620,10 +620,9 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
             POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
     aligned = images_aligned(images.stride())
-    wide = tokens_dtype.itemsize > compute_dtype.itemsize
     key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), str(tokens_dtype), arch, T - Np, aligned)
     launch(_tuning.choose("patch_embed_fwd", key,
-                          _candidates(patch_embed_config(arch, compute_dtype, aligned, wide).fwd), launch, device))
+                          _candidates(patch_embed_config(arch, compute_dtype, aligned, tokens_dtype).fwd), launch, device))
     return out
 
 
@@ -672,7 +671,7 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
         return [g.zero_() for g in grads]
     arch = gpu_arch(device)
     compute_dtype = compute_dtype or dtokens.dtype
-    _check_compute_dtype(compute_dtype)
+    _check_float_dtype(compute_dtype)
     dy = dtokens.to(compute_dtype)  # the GEMMs' operand (a no-op without autocast)
     aligned = images_aligned(images.stride())  # dW gathers from the images, dimages scatters to its own strides
     cfg = patch_embed_config(arch, compute_dtype, aligned)
@@ -760,9 +759,9 @@ def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     dtype first)."""
     _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
     compute_dtype = compute_dtype_for(images)
-    _check_compute_dtype(compute_dtype)
+    _check_float_dtype(compute_dtype)
     if tokens_dtype is not None:
-        _check_compute_dtype(tokens_dtype)
+        _check_float_dtype(tokens_dtype, "tokens_dtype")
     return PatchEmbedFunction.apply(images, weight, bias, pos_embed, cls_token, reg_tokens,
                                     pos_embed_covers_prefix, compute_dtype, tokens_dtype)
 
@@ -814,17 +813,17 @@ def aot_specs(tokens: int, width: int, dtype: torch.dtype, arch: int, patch_size
     note = f"N={T} D={D} P={P} C={C} {img_size}px {cdt} compute, {img} images, {par} params"
     # tokens: the model's residual stream under autocast (the parameters' dtype, fp32) or the compute dtype
     # (residual_in_fp32=False, the functional alone); the batch sums read their gradient in that dtype
-    tokens = sorted({par, cdt})
+    tokens = sorted({param_dtype, dtype}, key=str)
     kernels = [  # (name, kernel, pointer types, flags, config)
         *(("patch_embed_fwd", _patch_embed_fwd_kernel,
-           dict(Out=out, X=img, W=cdt, Bias=par, Pos=par, Cls=par, Reg=par),
+           dict(Out=TRITON_DTYPE_NAMES[out], X=img, W=cdt, Bias=par, Pos=par, Cls=par, Reg=par),
            dict(flags, POS_PREFIX=pos_embed_covers_prefix and prefix > 0),
-           patch_embed_config(arch, dtype, cfg_aligned, out == "fp32" and cdt != "fp32").fwd) for out in tokens),
+           patch_embed_config(arch, dtype, cfg_aligned, out).fwd) for out in tokens),
         ("patch_embed_dweight", _patch_embed_dweight_kernel, dict(Part="fp32", DY=cdt, X=img),
          dict(HAS_BIAS=True, ALIGNED_BLOCKS=_aligned_blocks(Np, Wp, cfg.dweight.block_m)), cfg.dweight),
         *(("patch_embed_reduce", _patch_embed_reduce_kernel,
-           dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=dy), dict(flags, HAS_DW=True),
-           cfg.reduce) for dy in tokens),
+           dict(DW=par, DBias=par, DPos=par, DCls=par, DReg=par, Part="fp32", DY=TRITON_DTYPE_NAMES[dy]),
+           dict(flags, HAS_DW=True), cfg.reduce) for dy in tokens),
         ("patch_embed_dimages", _patch_embed_dimages_kernel, dict(DX=img, DY=cdt, W=par), {}, cfg.dimages),
     ]
     specs = []

@@ -340,7 +340,7 @@ def micro_cases(shape_name: str, preset: str, batch: int, device: str, dry_run: 
         "patch_embed", f"{batch}x3x{img}x{img} p{P}",
         lambda: dict(images=torch.randn(batch, 3, img, img, device=device), weight=par(C, 3, P, P), bias=par(C),
                      pos_embed=par(1, 1 + Np, C), cls_token=par(1, 1, C)),
-        patch_embed, {"eager": eager_stack},
+        functools.partial(patch_embed, tokens_dtype=torch.float32), {"eager": eager_stack},  # fp32 tokens: the model's
         lambda bwd: (2.0 * batch * Np * 3 * P * P * C * (2 if bwd else 1) / 1e12, "TFLOP"), autocast=True))
     return cases
 

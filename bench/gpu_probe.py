@@ -180,13 +180,13 @@ def item_attn(args) -> None:
             return o.transpose(1, 2).reshape(B, N, H * D)
 
         providers = {f"sdpa_{name}": (lambda b=b: sdpa(b)) for name, b in backends.items()}
-        providers["vit_fast"] = lambda: attention(qkv, H)
+        providers["vit_fast"] = lambda: attention(qkv, H)  # what users get: autotuned over every candidate
         # with the qkv bias's gradient (the model's case: a column sum of d(qkv)), the bias an fp32 leaf
         providers["vit_fast_bias_grad"] = lambda: AttentionFunction.apply(qkv, bias, H, D ** -0.5, 0.0, None, N,
                                                                           "flash")[0]
         if short_supported(N, D, qkv.dtype):  # the short-sequence family where it runs
             providers["vit_fast_short"] = lambda: attention(qkv, H, kernel="short")
-        # the flash backward with dS stored (dQ from it in a second launch), forced: an autotuning candidate
+        # the flash backward with dS stored (dQ from it in a second launch) forced, on the static tiles
         providers["vit_fast_stored_ds"] = providers["vit_fast"]
         for name, fwd in providers.items():
             def measure(name=name, fwd=fwd):

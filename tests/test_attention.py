@@ -817,7 +817,7 @@ def test_stored_ds_backward_matches_float64(monkeypatch, dtype, N, rows, p, D, a
 
 
 def test_stored_ds_offered_at_vit_lengths_only():
-    """The autotuner gets the stored-dS backward as one more candidate (in its key) up to 640 tokens and a 1 GiB
+    """The autotuner gets the stored-dS backward as one more candidate (in its key) up to 640 tokens and a 512 MiB
     workspace; past either, and for the forward, the candidate lists stay the flash kernel's tiles."""
     def plan(op, B, N, H, D=64, dtype=torch.bfloat16):
         q = torch.empty(B, H, N, D, dtype=dtype, device="meta")

@@ -125,9 +125,6 @@ KNOWN_BELOW_BAR = {
                                  "threads through shared memory into the wgmma layout (about 690 instructions per "
                                  "warp per step against 300 without dropout)",
     ("attention_probs", 90, False): "47%: attention maps for inspection, outside training",
-    ("attention_bwd_stored_ds_dkdv", 90, True): "36%: attention_bwd's dropout keep tile plus the dS store (the "
-                                                "(keys x q rows) register tile into the (q rows x keys) workspace) "
-                                                "in every step; an autotuning candidate, never the static config",
     # the persistent TMA GEMMs: their flattened loop holds the epilogue (bias, GELU and GELU', TMA stores), run
     # once per K / BLOCK_K steps (12 at ViT-B's fc1, 48 at its dgrad) but counted here at every step
     ("linear_act_fwd_tma", 90, False): "9-16%: the epilogue inside the flattened persistent loop, counted per step",

@@ -104,6 +104,22 @@ def test_a_candidate_that_cannot_run_here_is_skipped_and_other_errors_propagate(
         _tuning.choose("op_oor", 2, CANDIDATES, launch, CPU, module=__name__)
 
 
+def test_a_candidate_out_of_device_memory_is_skipped(cpu_tuning):
+    """A candidate that allocates a workspace (the stored-dS attention backward) and finds no device memory for it
+    is timed as infinitely slow, as one that cannot compile: the others still run."""
+    class OutOfMemory(FakeTimer):
+        def __call__(self, fn, label):
+            super().__call__(fn, label)
+            if "narrow" in label:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 252.00 MiB")
+            return 2.0 if "static" in label else 1.0
+
+    launch, _ = launches()
+    with cpu_tuning(OutOfMemory()):
+        assert _tuning.choose("op_oom", 1, CANDIDATES, launch, CPU, module=__name__) == CANDIDATES[1]
+        assert _tuning.records()[0].times_ms[2] == float("inf")
+
+
 def test_cache_hit_in_a_new_process_state_and_miss_for_another_key(cpu_tuning):
     launch, _ = launches()
     with cpu_tuning(FakeTimer(wide=0.5)):

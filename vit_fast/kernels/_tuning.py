@@ -409,11 +409,12 @@ def describe(candidate: Any) -> str:
 
 
 def _failed(e: BaseException) -> bool:
-    """A candidate that cannot run on this GPU (too much shared memory, a compile error) is skipped."""
+    """A candidate that cannot run on this GPU (too much shared memory, a compile error, or, for one that allocates
+    a workspace, no device memory left for it) is skipped."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
-    return isinstance(e, (OutOfResources, CompilationError))
+    return isinstance(e, (OutOfResources, CompilationError, torch.cuda.OutOfMemoryError))
 
 
 def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any],

@@ -621,8 +621,8 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
     aligned = images_aligned(images.stride())
     key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), str(tokens_dtype), arch, T - Np, aligned)
-    launch(_tuning.choose("patch_embed_fwd", key,
-                          _candidates(patch_embed_config(arch, compute_dtype, aligned, tokens_dtype).fwd), launch, device))
+    tiles = _candidates(patch_embed_config(arch, compute_dtype, aligned, tokens_dtype).fwd)
+    launch(_tuning.choose("patch_embed_fwd", key, tiles, launch, device))
     return out
 
 

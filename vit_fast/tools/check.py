@@ -102,6 +102,7 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
     from ..kernels import layer_norm as L
     from ..kernels import linear_act as LA
     from ..kernels import patch_embed as P
+    from ..kernels.attention import interface as attention_host
 
     g = torch.Generator().manual_seed(seed)
 
@@ -161,8 +162,6 @@ def kernel_rows(cfg, batch: int, dtype: torch.dtype, device: torch.device, ops: 
 
         rows += check_op("attention_linear", attention_linear_amp, attention_linear_cast_ref, inputs,
                          ["x", "weight", "bias"], ["out"], [(B, N, D)], "dot", dtype, g)
-        from ..kernels.attention import interface as attention_host
-
         with attention_host.stored_ds_only():  # the backward with dS stored, a candidate the autotuner may pick
             rows += check_op("attention_linear_stored_ds", attention_linear_amp, attention_linear_cast_ref, inputs,
                              ["x", "weight", "bias"], ["out"], [(B, N, D)], "dot", dtype, g)

@@ -61,7 +61,7 @@ Limits: any N >= 1 (the last tile is masked; padded keys get exactly zero probab
 D = 72 runs as 64 + 16 columns, see ``attention_config``).
 
 Memory and bytes: the forward allocates only the output and the fp32 lse (B * H * N); nothing grows
-with N^2. HBM traffic per token and layer,
+with N^2 except the stored-dS backward's workspace (below). HBM traffic per token and layer,
 C = H * D, e = bytes per element, counting each kernel's first touch (re-reads of one head's rows
 across its tiles hit L2 at ViT sizes: the head's q, k, v, out, dO are 5 * N * D * e, 123 KB for
 ViT-B):
@@ -71,6 +71,9 @@ ViT-B/16 in bf16 (C = 768, H = 12): 6.2 KB per token forward, 12.3 KB backward (
 delta pre-pass, separate dK/dV and dQ kernels: 20.2 KB, 3 launches).
 With the qkv bias's gradient, the column sum reads d(qkv) once more (3C e = 4.6 KB per token, as eager's
 addmm backward). The forward's bias costs nothing here: it rides in the qkv GEMM's epilogue.
+The stored-dS backward (``StoredDsConfig``) writes dS and reads it back: 2 * H * N' * e more per token (N' = N
+rounded up to 16; ViT-B/16 bf16: 10 KB) in 2 launches, with a (B * H, q_len, N') workspace alive during the
+block's backward (252 MB at ViT-B/16 b256; offered up to 512 MiB and 640 tokens).
 
 Files (split by pass, as FlashAttention-4's flash_fwd / flash_bwd / interface):
     common.py     limits and the jit helpers every kernel shares (program map, strided head tiles)

@@ -5,8 +5,9 @@ the package docstring.
 The stored-dS backward (``StoredDsConfig``, an autotuning candidate at ViT lengths): the dK/dV phase alone, also
 writing dS (rounded to the inputs' dtype, as the dK dot reads it) to a (B * H, q_len, N) workspace, then dQ =
 scale * dS K from the workspace in a second launch, one dot per key step: S, dP and the exponential once per tile
-pair instead of twice, for 2 * B * H * q_len * N * e more bytes (ViT-B/16 b256 bf16: 238 MB written and read per
-block, about 0.11 ms at the H200's 4.2 TB/s; what the recompute costs is for a GPU to measure)."""
+pair instead of twice, for 2 * B * H * q_len * N' * e more bytes (N' = N rounded up to 16, so rows start aligned
+and move in vectors; ViT-B/16 b256 bf16: 252 MB written and read per block, about 0.12 ms at the H200's 4.2 TB/s;
+what the recompute costs is for a GPU to measure)."""
 from __future__ import annotations
 
 import triton
@@ -92,7 +93,8 @@ def _bwd_dkdv(
     """Phase 1 of the backward: dK, dV of k/v tile ``tile`` (BLOCK_N rows), looping over q tiles: full ones
     without a row mask, then the rest as one masked step, TAIL_M rows wide when it fits (as the forward's keys).
     ``*_head`` point at head (b, h) of each tensor; the strides are its row and column strides.
-    With BLOCK_D_TAIL every (rows x D) tile is two: columns 0..BLOCK_D and the tail (``_t``)."""
+    With BLOCK_D_TAIL every (rows x D) tile is two: columns 0..BLOCK_D and the tail (``_t``). ``STORE_DS``: every
+    step also writes its dS to the head's (q rows x keys) workspace ``ds_head``, rows ``stride_sm`` apart."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = cols < seq_len
@@ -294,7 +296,8 @@ def _attention_bwd_kernel(
               _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
               _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
               _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
-              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, Lse, bh, tile,
+              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse,
+              Lse, bh, tile,  # no dS workspace (STORE_DS off): a placeholder pointer and row stride
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
               stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, 0,
               seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
@@ -313,7 +316,7 @@ def _attention_bwd_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    DK, DV, DS,  # outputs: dK, dV (B, H, N, D) through the gradient strides; dS (B * H, q_len, N), inputs' dtype
+    DK, DV, DS,  # outputs: dK, dV (B, H, N, D) through the gradient strides; dS (B * H, q_len, stride_sm)
     Q, K, V, O, DO, Lse,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -321,6 +324,7 @@ def _attention_bwd_dkdv_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     stride_gb, stride_gh, stride_gn, stride_gd,
     stride_db, stride_dh, stride_dn, stride_dd,
+    stride_sm,  # dS's row stride: N rounded up to 16, so every row starts 16-element aligned (vector stores)
     num_heads, seq_len, head_dim: tl.constexpr, q_len,
     scale, drop_threshold, inv_keep, SEED,
     BLOCK: tl.constexpr,  # k/v rows owned
@@ -346,9 +350,9 @@ def _attention_bwd_dkdv_kernel(
               _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
               _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
               _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse,
-              DS + bh.to(tl.int64) * q_len * seq_len, bh, tile,
+              DS + bh.to(tl.int64) * q_len * stride_sm, bh, tile,
               stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
-              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, seq_len,
+              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, stride_sm,
               seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
               KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL, True)
 
@@ -379,26 +383,28 @@ def _dq_stored_step(dq, dq_t, ds_rows, k_head, row_ok, start_n, seq_len, stride_
 @triton.jit
 def _attention_bwd_dq_stored_kernel(
     DQ,  # output: dQ (B, H, N, D) through the gradient strides, zero past q_len
-    DS, K,  # dS (B * H, q_len, N) from _attention_bwd_dkdv_kernel; k through strides
+    DS, K,  # dS (B * H, q_len, stride_sm) from _attention_bwd_dkdv_kernel; k through strides
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_db, stride_dh, stride_dn, stride_dd,
+    stride_sm,
     num_heads, seq_len, head_dim: tl.constexpr, q_len, scale,
     BLOCK_M: tl.constexpr,  # q rows owned
     BLOCK_N: tl.constexpr,  # keys per loop step
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_D_TAIL: tl.constexpr = 0,
+    TAIL: tl.constexpr = 16,  # the last, partial key step runs this wide when it fits
     HEAD_ALIGN: tl.constexpr = 1,
 ):
     """The stored-dS backward's second launch: program (b, h, t) writes dQ = scale * dS K of q rows t * BLOCK_M..,
-    one dot per key step (no S, dP or exponential; full key steps unmasked, then the last); q rows past q_len (no
-    dS) get zeros."""
+    one dot per key step (no S, dP or exponential; full key steps unmasked, then the rest as one masked step, TAIL
+    wide when it fits); q rows past q_len (no dS) get zeros."""
     num_tiles = tl.cdiv(seq_len, BLOCK_M)
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len
-    ds_rows = DS + bh.to(tl.int64) * q_len * seq_len + rows[:, None].to(tl.int64) * seq_len
+    ds_rows = DS + bh.to(tl.int64) * q_len * stride_sm + rows[:, None].to(tl.int64) * stride_sm
     k_head = _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq_t = tl.zeros([BLOCK_M, BLOCK_D_TAIL], tl.float32) if BLOCK_D_TAIL else 0.0
@@ -407,9 +413,13 @@ def _attention_bwd_dq_stored_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         dq, dq_t = _dq_stored_step(dq, dq_t, ds_rows, k_head, row_ok, start_n, seq_len, stride_kn, stride_kd,
                                    head_dim, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, False, INPUT_PRECISION)
-    if full_end < keys:
+    rest = keys - full_end  # < BLOCK_N
+    if rest > TAIL:
         dq, dq_t = _dq_stored_step(dq, dq_t, ds_rows, k_head, row_ok, full_end, seq_len, stride_kn, stride_kd,
                                    head_dim, BLOCK_N, BLOCK_D, BLOCK_D_TAIL, True, INPUT_PRECISION)
+    elif rest > 0:
+        dq, dq_t = _dq_stored_step(dq, dq_t, ds_rows, k_head, row_ok, full_end, seq_len, stride_kn, stride_kd,
+                                   head_dim, TAIL, BLOCK_D, BLOCK_D_TAIL, True, INPUT_PRECISION)
     dq_head = _head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN)
     offs_d = tl.arange(0, BLOCK_D)
     store_ok = rows < seq_len

@@ -42,6 +42,7 @@ from .config import (
     short_refusal,
     short_supported,
     stored_ds_fits,
+    stored_ds_row,
 )
 from .flash_bwd import _attention_bwd_dkdv_kernel, _attention_bwd_dq_stored_kernel, _attention_bwd_kernel
 from .flash_fwd import _attention_dropout_mask_kernel, _attention_fwd_kernel, _attention_probs_kernel
@@ -233,8 +234,9 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optiona
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float,
                 seed: Optional[torch.Tensor]) -> None:
-    """One launch writes dq, dk, dv (which share one stride layout). out, dO and lse may hold the first
-    M < N query rows only (the forward's): the other rows of dq are written as zeros."""
+    """dq, dk, dv (which share one stride layout) in one launch, or two for the stored-dS candidate
+    (``StoredDsConfig``). out, dO and lse may hold the first M < N query rows only (the forward's): the other rows
+    of dq are written as zeros."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
     # the kernel's argument order: q, k, v, out, dO, then dq (dk and dv share its layout)
@@ -260,23 +262,24 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
 
 def _launch_stored_ds_bwd(cfg: StoredDsConfig, plan: _FlashPlan, do, q, k, v, out, lse, dq, dk, dv, scale: float,
                           seed: Optional[torch.Tensor]) -> None:
-    """The backward as ``StoredDsConfig``: dK, dV and the dS workspace (B * H, q_len, N) in one launch, then dQ
-    from it (rows past q_len zeros) in a second."""
+    """The backward as ``StoredDsConfig``: dK, dV and the dS workspace (B * H, q_len, N padded to 16) in one launch,
+    then dQ from it (rows past q_len zeros) in a second."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
-    ds = _empty((B * H, q_len, N), q.dtype, q.device)
+    row = stored_ds_row(N)
+    ds = _empty((B * H, q_len, row), q.dtype, q.device)
     block_d, tail = _block_dims(D, cfg.dkdv.split)
     launcher(_attention_bwd_dkdv_kernel, attention_grid(B * H, N, cfg.dkdv.block_n))(
-        dk, dv, ds, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
+        dk, dv, ds, q, k, v, out, do, lse, *plan.strides[:24], row, H, N, D, q_len, scale, plan.threshold,
         plan.inv_keep, seed, BLOCK=cfg.dkdv.block_n, KV_BLOCK_M=cfg.dkdv.block_m, BLOCK_D=block_d,
         BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision, TAIL=LAST_STEP,
         PEEL=cfg.dkdv.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dkdv.num_warps,
         num_stages=cfg.dkdv.num_stages)
     block_d, tail = _block_dims(D, cfg.dq.split)
     launcher(_attention_bwd_dq_stored_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
-        dq, ds, k, *plan.strides[4:8], *plan.strides[20:24], H, N, D, q_len, scale, BLOCK_M=cfg.dq.block_m,
+        dq, ds, k, *plan.strides[4:8], *plan.strides[20:24], row, H, N, D, q_len, scale, BLOCK_M=cfg.dq.block_m,
         BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, INPUT_PRECISION=plan.precision,
-        HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
+        TAIL=LAST_STEP, HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
 
 
 def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:
@@ -710,7 +713,7 @@ _FLOAT_ARGS = ("scale", "inv_keep")
 def _launch_values(tokens: int, num_heads: int, head_dim: int) -> dict[str, int]:
     """Integer arguments of a packed-layout launch (qkv (B, N, 3HD), out/dO (B, N, HD))."""
     N, H, D = tokens, num_heads, head_dim
-    values = dict(num_heads=H, seq_len=N, q_len=N, head_dim=D, num_rows=1)
+    values = dict(num_heads=H, seq_len=N, q_len=N, head_dim=D, num_rows=1, stride_sm=stored_ds_row(N))
     for t in "qkvd":  # q, k, v and the packed gradient: (B, H, N, D) view of a (B, N, 3HD) tensor
         values.update({f"stride_{t}b": N * 3 * H * D, f"stride_{t}h": D, f"stride_{t}n": 3 * H * D, f"stride_{t}d": 1})
     for t in "og":  # out and dO: (B, H, N, D) view of a (B, N, HD) tensor
@@ -787,6 +790,7 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
     specs = []
     for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
         tensor_cores = dtype != torch.float32 or precision == "tf32"
+        stored_dq_tiles = set()  # the stored-dS dQ launch draws no mask: one spec per distinct tile
         for dropout in (False, True):
             cfg = attention_config(tokens, D, dtype, arch, precision, dropout)
             note = f"N={tokens} D={D} dropout={dropout}"
@@ -806,9 +810,10 @@ def aot_specs(tokens: int, width: int, num_heads: int, dtype: torch.dtype, arch:
                 specs.append(_aot_spec("attention_bwd_stored_ds_dkdv", _attention_bwd_dkdv_kernel, dtype, dkdv,
                                        cfg.dkdv, f"{note} {cfg.dkdv.block_n}x{cfg.dkdv.block_m}", values,
                                        tensor_cores))
-                if not dropout:  # the dQ launch draws no mask
+                if cfg.dq not in stored_dq_tiles:
+                    stored_dq_tiles.add(cfg.dq)
                     dq = dict(zip(("BLOCK_D", "BLOCK_D_TAIL"), _block_dims(D, cfg.dq.split)), BLOCK_M=cfg.dq.block_m,
-                              BLOCK_N=cfg.dq.block_n, INPUT_PRECISION=precision)
+                              BLOCK_N=cfg.dq.block_n, INPUT_PRECISION=precision, TAIL=LAST_STEP)
                     specs.append(_aot_spec("attention_bwd_stored_ds_dq", _attention_bwd_dq_stored_kernel, dtype, dq,
                                            cfg.dq, f"N={tokens} D={D} {cfg.dq.block_m}x{cfg.dq.block_n}", values,
                                            tensor_cores))

@@ -157,6 +157,32 @@ def _bwd_dkdv(
 
 
 @triton.jit
+def _dkdv_of_head(
+    DK, DV, Q, K, V, O, DO, Lse, ds_head, bh, tile,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+    stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd, stride_sm,
+    num_heads, seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, TAIL_M: tl.constexpr, PEEL: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr, STORE_DS: tl.constexpr,
+):
+    """``_bwd_dkdv`` of head ``bh`` = b * H + h, its tensors' pointers offset to that head here (both backward
+    kernels run it)."""
+    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
+              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
+              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
+              _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
+              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
+              _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
+              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse, ds_head, bh, tile,
+              stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
+              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, stride_sm,
+              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
+              BLOCK_M, BLOCK_N, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL_M, PEEL, STORE_DS)
+
+
+@triton.jit
 def _dq_step(
     dq, dq_t, q, q_t, do, do_t, delta, lse2, k_head, v_head, bh, rows, start_n,
     stride_kn, stride_kd, stride_vn, stride_vd,
@@ -290,18 +316,12 @@ def _attention_bwd_kernel(
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
     # Each phase gets its heads' pointers computed at its call (not kept live across phase 1).
-    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
-              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
-              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
-              _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
-              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
-              _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
-              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse,
-              Lse, bh, tile,  # no dS workspace (STORE_DS off): a placeholder pointer and row stride
-              stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
-              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, 0,
-              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
-              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL)
+    _dkdv_of_head(DK, DV, Q, K, V, O, DO, Lse, Lse, bh, tile,  # no dS workspace: a placeholder pointer and stride
+                  stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+                  stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd, 0,
+                  num_heads, seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
+                  KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL, HEAD_ALIGN, False)
     _bwd_dq(_head(DQ, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
             _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
             _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
@@ -343,18 +363,12 @@ def _attention_bwd_dkdv_kernel(
     num_tiles = tl.cdiv(seq_len, BLOCK)
     pid = tl.program_id(0)
     bh, tile = pid // num_tiles, pid % num_tiles
-    _bwd_dkdv(_head(DK, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
-              _head(DV, bh, num_heads, stride_db, stride_dh, HEAD_ALIGN),
-              _head(Q, bh, num_heads, stride_qb, stride_qh, HEAD_ALIGN),
-              _head(K, bh, num_heads, stride_kb, stride_kh, HEAD_ALIGN),
-              _head(V, bh, num_heads, stride_vb, stride_vh, HEAD_ALIGN),
-              _head(O, bh, num_heads, stride_ob, stride_oh, HEAD_ALIGN),
-              _head(DO, bh, num_heads, stride_gb, stride_gh, HEAD_ALIGN), Lse,
-              DS + bh.to(tl.int64) * q_len * stride_sm, bh, tile,
-              stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd,
-              stride_on, stride_od, stride_gn, stride_gd, stride_dn, stride_dd, stride_sm,
-              seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
-              KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL, True)
+    _dkdv_of_head(DK, DV, Q, K, V, O, DO, Lse, DS + bh.to(tl.int64) * q_len * stride_sm, bh, tile,
+                  stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+                  stride_gb, stride_gh, stride_gn, stride_gd, stride_db, stride_dh, stride_dn, stride_dd, stride_sm,
+                  num_heads, seq_len, head_dim, q_len, scale, drop_threshold, inv_keep, SEED,
+                  KV_BLOCK_M, BLOCK, BLOCK_D, DROPOUT, INPUT_PRECISION, BLOCK_D_TAIL, TAIL, PEEL, HEAD_ALIGN, True)
 
 
 @triton.jit

@@ -157,7 +157,7 @@ def item_attn(args) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from vit_fast.kernels.attention import attention, short_supported
-    from vit_fast.kernels.attention.interface import AttentionFunction, stored_ds_only
+    from vit_fast.kernels.attention.interface import AttentionFunction, one_launch_only, stored_ds_only
 
     shapes = [(2, 17, 2, 64)] if args.tiny else ATTN_SHAPES
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -181,6 +181,7 @@ def item_attn(args) -> None:
 
         providers = {f"sdpa_{name}": (lambda b=b: sdpa(b)) for name, b in backends.items()}
         providers["vit_fast"] = lambda: attention(qkv, H)  # what users get: autotuned over every candidate
+        providers["vit_fast_one_launch"] = providers["vit_fast"]  # autotuned over the one-launch tiles alone
         # with the qkv bias's gradient (the model's case: a column sum of d(qkv)), the bias an fp32 leaf
         providers["vit_fast_bias_grad"] = lambda: AttentionFunction.apply(qkv, bias, H, D ** -0.5, 0.0, None, N,
                                                                           "flash")[0]
@@ -195,7 +196,8 @@ def item_attn(args) -> None:
                 def fwd_bwd():
                     return torch.autograd.grad(fwd(), wrt, grad)[0]
 
-                with stored_ds_only() if name.endswith("stored_ds") else contextlib.nullcontext():
+                forcing = {"vit_fast_stored_ds": stored_ds_only, "vit_fast_one_launch": one_launch_only}.get(name)
+                with forcing() if forcing else contextlib.nullcontext():
                     g1 = fwd_bwd()
                     g2 = fwd_bwd()
                     row = dict(provider=name, fwd_graph_ms=bench_ms(fwd, True),

@@ -52,5 +52,7 @@ step host_ab 60 python3 -c "import sys; from vit_fast.tools.cli import main; sys
 # linear_act's TMA kernels (sm_90's default since 2026-11-27) against its pointer kernels in a whole ViT-B/16 step
 VIT_FAST_TMA_GEMM=0 step tma_off 45 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_base_patch16_224 --batches 256 --paths vit_fast --steps 20 --warmup 5 --out "$R/tma_off"
 step trace 45 python3 bench/gpu_probe.py trace --path vit_fast --dump-after 30
+# ViT-S/16's compiled paths (issue 30's target; the quick campaign's budget stops before them)
+step s16_compile 150 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 256 --paths timm_compile vit_fast_compile --steps 20 --warmup 5 --out "$R/s16_compile"
 echo "[session] done in $((SECONDS - start)) s"
 pack

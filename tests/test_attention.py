@@ -818,7 +818,8 @@ def test_stored_ds_backward_matches_float64(monkeypatch, dtype, N, rows, p, D, a
 
 def test_stored_ds_offered_at_vit_lengths_only():
     """The autotuner gets the stored-dS backward as one more candidate (in its key) up to 640 tokens and a 512 MiB
-    workspace; past either, and for the forward, the candidate lists stay the flash kernel's tiles."""
+    workspace; past either, for the forward and under ``one_launch_only``, the candidate lists stay the flash
+    kernel's tiles."""
     def plan(op, B, N, H, D=64, dtype=torch.bfloat16):
         q = torch.empty(B, H, N, D, dtype=dtype, device="meta")
         return AI._flash_plan(op, (q,) * 8, N, 0.0, "ieee", 90)
@@ -829,6 +830,8 @@ def test_stored_ds_offered_at_vit_lengths_only():
                      plan("attention_fwd", 256, 197, 12)):
         assert not any(isinstance(c, A.StoredDsConfig) for c in kept_out.candidates)
         assert kept_out.key[-1] != "stored_ds"
+    with AI.one_launch_only():
+        assert plan("attention_bwd", 256, 197, 12).candidates == vit_b.candidates[:-1]
     with AI.stored_ds_only():
         assert AI._flash_plan("attention_bwd", (torch.empty(1, 2, 1025, 64, device="meta"),) * 8, 1025, 0.0, "ieee",
                               90).candidates == (A.StoredDsConfig.of(A.attention_config(1025, 64, torch.float32, 90)),)

@@ -199,7 +199,8 @@ def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision
         candidates = (StoredDsConfig.of(static),)
     else:
         candidates = _bwd_candidates(static)
-        if stored_ds_fits(B * H, q_len, N, q.element_size()):  # in the key: offered or not, another choice
+        offered = not one_launch_only.on and stored_ds_fits(B * H, q_len, N, q.element_size())
+        if offered:  # in the key: offered or not, another choice
             key, candidates = key + ("stored_ds",), candidates + (StoredDsConfig.of(static),)
     strides = tuple(stride for t in tensors for stride in t.stride())
     return _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates)
@@ -208,6 +209,9 @@ def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision
 # inside ``with stored_ds_only():`` every flash backward runs the stored-dS launches (``StoredDsConfig``) on the
 # static tiles, whatever its length or the autotuner would pick (the tests and `vit-fast check` compare it)
 stored_ds_only = _tuning.ProcessSwitch()
+# inside ``with one_launch_only():`` the stored-dS candidate is not offered: the autotuner picks among the one-launch
+# tiles alone (the GPU probe's A/B of the two algorithms)
+one_launch_only = _tuning.ProcessSwitch()
 
 _FWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_fwd"))
 _BWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_bwd"))
@@ -244,7 +248,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     plan = _BWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), do.stride(),
                            dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch,
-                           stored_ds_only.on), tensors, q_len, dropout_p, precision, arch)
+                           stored_ds_only.on, one_launch_only.on), tensors, q_len, dropout_p, precision, arch)
 
     def launch(cfg: AttentionConfig | StoredDsConfig) -> None:
         if isinstance(cfg, StoredDsConfig):

@@ -557,6 +557,21 @@ def test_attention_linear_forward_and_gradients(dtype, B, N, H, D):
     assert errors(out, A.attention_linear_ref(x, w, None, H))[0] > 10 * bound(dtype, "dot"), "the bias is a no-op"
 
 
+def _query_rows_case(monkeypatch, dtype, B, N, H, D, rows, p, arch, seed):
+    """``attention_linear`` with query_rows and dropout on the ``arch`` table (the seed fixed): its inputs, the call
+    and its float64-able reference with the same dropout mask."""
+    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
+    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
+    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
+
+    def fn(x, w, b):
+        return A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=rows)
+
+    def ref(x, w, b):
+        return A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True, dropout_mask=keep, query_rows=rows)
+    return make_linear(B, N, H, D, dtype), fn, ref
+
+
 @pytest.mark.parametrize("dtype, N, rows, p, D, arch", [
     (torch.float32, 37, 1, 0.0, 64, 80), (torch.bfloat16, 37, 1, 0.25, 64, 80), (torch.bfloat16, 197, 5, 0.0, 64, 80),
     (torch.float16, 71, 40, 0.25, 64, 80), (torch.float32, 37, 37, 0.0, 64, 80), (torch.float16, 1, 1, 0.0, 64, 80),
@@ -567,15 +582,9 @@ def test_attention_linear_query_rows(monkeypatch, dtype, N, rows, p, D, arch):
     of the full output, every gradient bitwise that of the full output with zero gradient past row M (the dQ
     rows past M written as zeros, dK/dV summed over M queries), and within 2x eager of float64; on the sm_80 and
     sm_90 tables (128-row dQ tiles; 57 rows leave 25 past the 32-row dK/dV steps), head_dim 72 split too."""
-    B, H, seed = 2, 2, 11
-    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
-    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
-    inputs = make_linear(B, N, H, D, dtype)
-    fn = lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=rows)  # noqa: E731
-    mine = check_2x_eager(fn, lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True,
-                                                                     dropout_mask=keep, query_rows=rows),
-                          inputs, LINEAR_GRADS)
+    B, H = 2, 2
+    inputs, fn, ref = _query_rows_case(monkeypatch, dtype, B, N, H, D, rows, p, arch, seed=11)
+    mine = check_2x_eager(fn, ref, inputs, LINEAR_GRADS)
     assert mine[0].shape == (B, rows, H * D)
     grad = torch.zeros(B, N, H * D, dtype=dtype, device=DEVICE)
     g = torch.Generator().manual_seed(1)
@@ -797,19 +806,13 @@ def test_stored_ds_backward_matches_float64(monkeypatch, dtype, N, rows, p, D, a
     within 2x eager of float64, with dropout, query_rows < N (dQ rows past M zeros, no dS for them), the split
     D = 72 and the padded D = 80, on both tables; its workspace is poisoned (NaN) like every launcher allocation,
     so a dS entry read before it is written fails. Two runs bitwise equal."""
-    B, H, seed = 2, 2, 7
-    monkeypatch.setattr(AI, "gpu_arch", lambda device: arch)
-    monkeypatch.setattr(AI, "next_seed", lambda device: torch.tensor([seed], device=device))
-    keep = A.attention_dropout_mask(seed, B, H, N, p, device=DEVICE) if p else None
-    inputs = make_linear(B, N, H, D, dtype)
-    fn = lambda x, w, b: A.attention_linear(x, w, b, H, dropout_p=p, training=True, query_rows=rows)  # noqa: E731
+    B, H = 2, 2
+    inputs, fn, ref = _query_rows_case(monkeypatch, dtype, B, N, H, D, rows, p, arch, seed=7)
     launched = []
     real = AI._launch_stored_ds_bwd
     monkeypatch.setattr(AI, "_launch_stored_ds_bwd", lambda *a: launched.append(a[0]) or real(*a))
     with AI.stored_ds_only():
-        mine = check_2x_eager(fn, lambda x, w, b: A.attention_linear_ref(x, w, b, H, dropout_p=p, training=True,
-                                                                         dropout_mask=keep, query_rows=rows),
-                              inputs, LINEAR_GRADS)
+        mine = check_2x_eager(fn, ref, inputs, LINEAR_GRADS)
         grad = torch.randn(B, rows, H * D, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
         again = run(fn, inputs, grad)
     assert launched and all(isinstance(c, A.StoredDsConfig) for c in launched)

@@ -38,6 +38,8 @@ step attn 60 python3 bench/gpu_probe.py attn --dump-after 40
 # candidate against float64, graph replays draw fresh dropout masks, a block as one autograd Function bitwise its
 # parts on the compiled kernels, the short kernels
 VIT_FAST_FAILURES_AT_ONCE=1 step tests 120 python3 -m pytest -q -n 8 tests/test_math.py tests/test_linear_act_tma.py "tests/test_attention.py::test_every_sm90_candidate_matches_float64" "tests/test_attention.py::test_stored_ds_backward_matches_float64" tests/test_graphs.py tests/test_fused_block.py tests/test_attention_short.py -p no:cacheprovider
+# the fused ops alone, kernel time (CUDA-graph replays) beside host-included calls: the full campaign's micro stage
+step micro 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --stages micro --budget 100 --out "$R/micro"
 # every part's candidates timed on ViT-B/16 b256, as JSON
 step tune 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" tune --model vit_base_patch16_224 --batch 256 --json "$R/tune_b16_b256.json"
 # linear_act's Triton GEMMs, pointer vs persistent TMA kernels (never run on a GPU before), against cuBLAS
@@ -52,7 +54,5 @@ step host_ab 60 python3 -c "import sys; from vit_fast.tools.cli import main; sys
 # linear_act's TMA kernels (sm_90's default since 2026-11-27) against its pointer kernels in a whole ViT-B/16 step
 VIT_FAST_TMA_GEMM=0 step tma_off 45 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_base_patch16_224 --batches 256 --paths vit_fast --steps 20 --warmup 5 --out "$R/tma_off"
 step trace 45 python3 bench/gpu_probe.py trace --path vit_fast --dump-after 30
-# ViT-S/16's compiled paths (issue 30's target; the quick campaign's budget stops before them)
-step s16_compile 150 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 256 --paths timm_compile vit_fast_compile --steps 20 --warmup 5 --out "$R/s16_compile"
 echo "[session] done in $((SECONDS - start)) s"
 pack

@@ -102,18 +102,21 @@ def test_budget_scales_every_stage(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_a_hanging_path_loses_only_its_own_row_and_leaves_its_stack(tmp_path, monkeypatch, capsys):
-    """--quick --dry-run with vit_fast_compile and the bias_gelu micro case sleeping past their timeouts: every
-    other row and case is measured and on disk, the hung row is an error row, hangs.log holds both stacks
-    (faulthandler), the summary names them."""
+    """--stages headline micro --dry-run with vit_fast_compile and the bias_gelu micro case sleeping past their
+    timeouts: every other row and case is measured and on disk, the hung row is an error row, hangs.log holds both
+    stacks (faulthandler), the summary names them."""
     monkeypatch.setenv(campaign.SIMULATE_HANG, "vit_fast_compile,micro:bias_gelu")
     monkeypatch.setitem(campaign.ROW_TIMEOUT_S, "compile", 40.0)
     monkeypatch.setattr(campaign, "MICRO_CASE_TIMEOUT_S", 30.0)
-    monkeypatch.setitem(campaign.QUICK_BUDGET_S, "micro", 200)
+    budgets = dict(env=15, headline=210, micro=200)
+    monkeypatch.setattr(campaign, "STAGES", [campaign.Stage(s.name, s.run, budgets.get(s.name, s.budget_s))
+                                             for s in campaign.STAGES])
     out = tmp_path / "quick"
-    assert bench.main(["--campaign", "--quick", "--dry-run", "--out", str(out)]) == 0
+    assert bench.main(["--campaign", "--stages", "headline", "micro", "--dry-run", "--out", str(out),
+                       "--budget", str(sum(s.budget_s for s in campaign.STAGES if s.name in budgets))]) == 0
     log = capsys.readouterr().out
-    assert "] headline: start" in log and "] profile: start" in log and "] micro: start" in log
-    assert "] tests: start" not in log
+    assert "] env: start" in log and "] headline: start" in log and "] micro: start" in log
+    assert "] profile: start" not in log and "] tests: start" not in log
     with open(out / "micro.csv", newline="") as f:
         ops = {r["op"] for r in csv.DictReader(f)}
     assert "bias_gelu" not in ops and {"layer_norm", "attention", "patch_embed"} <= ops  # cases after it ran
@@ -182,3 +185,13 @@ def test_record_with_a_profile_is_shipped_as_calibration_data(tmp_path, monkeypa
     assert m.steps["vit_base_patch16_224"] == {"vit_fast": dict(ms=78.0, how=m.steps["vit_base_patch16_224"]
                                                                 ["vit_fast"]["how"])}
     assert "vit_fast_graph" in m.steps["vit_base_patch16_224"]["vit_fast"]["how"]
+
+
+def test_quick_runs_the_headline_and_its_profile_in_five_minutes_and_stages_run_alone(capsys):
+    quick = campaign._stages(True, None)
+    assert [s.name for s in quick] == ["env", "headline", "profile"] and sum(s.budget_s for s in quick) <= 300
+    assert [s.name for s in campaign._stages(False, ["micro"])] == ["env", "micro"]  # env tags every row
+    assert [s.name for s in campaign._stages(True, ["tests", "micro"])] == ["env", "micro", "tests"]
+    assert campaign._stages(False, None) == campaign.STAGES
+    with pytest.raises(ValueError, match="unknown stage.*nope.*expected some of env"):
+        campaign._stages(False, ["micro", "nope"])

@@ -297,7 +297,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     campaign.add_argument("--quick", action="store_true",
                           help="with --campaign: the headline only, in <= 5 minutes: env, then ViT-B/16 and ViT-S/16 "
                                "at batch 256 on every path (timm eager and compiled, vit_fast eager, compiled and "
-                               "with a CUDA-graph step), then the fused ops' kernel and host times")
+                               "with a CUDA-graph step), then where their kernel time goes (profile)")
+    campaign.add_argument("--stages", nargs="+", default=None, metavar="STAGE",
+                          help="with --campaign: only these stages (env, headline, profile, micro, tune, check, tests, "
+                               "throughput), each on its full budget")
     campaign.add_argument("--dry-run", action="store_true",
                           help="with --campaign: every stage on CPU with tiny shapes in seconds (figures meaningless; "
                                "proves the command works before a GPU sees it)")

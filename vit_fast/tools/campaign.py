@@ -26,7 +26,10 @@ its own timeout (ROW_TIMEOUT_S), the micro cases in a process per model shape wi
 (MICRO_CASE_TIMEOUT_S, the shape going on from the next case in a new process); each child arms
 faulthandler, so a hang leaves its Python stack in DIR/hangs.log, and the rows stream back as measured.
 
-``--quick`` runs env, headline, profile and micro: the headline in <= 5 minutes.
+``--quick`` runs env, headline and profile: the headline in <= 5 minutes (on the H200 of 2026-11-27 ViT-B/16's
+five rows took 192 s and the profile 14 s a path; S/16's two compiled rows are PREDICTED to fit the rest).
+``--stages NAME ...`` runs env and the named stages alone, in the campaign's order, each on its full budget (e.g.
+``micro`` after a quick campaign, or a stage a killed run did not reach).
 
 Every CSV row and the JSON carry the tags (gpu, driver, torch, triton, cuda, git). The micro-benchmarks reuse the
 cases of bench/bench_norm_gelu.py, bench_attention.py, bench_patch_embed.py and bench_linear_act.py; the
@@ -698,9 +701,10 @@ STAGES: list[Stage] = [
 ]
 
 
-# --quick: the headline (ViT-B/16 and S/16, batch 256, every throughput path), its profile and the fused ops, <= 5 min
-QUICK_STAGES = ["env", "headline", "profile", "micro"]
-QUICK_BUDGET_S = {"env": 15, "headline": 210, "profile": 45, "micro": 30}
+# --quick: the headline (ViT-B/16 and S/16, batch 256, every throughput path) and its profile, <= 5 min; the fused
+# ops' micro stage is the full campaign's (or `--stages micro`)
+QUICK_STAGES = ["env", "headline", "profile"]
+QUICK_BUDGET_S = {"env": 10, "headline": 255, "profile": 35}
 
 
 def register_stage(stage: Stage, after: str | None = None) -> None:
@@ -881,6 +885,20 @@ def summary(c: Campaign) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
+def _stages(quick: bool, names: list[str] | None) -> list[Stage]:
+    """The stages to run: ``names`` (each on its full budget, in the campaign's order, env always: it tags every
+    row), else the quick ones on the quick budgets, else all."""
+    if names:
+        unknown = sorted(set(names) - {s.name for s in STAGES})
+        if unknown:
+            raise ValueError(f"vit-fast bench --campaign --stages: unknown stage(s) {', '.join(unknown)}; expected "
+                             f"some of {', '.join(s.name for s in STAGES)}")
+        return [s for s in STAGES if s.name in names or s.name == "env"]
+    if quick:
+        return [Stage(s.name, s.run, QUICK_BUDGET_S[s.name]) for s in STAGES if s.name in QUICK_STAGES]
+    return STAGES
+
+
 def main(args) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
@@ -892,6 +910,7 @@ def main(args) -> int:
         if "triton" in sys.modules:
             argv = ["--campaign", "--dry-run", "--out", args.out]
             argv += (["--budget", str(args.budget)] if args.budget else []) + (["--quick"] if quick else [])
+            argv += ["--stages", *args.stages] if getattr(args, "stages", None) else []
             env = dict(os.environ, TRITON_INTERPRET="1")
             return subprocess.run([sys.executable, "-m", "vit_fast.tools.cli", "bench", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
@@ -900,8 +919,11 @@ def main(args) -> int:
 
         install_bf16_shims()
     os.makedirs(args.out, exist_ok=True)
-    stages = [Stage(s.name, s.run, QUICK_BUDGET_S[s.name]) for s in STAGES if s.name in QUICK_STAGES] if quick \
-        else STAGES
+    try:
+        stages = _stages(quick, getattr(args, "stages", None))
+    except ValueError as e:
+        print(e)
+        return 2
     total = sum(s.budget_s for s in stages)
     scale = (args.budget or total) / total
     c = Campaign(out=args.out, dry_run=args.dry_run, scale=scale, device="cuda" if cuda else "cpu", quick=quick)

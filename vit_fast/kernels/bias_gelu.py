@@ -375,10 +375,16 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         dout2 = as_rows(dout, x2.shape[1])
         dx, dparams = run_op(bias_dropout_add_bwd, dout2, x2, bias, gamma, sample_scale, ctx.p, seed)
         dx = dx.view(ctx.shape) if ctx.store_dx else dout
-        grads = iter(dparams)
-        dbias = next(grads).to(bias.dtype) if bias is not None else None
-        dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
+        dbias, dgamma = join_param_grads(dparams, bias, gamma)
         return dx, dbias, dout.to(ctx.res_dtype), dgamma, None, None, None
+
+
+def join_param_grads(dparams: torch.Tensor, bias: Optional[torch.Tensor],
+                     gamma: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(dbias, dgamma) from ``bias_dropout_add_bwd``'s rows, each in its parameter's dtype (None where absent)."""
+    grads = iter(dparams)
+    dbias = next(grads).to(bias.dtype) if bias is not None else None
+    return dbias, (next(grads).to(gamma.dtype) if gamma is not None else None)
 
 
 # --------------------------------------------------------------------------------------- functional

@@ -61,7 +61,7 @@ from ._join import prepare_join, residual_join_bwd, residual_join_fwd, rows_per_
 from ._rows import RowTile, as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
 from ._tuning import bucket, launcher
 from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, unit_stride
-from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref
+from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref, join_param_grads
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
 
@@ -250,12 +250,26 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     """x, residual: (M, N) with contiguous columns; seed: a ``next_seed`` tensor (None without
     dropout). Returns (normed in ``out_dtype`` or x.dtype, h, mean, rstd); without a residual h is an
     empty placeholder (the plain LayerNorm)."""
+    return run_fwd(fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype), x, residual, weight, bias,
+                   branch_bias, gamma, sample_scale, eps, p, seed)
+
+
+def fwd_plan(x: torch.Tensor, residual: Optional[torch.Tensor], branch_bias: Optional[torch.Tensor],
+             gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], p: float,
+             out_dtype: Optional[torch.dtype]) -> _FwdPlan:
+    """The forward's plan for these inputs' layout, built once per layout: what ``run_fwd`` launches with (a fused
+    block keeps it and calls ``run_fwd`` alone)."""
+    return _FWD_PLANS.get((x.shape, x.stride(0), x.dtype, None if residual is None else (residual.dtype,
+                           residual.stride(0)), out_dtype, branch_bias is None, gamma is None,
+                           None if sample_scale is None else sample_scale.shape[0], p > 0, x.device),
+                          x, residual, branch_bias, gamma, sample_scale, p, out_dtype)
+
+
+def run_fwd(plan: _FwdPlan, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps: float, p: float,
+            seed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_layer_norm_fwd`` on inputs of ``plan``'s layout."""
     m, n = x.shape
     dev = x.device
-    plan = _FWD_PLANS.get((x.shape, x.stride(0), x.dtype, None if residual is None else (residual.dtype,
-                           residual.stride(0)), out_dtype, branch_bias is None, gamma is None,
-                           None if sample_scale is None else sample_scale.shape[0], p > 0, dev),
-                          x, residual, branch_bias, gamma, sample_scale, p, out_dtype)
     y = torch.empty((m, n), device=dev, dtype=plan.out_dtype)
     h = torch.empty(plan.h_shape, device=dev, dtype=plan.h_dtype)
     mean = torch.empty((m,), device=dev, dtype=torch.float32)
@@ -322,15 +336,29 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
                        store_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows (M, N). h: the normalised rows (x itself for plain LN). Returns (dh in h.dtype, dx in
     x.dtype or an empty placeholder when dx is dh, (K, N) grads of [w, b, gamma?, branch_bias?])."""
-    m, n = h.shape
+    return run_bwd(bwd_plan(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, p, store_dx), dy,
+                   dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, p, seed)
+
+
+def bwd_plan(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor, branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
+             sample_scale: Optional[torch.Tensor], p: float, store_dx: bool) -> _BwdPlan:
+    """The backward's plan for these inputs' layout, built once per layout (``fwd_plan``'s counterpart)."""
     dev = h.device
     arch = gpu_arch(dev)
-    plan = _BWD_PLANS.get((h.shape, h.dtype, h.stride(0), dy.dtype, dy.stride(0),
+    return _BWD_PLANS.get((h.shape, h.dtype, h.stride(0), dy.dtype, dy.stride(0),
                            None if dh_out is None else dh_out.stride(0), x.dtype, x.stride(0), weight.dtype,
                            bias.dtype, None if gamma is None else gamma.dtype,
                            None if branch_bias is None else branch_bias.dtype,
                            None if sample_scale is None else sample_scale.shape[0], p > 0, store_dx, dev, arch),
                           dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, p, store_dx, arch)
+
+
+def run_bwd(plan: _BwdPlan, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, p: float,
+            seed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_layer_norm_bwd`` on inputs of ``plan``'s layout."""
+    m, n = h.shape
+    dev = h.device
     dh = torch.empty((m, n), device=dev, dtype=h.dtype)
     dx = torch.empty(plan.dx_shape, device=dev, dtype=x.dtype)
     if m == 0:
@@ -375,6 +403,15 @@ def _check_out_dtype(name: str, out_dtype: Optional[torch.dtype]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- autograd
+def ln_param_grads(dparams: torch.Tensor, weight, bias, gamma, branch_bias) -> tuple:
+    """(dweight, dbias, dgamma, dbranch_bias) from ``add_layer_norm_bwd``'s rows, each in its parameter's dtype
+    (None for an absent parameter)."""
+    grads = iter(dparams)
+    dweight, dbias = next(grads).to(weight.dtype), next(grads).to(bias.dtype)
+    dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
+    return dweight, dbias, dgamma, (next(grads).to(branch_bias.dtype) if branch_bias is not None else None)
+
+
 class AddLayerNormFunction(torch.autograd.Function):
     """(normed, h) = add_layer_norm(...); with residual None it is the plain LayerNorm (returns normed,
     or with ``return_input`` (normed, x): x's gradient from its other uses joins dx in the kernel)."""
@@ -411,10 +448,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         dh, dx, dparams = run_op(add_layer_norm_bwd, dy2, dh_out2, h, x2, weight, bias, branch_bias, gamma,
                                  sample_scale, mean, rstd, ctx.p, seed, ctx.store_dx)
         dh = dh.view(ctx.shape)
-        grads = iter(dparams)
-        dweight, dbias = next(grads).to(weight.dtype), next(grads).to(bias.dtype)
-        dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
-        dbranch = next(grads).to(branch_bias.dtype) if branch_bias is not None else None
+        dweight, dbias, dgamma, dbranch = ln_param_grads(dparams, weight, bias, gamma, branch_bias)
         if not ctx.has_res:
             return dh, None, dweight, dbias, None, None, None, None, None, None, None, None
         dx = dx.view(ctx.shape) if ctx.store_dx else dh
@@ -424,9 +458,7 @@ class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def _join_backward(ctx, dh2, x2, branch_bias, gamma, sample_scale, seed):
         dx, dparams = run_op(bias_dropout_add_bwd, dh2, x2, branch_bias, gamma, sample_scale, ctx.p, seed)
-        grads = iter(dparams)
-        dbranch = next(grads).to(branch_bias.dtype) if branch_bias is not None else None
-        dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
+        dbranch, dgamma = join_param_grads(dparams, branch_bias, gamma)
         dh = dh2.view(ctx.shape)
         dx = dx.view(ctx.shape) if ctx.store_dx else dh
         return dx, dh.to(ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None, None, None

@@ -2,11 +2,12 @@
 
 ``Block.forward_pair`` on the fused route runs five autograd pieces per block: the qkv GEMM (autograd's addmm and
 autocast's weight copy), ``AttentionFunction``, the proj GEMM, ``AddLayerNormFunction`` twice and
-``LinearActFunction``, each behind its public functional's checks. ``FusedBlockFunction`` runs the same pieces in
-one Function: the parts' own Functions' ``forward`` and ``backward`` are called in order with a ``_PartContext``
-in place of autograd's ctx, the two plain GEMMs and their weight casts run as eager autograd would run them
-(the same mm calls, in the same layouts), and the checks run once per input signature (``_checked``). Its
-outputs and gradients are bitwise those of ``forward_pair``'s per-part path (tests/test_fused_block.py).
+``LinearActFunction``, each behind its public functional's checks. ``FusedBlockFunction`` runs the same custom ops
+and GEMMs as one straight-line Function: what the parts' Functions do around their ops (rows views, saved tensors,
+the parameter gradients' casts) is written out once, the two plain GEMMs and their weight casts run as eager
+autograd would run them (the same mm calls, in the same layouts), and the checks run once per input signature
+(``_checked``). Its outputs and gradients are bitwise those of ``forward_pair``'s per-part path
+(tests/test_fused_block.py).
 
 It runs where nothing needs the parts one by one: eager mode (torch.compile, FakeTensor and other dispatch modes
 trace the custom ops of the per-part path), plain CUDA tensors (or CPU under the interpreter), the block's route
@@ -26,34 +27,16 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..adapters import effective_bias, effective_weight, fusable_linear
-from ..kernels._utils import compute_dtype_for, direct_ops, env_switch, next_seed, unit_stride
-from ..kernels.attention.interface import AttentionFunction, _dropout_and_seed
-from ..kernels.bias_gelu import BiasDropoutAddFunction
-from ..kernels.layer_norm import AddLayerNormFunction
-from ..kernels.linear_act import LinearActFunction
+from ..kernels._join import stores_dx
+from ..kernels._rows import as_rows
+from ..kernels._utils import compute_dtype_for, direct_ops, env_switch, next_seed, run_op, unit_stride
+from ..kernels.attention.interface import FAMILY_OPS, _dropout_and_seed
+from ..kernels.bias_gelu import bias_dropout_add_bwd, bias_dropout_add_fwd, join_param_grads
+from ..kernels.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, ln_param_grads
+from ..kernels.linear_act import linear_act_bwd, linear_act_fwd
 from .attention import Attention
 from .mlp import Mlp
 from .norm import LayerNorm
-
-
-class _PartContext:
-    """What a part's Function uses of autograd's ctx, for a part run inside ``FusedBlockFunction``: its saved
-    tensors pass through the block's one ``save_for_backward`` (so saved-tensor hooks, e.g. activation
-    checkpointing, see them all); the other attributes are the part's own."""
-
-    def __init__(self, needs_input_grad: tuple[bool, ...] = ()):
-        self.needs_input_grad = needs_input_grad
-        self.to_save: tuple = ()
-        self.saved_tensors: tuple = ()
-
-    def save_for_backward(self, *tensors) -> None:
-        self.to_save = tensors
-
-    def set_materialize_grads(self, value: bool) -> None:
-        pass  # the block passes None for an absent gradient, as the parts expect
-
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass  # the attention's lse stays inside the block
 
 
 @dataclass(frozen=True)
@@ -283,14 +266,6 @@ def _linear_backward(grad: torch.Tensor, input: Optional[torch.Tensor], weight: 
     return d_input, (grad2.t().mm(input2) if row_major else input2.t().mm(grad2).t())
 
 
-# The parts' Functions' bodies as plain functions: compiled autograd traces a call made through an autograd.Function
-# class as that Function's own backward, with its ctx; these calls pass a ``_PartContext``.
-_attention_forward, _attention_backward = AttentionFunction.forward, AttentionFunction.backward
-_join_forward, _join_backward = AddLayerNormFunction.forward, AddLayerNormFunction.backward
-_add_forward, _add_backward = BiasDropoutAddFunction.forward, BiasDropoutAddFunction.backward
-_mlp_forward, _mlp_backward = LinearActFunction.forward, LinearActFunction.backward
-
-
 class _Needs(NamedTuple):
     """Which parts of the block's backward run (autograd would run a part's node only when an input of it needs a
     gradient), from the Function's ``needs_input_grad`` and the grad mode at the call."""
@@ -306,63 +281,76 @@ class _Needs(NamedTuple):
         return _Needs(needs[2] or needs[4] or needs[5], needs[6], join1, join1 or any(needs[11:14]))
 
 
+_NO_GRADS = (False,) * 25
+
+
 class FusedBlockFunction(torch.autograd.Function):
     """(normed, residual') = ``Block.forward_pair(hidden, residual, next_norm)`` in one node (module docstring).
     Inputs after the plan and the grad mode of the call: hidden, residual, the 14 parameters of ``_params`` (None
-    where absent), the two drop-path scales, three seeds and the joins' dropout rates."""
+    where absent), the two drop-path scales, three seeds and the joins' dropout rates.
+
+    Straight-line: the parts' custom ops (``run_op``: their Python functions directly on plain tensors, the ops
+    themselves where something traces) with what the parts' autograd Functions do around them (rows views, the
+    saved tensors, the parameter gradients' casts) written out once here, in their order and layouts."""
 
     @staticmethod
     def forward(ctx, plan: BlockPlan, grad: bool, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1,
                 fc1_w, fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed,
                 join1_p, join2_p):
         ctx.set_materialize_grads(False)
-        needs = ctx.needs_input_grad if grad else (False,) * 25  # set from requires_grad, also under no_grad
-        with direct_ops():
-            return FusedBlockFunction._forward(ctx, plan, needs, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w,
-                                               n2_b, gamma1, fc1_w, fc1_b, fc2_w, fc2_b, next_w, next_b, gamma2,
-                                               scale1, scale2, attn_seed, join1_seed, join2_seed, join1_p, join2_p)
-
-    @staticmethod
-    def _forward(ctx, plan, needs, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, gamma1, fc1_w, fc1_b,
-                 fc2_w, fc2_b, next_w, next_b, gamma2, scale1, scale2, attn_seed, join1_seed, join2_seed, join1_p,
-                 join2_p):
+        needs = ctx.needs_input_grad if grad else _NO_GRADS  # set from requires_grad, also under no_grad
         wants = _Needs.of(needs)
         dtype = plan.compute_dtype
-        # attention: the qkv GEMM with its bias as a constant (its gradient comes from the attention backward)
-        qkv_wc = qkv_w.to(dtype)  # autocast's weight copy (the weight itself when it has the dtype)
-        qkv = F.linear(hidden, qkv_wc, qkv_b)
-        attn_ctx = _PartContext()
-        out, _ = _attention_forward(attn_ctx, qkv, qkv_b if needs[5] else None, plan.num_heads, float(plan.scale),
-                                    plan.attn_p if plan.training else 0.0, attn_seed, qkv.shape[1],
-                                    plan.attention_kernel)
-        proj_wc = proj_w.to(dtype)
-        branch = F.linear(out, proj_wc)
-        join1_ctx = _PartContext()
-        normed, stream = _join_forward(join1_ctx, branch, residual, n2_w, n2_b, proj_b, gamma1, scale1,
-                                       float(plan.norm2_eps), join1_p, join1_seed)
-        # the MLP (``linear_act``): weights in the GEMMs' dtype with unit column stride
-        fc1_wc, fc2_wc = (w if w.stride(-1) == 1 else w.contiguous() for w in (fc1_w.to(dtype), fc2_w.to(dtype)))
-        mlp_ctx = _PartContext((wants.join1, needs[11], needs[12], needs[13]))
-        y = _mlp_forward(mlp_ctx, normed.to(dtype), fc1_wc, fc1_b, fc2_wc, plan.activation,
-                         wants.join1 or needs[11] or needs[12])
-        join2_ctx = _PartContext()
-        if plan.next_eps is None:
-            normed_out, stream_out = None, _add_forward(join2_ctx, y, fc2_b, stream, gamma2, scale2, join2_p,
-                                                        join2_seed)
-        else:
-            normed_out, stream_out = _join_forward(join2_ctx, y, stream, next_w, next_b, fc2_b, gamma2, scale2,
-                                                   float(plan.next_eps), join2_p, join2_seed)
+        attention_fwd, ctx.attention_bwd = FAMILY_OPS[plan.attention_kernel]
+        attn_p = plan.attn_p if plan.training else 0.0
+        with direct_ops():
+            # attention: the qkv GEMM with its bias as a constant (its gradient comes from the attention backward)
+            qkv_wc = qkv_w.to(dtype)  # autocast's weight copy (the weight itself when it has the dtype)
+            qkv = F.linear(hidden, qkv_wc, qkv_b)
+            out, lse = run_op(attention_fwd, qkv, plan.num_heads, float(plan.scale), attn_p, attn_seed,
+                              qkv.shape[1])
+            proj_wc = proj_w.to(dtype)
+            branch = F.linear(out, proj_wc)
+            shape = branch.shape
+            width = shape[-1]
+            branch2 = as_rows(branch, width)
+            normed2, stream2, mean1, rstd1 = run_op(add_layer_norm_fwd, branch2, as_rows(residual, width), n2_w,
+                                                    n2_b, proj_b, gamma1, scale1, float(plan.norm2_eps), join1_p,
+                                                    join1_seed, None)
+            # the MLP (``linear_act``): weights in the GEMMs' dtype with unit column stride
+            fc1_wc, fc2_wc = (w if w.stride(-1) == 1 else w.contiguous() for w in (fc1_w.to(dtype), fc2_w.to(dtype)))
+            mlp_in = normed2.to(dtype)
+            needs_du = wants.join1 or needs[11] or needs[12]
+            hid, dact = run_op(linear_act_fwd, mlp_in, fc1_wc, fc1_b, plan.activation, needs_du)
+            y = F.linear(hid, fc2_wc)
+            if plan.next_eps is None:
+                normed_out = None
+                stream_out = run_op(bias_dropout_add_fwd, y.view(shape), fc2_b, stream2.view(shape), gamma2, scale2,
+                                    join2_p, join2_seed)
+                join2 = (None, y, None, None, fc2_b, gamma2, scale2, None, None, join2_seed)
+                join2_h_dtype = stream_out.dtype
+            else:
+                normed_o, stream_o, mean2, rstd2 = run_op(add_layer_norm_fwd, y, stream2, next_w, next_b, fc2_b,
+                                                          gamma2, scale2, float(plan.next_eps), join2_p, join2_seed,
+                                                          None)
+                normed_out, stream_out = normed_o.view(shape), stream_o.view(shape)
+                join2 = (stream_o, y, next_w, next_b, fc2_b, gamma2, scale2, mean2, rstd2, join2_seed)
+                join2_h_dtype = stream_o.dtype
         # saved: what the backward parts that will run read (as autograd keeps only its live nodes' tensors)
-        kept = ((attn_ctx, wants.attention), (join1_ctx, wants.join1), (mlp_ctx, wants.mlp), (join2_ctx, True))
-        ctx.parts, ctx.plan, ctx.wants = tuple(part for part, _ in kept), plan, wants
-        ctx.counts = [len(part.to_save) if keep else 0 for part, keep in kept]
+        ctx.save_for_backward(
+            *((qkv, qkv_b if needs[5] else None, lse, attn_seed, hidden, qkv_wc, proj_wc) if wants.attention
+              else (None,) * 7), out if wants.attention or wants.proj_weight else None,
+            *((stream2, branch2, n2_w, n2_b, proj_b, gamma1, scale1, mean1, rstd1, join1_seed) if wants.join1
+              else (None,) * 10),
+            *((mlp_in, fc1_wc, fc1_b, fc2_wc, hid, dact) if wants.mlp else (None,) * 6), *join2)
+        ctx.plan, ctx.needs, ctx.wants, ctx.shape = plan, needs, wants, shape
+        ctx.needs_du = needs_du
         ctx.weight_dtypes = (qkv_w.dtype, proj_w.dtype, fc1_w.dtype, fc2_w.dtype)
-        ctx.needs = needs
-        ctx.save_for_backward(*(t for part, keep in kept if keep for t in part.to_save),
-                              *((hidden, qkv_wc, proj_wc) if wants.attention else (None, None, None)),
-                              out if wants.proj_weight else None)
-        for part in ctx.parts:
-            part.to_save = ()
+        # dx written by a join's backward unless it is the incoming gradient; the streams' dtypes its d(residual)
+        ctx.store_dx1 = stores_dx(join1_p, gamma1, scale1, stream2.dtype, branch2.dtype)
+        ctx.store_dx2 = stores_dx(join2_p, gamma2, scale2, join2_h_dtype, y.dtype)
+        ctx.stream_dtypes = (residual.dtype, stream2.dtype)  # the joins' residuals'
+        ctx.rates = (attn_p, join1_p, join2_p)
         return normed_out, stream_out
 
     @staticmethod
@@ -375,37 +363,72 @@ class FusedBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, saved, d_normed, d_stream):
-        start = 0
-        for part, count in zip(ctx.parts, ctx.counts):
-            part.saved_tensors = saved[start:start + count]
-            start += count
-        hidden, qkv_wc, proj_wc, out = saved[start:]
-        attn_ctx, join1_ctx, mlp_ctx, join2_ctx = ctx.parts
-        needs, wants = ctx.needs, ctx.wants
+        (qkv, qkv_bias, lse, attn_seed, hidden, qkv_wc, proj_wc, out,
+         stream1, branch1, n2_w, n2_b, proj_b, gamma1, scale1, mean1, rstd1, seed1,
+         mlp_in, fc1_wc, fc1_b, fc2_wc, hid, dact,
+         stream2, y, next_w, next_b, fc2_b, gamma2, scale2, mean2, rstd2, seed2) = saved
+        plan, needs, wants, shape = ctx.plan, ctx.needs, ctx.wants, ctx.shape
+        width = shape[-1]
+        attn_p, p1, p2 = ctx.rates
+        residual1_dtype, residual2_dtype = ctx.stream_dtypes
         qkv_dtype, proj_dtype, fc1_dtype, fc2_dtype = ctx.weight_dtypes
-        grads = dict.fromkeys(range(25))
-        if ctx.plan.next_eps is not None:
-            dy, d_stream1, grads[15], grads[16], grads[14], grads[17] = _join_backward(join2_ctx, d_normed,
-                                                                                       d_stream)[:6]
+        grads = [None] * 25
+        if plan.next_eps is not None:
+            dy, d_stream1, grads[15], grads[16], grads[17], grads[14] = _join_backward(
+                d_normed, d_stream, shape, stream2, y, next_w, next_b, fc2_b, gamma2, scale2, mean2, rstd2, p2, seed2,
+                ctx.store_dx2, residual2_dtype)
         elif d_stream is None:  # the stream, the only output, unused
             return (None,) * 25
         else:
-            dy, grads[14], d_stream1, grads[17] = _add_backward(join2_ctx, d_stream)[:4]
+            dx, dparams = run_op(bias_dropout_add_bwd, as_rows(d_stream, width), y, fc2_b, gamma2, scale2, p2, seed2)
+            dy = dx.view(shape) if ctx.store_dx2 else d_stream
+            grads[14], grads[17] = join_param_grads(dparams, fc2_b, gamma2)
+            d_stream1 = d_stream.to(residual2_dtype)
         if wants.mlp:
-            d_normed1, d_fc1_w, grads[12], d_fc2_w = _mlp_backward(mlp_ctx, dy)[:4]
-            grads[11], grads[13] = _to(d_fc1_w, fc1_dtype), _to(d_fc2_w, fc2_dtype)
+            dy2 = as_rows(dy, width).to(hid.dtype)
+            if needs[13]:
+                grads[13] = _to(dy2.t().mm(hid), fc2_dtype)  # cuBLAS
+            if ctx.needs_du:
+                needs_db = fc1_b is not None and needs[12]
+                du, db = run_op(linear_act_bwd, dy2, dact, fc2_wc, fc1_b if needs_db else None)
+                grads[12] = db if needs_db else None
+                if wants.join1:
+                    d_normed1 = du.mm(fc1_wc).view(shape)  # cuBLAS
+                if needs[11]:
+                    grads[11] = _to(du.t().mm(mlp_in), fc1_dtype)  # cuBLAS
         if wants.join1:
-            d_branch, grads[3], grads[8], grads[9], grads[7], grads[10] = _join_backward(join1_ctx, d_normed1,
-                                                                                        d_stream1)[:6]
+            d_branch, grads[3], grads[8], grads[9], grads[10], grads[7] = _join_backward(
+                d_normed1, d_stream1, shape, stream1, branch1, n2_w, n2_b, proj_b, gamma1, scale1, mean1, rstd1, p1,
+                seed1, ctx.store_dx1, residual1_dtype)
             d_out, d_proj_w = _linear_backward(d_branch, out, proj_wc, wants.attention, needs[6])
             grads[6] = _to(d_proj_w, proj_dtype)
             if wants.attention:
-                d_qkv, grads[5] = _attention_backward(attn_ctx, d_out, None)[:2]
+                d_qkv, dbias = run_op(ctx.attention_bwd, d_out, qkv, qkv_bias, out, lse, plan.num_heads,
+                                      float(plan.scale), attn_p, attn_seed)
+                grads[5] = dbias if qkv_bias is not None else None
                 grads[2], d_qkv_w = _linear_backward(d_qkv, hidden, qkv_wc, needs[2], needs[4])
                 grads[4] = _to(d_qkv_w, qkv_dtype)
-        for part in ctx.parts:
-            part.saved_tensors = ()
-        return tuple(grads.values())
+        return tuple(grads)
+
+
+def _join_backward(dy, dh_out, shape, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, p, seed,
+                   store_dx, residual_dtype):
+    """``AddLayerNormFunction.backward`` of a join with a residual (h, x: its saved rows): (dx, d(residual),
+    dweight, dbias, dgamma, dbranch_bias)."""
+    width = shape[-1]
+    dh_out2 = as_rows(dh_out, width) if dh_out is not None else None
+    if dy is None:  # normed unused: only the join's backward (no LN pass over zeros)
+        dx, dparams = run_op(bias_dropout_add_bwd, dh_out2, x, branch_bias, gamma, sample_scale, p, seed)
+        dh = dh_out2.view(shape)
+        dbranch, dgamma = join_param_grads(dparams, branch_bias, gamma)
+        return (dx.view(shape) if store_dx else dh), dh.to(residual_dtype), None, None, dgamma, dbranch
+    dh, dx, dparams = run_op(add_layer_norm_bwd, as_rows(dy, width), dh_out2, h, x, weight, bias, branch_bias, gamma,
+                             sample_scale, mean, rstd, p, seed, store_dx)
+    dh = dh.view(shape)
+    dweight, dbias, dgamma, dbranch = ln_param_grads(dparams, weight, bias, gamma, branch_bias)
+    return (dx.view(shape) if store_dx else dh), dh.to(residual_dtype), dweight, dbias, dgamma, dbranch
+
+
 def _to(grad: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The gradient of a weight through autocast's copy: cast back to the weight's dtype."""
     return None if grad is None else grad.to(dtype)

@@ -20,4 +20,5 @@ def test_host_meter_counts_launches_ops_and_reports_every_path():
     assert ops["vit_fast::attention_fwd"] == ops["vit_fast::attention_bwd"] == depth
     text = host_cost.format_report("vit_tiny_patch16_224", results)
     assert "vit_fast / timm eager host time:" in text and "vit_fast_per_part / timm eager" in text
+    assert "without the GEMMs' CPU time" in text and host_cost.host_ratio(fast, timm) > 0
     assert "not a GPU timing" in text

@@ -632,3 +632,42 @@ def test_a_forcing_switch_holds_in_other_threads_too():
         seen.append(switch.on)
     read()
     assert seen == [True, True, False]
+
+
+def test_a_launch_plan_keeps_a_settled_choice_and_forgets_it_with_the_state(cpu_tuning, monkeypatch, tmp_path):
+    """``LaunchPlan.choose`` (the launchers' hot path) gives what ``choose`` gives: once decided it no longer asks,
+    and a new tuning state (``overridden``), ``set_autotune``, ``install_decisions`` or the switch's environment
+    variable make it ask again; an unsettled static fallback (nothing may be timed) is not kept."""
+    built = []
+    plan = _tuning.LaunchPlan("op_plan", ("key",), CANDIDATES, lambda cfg: built.append(cfg) or (lambda: cfg))
+    assert plan.bind(("wide", 128))() == plan.bind(("wide", 128))() == ("wide", 128) and built == [("wide", 128)]
+    launch, _ = launches()
+    asked = []
+    real = _tuning.choose
+    monkeypatch.setattr(_tuning, "choose", lambda *a, **k: asked.append(a[0]) or real(*a, **k))
+    with cpu_tuning(FakeTimer(static=3.0, wide=1.0, narrow=2.0)) as state:
+        assert plan.choose(CPU, launch) == ("wide", 128) and asked == ["op_plan"]
+        state.timer = NoTimer()
+        asked.clear()
+        assert plan.choose(CPU, launch) == ("wide", 128) and asked == []  # memoized
+        monkeypatch.setenv(_tuning.ENV_SWITCH, "0")
+        assert plan.choose(CPU, launch) == ("static", 64) and asked == ["op_plan"]
+        monkeypatch.delenv(_tuning.ENV_SWITCH)
+        assert plan.choose(CPU, launch) == ("wide", 128) and asked == ["op_plan"] * 2
+        _tuning.install_decisions({})
+        assert plan.choose(CPU, launch) == ("wide", 128) and len(asked) == 3
+    with cpu_tuning(FakeTimer(static=1.0, wide=3.0, narrow=2.0), cache_dir=tmp_path / "other"):
+        assert plan.choose(CPU, launch) == ("static", 64) and len(asked) == 4
+        _tuning.set_autotune(False)
+        assert plan.choose(CPU, launch) == ("static", 64) and len(asked) == 5
+        _tuning.set_autotune(None)
+    with cpu_tuning(NoTimer(), device_types=()):  # nothing may be timed on CPU: static, settled at once
+        assert plan.choose(CPU, launch) == ("static", 64)
+    with cpu_tuning(NoTimer(), cache_dir=tmp_path / "ranks"):
+        monkeypatch.setattr(_tuning, "distributed_world", lambda: 2)  # a rank that must not decide alone
+        assert plan.choose(CPU, launch) == ("static", 64)
+        calls = len(asked)
+        assert plan.choose(CPU, launch) == ("static", 64) and len(asked) == calls + 1  # not kept
+    forced = []
+    monkeypatch.setattr(_tuning, "choose", lambda *a, **k: forced.append(a[0]) or ("narrow", 32))
+    assert plan.choose(CPU, launch) == ("narrow", 32) and forced == ["op_plan"]  # a replaced choose is asked

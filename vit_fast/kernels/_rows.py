@@ -8,7 +8,7 @@ program writes the fp32 column sums of its rows into one row of a (K, G, N) part
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -62,11 +62,20 @@ def sum_partials_block_n(n: int) -> int:
 def sum_partials(partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """(K, G, N) fp32 -> (K, N) column sums over G in a fixed order, in out_dtype. One launch."""
     k, g, n = partial.shape
-    out = torch.empty((k, n), device=partial.device, dtype=out_dtype)
+    return bind_sum_partials(k, g, n, out_dtype, partial.device)(partial)
+
+
+def bind_sum_partials(k: int, g: int, n: int, out_dtype: torch.dtype,
+                      device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``sum_partials`` for (k, g, n) fp32 partials, its grid and constants bound once (a launch plan keeps it)."""
     block_n = sum_partials_block_n(n)
-    launcher(_sum_partials_kernel, (k, cdiv(n, block_n)))(out, partial, g, n, BLOCK_G=_BLOCK_G, BLOCK_N=block_n,
-                                                          num_warps=_WARPS)
-    return out
+    grid = (k, cdiv(n, block_n))
+
+    def summed(partial: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((k, n), device=device, dtype=out_dtype)
+        launcher(_sum_partials_kernel, grid)(out, partial, g, n, BLOCK_G=_BLOCK_G, BLOCK_N=block_n, num_warps=_WARPS)
+        return out
+    return summed
 
 
 def sum_partials_spec(out_type: str, block_n: int, note: str, width: int | None = None) -> AotSpec:

@@ -95,6 +95,15 @@ class TuneRecord:
 
 _state = _State()
 _lock = threading.Lock()
+# Bumped whenever decisions this process made may be forgotten or replaced in place (``LaunchPlan.choose``'s
+# memo holds a choice for one state object and version); a replaced ``_state`` (``overridden``, ``refreshing``)
+# is a new object.
+_version = 0
+
+
+def _bump() -> None:
+    global _version
+    _version += 1
 
 
 def autotune_enabled() -> bool:
@@ -107,7 +116,9 @@ def autotune_enabled() -> bool:
 def set_autotune(enabled: Optional[bool]) -> None:
     """Turn measured configs on or off for this process (None: follow VIT_FAST_AUTOTUNE again). Turning
     it off also forgets the choices made so far, so every launch uses the static tables."""
+    global _version
     _state.enabled = enabled
+    _version += 1
     if enabled is False:
         _state.decisions.clear()
         _state.fast.clear()
@@ -402,6 +413,40 @@ class LaunchPlans:
         return plan
 
 
+class LaunchPlan:
+    """One op's launch for one input layout (shapes, strides, dtypes, flags, device): its tuning key, its candidate
+    configs, and per config a launch with its grid and constants built once (``bind``), so that a call does its
+    allocations, reads the chosen config and launches. ``choose`` memoizes the choice once it is settled (decided,
+    static with autotuning off, or the only candidate) for the tuning state it was made in."""
+
+    __slots__ = ("op", "key", "candidates", "build", "bound", "memo")
+
+    def __init__(self, op: str, key: Any, candidates: Sequence[Any], build: Callable[[Any], Callable[..., Any]]):
+        self.op, self.key, self.candidates, self.build = op, key, tuple(candidates), build
+        self.bound: dict = {}
+        self.memo: tuple = (None, -1, None, None, None)  # (state, version, autotune on, choose, config)
+
+    def bind(self, cfg: Any) -> Callable[..., Any]:
+        """The launch on ``cfg``, built once (it calls ``launcher`` as it launches: a warmup while ``choose``
+        compiles candidates ahead, the kernel as the module holds it then)."""
+        launch = self.bound.get(cfg)
+        if launch is None:
+            launch = self.bound[cfg] = self.build(cfg)
+        return launch
+
+    def choose(self, device: torch.device, launch: Callable[[Any], Any]) -> Any:
+        """``choose(op, key, candidates, launch, device)``, memoized once settled (per ``choose`` function too: a
+        test that replaces it to force a config is asked)."""
+        enabled = autotune_enabled()
+        state, version, was_enabled, chooser, cfg = self.memo
+        if state is _state and version == _version and was_enabled == enabled and chooser is choose:
+            return cfg
+        cfg = choose(self.op, self.key, self.candidates, launch, device)
+        if len(self.candidates) == 1 or not enabled or (self.op, self.key, device.type) in _state.fast:
+            self.memo = (_state, _version, enabled, choose, cfg)
+        return cfg
+
+
 # ---------------------------------------------------------------------------------------- choose
 def describe(candidate: Any) -> str:
     """A stable text for a config (dataclass repr / tuple repr) that identifies it in the cache."""
@@ -482,9 +527,11 @@ def decisions() -> dict[str, str]:
 
 def install_decisions(chosen: dict[str, str]) -> None:
     """Adopt choices made elsewhere (rank 0's, after a broadcast)."""
+    global _version
     with _lock:
         _state.decisions.update(chosen)
         _state.fast.clear()
+        _version += 1
 
 
 def records() -> list[TuneRecord]:
@@ -508,6 +555,7 @@ def refreshing() -> Iterator[None]:
             saved.decisions.update(inner.decisions)
             saved.fast.clear()
             saved.log.extend(inner.log)
+            _bump()
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ def interpreter_active() -> bool:
     reads TRITON_INTERPRET; parsed as Triton parses it (``1``, ``true``, ``on``, ``yes``, ``y``, any
     case), read at every call (tests and tools set it at run time). Importing this module imports
     triton, but Triton reads the variable at launch time, so setting it after the import still works."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE_VALUES
+    return _env_meaning("TRITON_INTERPRET", lambda value: value.lower() in _TRUE_VALUES, "")
 
 
 _OFF_VALUES = ("0", "false", "off", "no")
@@ -34,8 +34,33 @@ _OFF_VALUES = ("0", "false", "off", "no")
 
 def env_switch(name: str) -> bool:
     """A vit_fast on/off environment variable (VIT_FAST_AUTOTUNE, VIT_FAST_PARALLEL_COMPILE,
-    VIT_FAST_BLOCK_FUNCTION): on unless set to '0', 'false', 'off' or 'no' (any case, spaces ignored)."""
-    return os.environ.get(name, "1").strip().lower() not in _OFF_VALUES
+    VIT_FAST_BLOCK_FUNCTION): on unless set to '0', 'false', 'off' or 'no' (any case, spaces ignored). Read at
+    every call (tests and users set them at run time), so it is asked on every launch: where os.environ keeps its
+    encoded copy (POSIX CPython) the raw value is read from it and its meaning kept per value."""
+    return _env_meaning(name, _switch_on, "1")
+
+
+def _switch_on(value: str) -> bool:
+    return value.strip().lower() not in _OFF_VALUES
+
+
+def _env_meaning(name: str, parse, default: str) -> bool:
+    """``parse(os.environ.get(name, default))``, kept per (name, raw value): read on every launch."""
+    if _ENVIRON_DATA is None:
+        return parse(os.environ.get(name, default))
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)
+    raw = _ENVIRON_DATA.get(key)
+    meaning = _ENV_MEANINGS.get((name, raw))
+    if meaning is None:
+        meaning = _ENV_MEANINGS[(name, raw)] = parse(default if raw is None else os.environ.decodevalue(raw))
+    return meaning
+
+
+_ENVIRON_DATA = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") else None
+_ENV_KEYS: dict = {}
+_ENV_MEANINGS: dict = {}  # (name, raw value) -> meaning (a few distinct values in a process)
 
 
 class _Direct(threading.local):
@@ -91,14 +116,24 @@ def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
     if device.type == "cuda":
         return device
     if device.type == "cpu" and interpreter_active():
-        from vit_fast._compat import install_interpreter_numpy_fix
-
-        install_interpreter_numpy_fix()  # triton <= 3.6's interpreter with numpy >= 2.4 (once)
+        if not _interpreter_fixed:
+            _fix_interpreter()
         return device
     raise RuntimeError(
         f"{op}: the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "
         f"before triton is imported); got a tensor on {device}. Use backend='torch' for the reference path."
     )
+
+
+_interpreter_fixed = False
+
+
+def _fix_interpreter() -> None:
+    """triton <= 3.6's interpreter with numpy >= 2.4 (``install_interpreter_numpy_fix``), once."""
+    global _interpreter_fixed
+    from vit_fast._compat import install_interpreter_numpy_fix
+
+    _interpreter_fixed = install_interpreter_numpy_fix()
 
 
 def check_float(op: str, name: str, t: torch.Tensor, dtypes=FLOAT_DTYPES) -> None:

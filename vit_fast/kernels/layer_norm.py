@@ -58,7 +58,15 @@ import triton.language as tl
 from . import _tuning
 from ._aot import LAUNCH_DEFAULT_STAGES, TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._join import prepare_join, residual_join_bwd, residual_join_fwd, rows_per_sample, stores_dx
-from ._rows import RowTile, as_rows, check_param, check_rows_input, num_partials, param_grad_dtype, sum_partials
+from ._rows import (
+    RowTile,
+    as_rows,
+    bind_sum_partials,
+    check_param,
+    check_rows_input,
+    num_partials,
+    param_grad_dtype,
+)
 from ._tuning import bucket, launcher
 from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref, join_param_grads
@@ -217,11 +225,7 @@ class _FwdPlan(NamedTuple):
     out_dtype: torch.dtype
     h_shape: tuple  # (M, N), or (0,) without a residual
     h_dtype: torch.dtype
-    tokens: int  # rows per sample of the drop-path scale
-    flags: dict
-    strides: tuple  # row strides of x, residual, normed, h
-    key: tuple  # the tuning key
-    candidates: tuple
+    launch: _tuning.LaunchPlan  # tuning key, candidates, a bound launch per tile
 
 
 def _fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype) -> _FwdPlan:
@@ -231,11 +235,20 @@ def _fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype) -> _F
     h_dtype = torch.promote_types(x.dtype, residual.dtype) if has_res else x.dtype
     flags = dict(HAS_RESIDUAL=has_res, HAS_BRANCH_BIAS=branch_bias is not None, HAS_GAMMA=gamma is not None,
                  HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
+    tokens = rows_per_sample("add_layer_norm_fwd", m, sample_scale)
+    strides = (x.stride(0), residual.stride(0) if has_res else 0, n, n if has_res else 0)  # x, residual, y, h
+
+    def bind(cfg: RowTile):
+        grid = (cdiv(m, cfg.block_m),)
+        constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+
+        def launch(y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, seed, p):
+            launcher(_layer_norm_fwd_kernel, grid)(y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma,
+                                                   sample_scale, *strides, m, n, tokens, eps, seed, p, **constexprs)
+        return launch
+    key = (bucket(m), n, str(x.dtype), str(h_dtype), str(y_dtype), *flags.values())
     return _FwdPlan(y_dtype, (m, n) if has_res else (0,), h_dtype,
-                    rows_per_sample("add_layer_norm_fwd", m, sample_scale), flags,
-                    (x.stride(0), residual.stride(0) if has_res else 0, n, n if has_res else 0),
-                    (bucket(m), n, str(x.dtype), str(h_dtype), str(y_dtype), *flags.values()),
-                    tuple(_tuning.row_candidates(ln_config(n))))
+                    _tuning.LaunchPlan("layer_norm_fwd", key, _tuning.row_candidates(ln_config(n)), bind))
 
 
 _FWD_PLANS = _tuning.LaunchPlans(_fwd_plan)
@@ -277,12 +290,11 @@ def run_fwd(plan: _FwdPlan, x, residual, weight, bias, branch_bias, gamma, sampl
     if m == 0:
         return y, h, mean, rstd
 
+    launches = plan.launch
+
     def launch(cfg: RowTile) -> None:
-        launcher(_layer_norm_fwd_kernel, (cdiv(m, cfg.block_m),))(
-            y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale, *plan.strides,
-            m, n, plan.tokens, eps, seed, p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            **plan.flags)
-    launch(_tuning.choose("layer_norm_fwd", plan.key, plan.candidates, launch, dev))
+        launches.bind(cfg)(y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, seed, p)
+    launch(launches.choose(dev, launch))
     return y, h, mean, rstd
 
 
@@ -302,27 +314,38 @@ class _BwdPlan(NamedTuple):
     dx_shape: tuple  # (M, N), or (0,) when dx is dh
     params: int  # parameter gradients summed over rows: w, b, gamma?, branch_bias?
     grad_dtype: torch.dtype  # theirs
-    tokens: int
-    flags: dict
-    strides: tuple  # row strides of dy, d(h), h, x, dh, dx
-    key: tuple
-    candidates: tuple
-    partials: dict  # tile -> programs along the rows (rows of the partial buffer), filled as tiles launch
+    launch: _tuning.LaunchPlan  # tuning key, candidates, a bound launch per tile (the partial sums' included)
 
 
 def _bwd_plan(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, p, store_dx, arch) -> _BwdPlan:
     m, n = h.shape
+    dev = h.device
     params = [t for t in (weight, bias, gamma, branch_bias) if t is not None]
+    grad_dtype = param_grad_dtype(params)
     flags = dict(HAS_DH_OUT=dh_out is not None, STORE_DX=store_dx, HAS_BRANCH_BIAS=branch_bias is not None,
                  HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None, HAS_DROPOUT=p > 0)
     spill_prone = bwd_spill_prone(gamma is not None, branch_bias is not None, dy.dtype == torch.float32)
     tile = ln_config(n, arch, backward=True, spill_prone=spill_prone)
-    return _BwdPlan((m, n) if store_dx else (0,), len(params), param_grad_dtype(params),
-                    rows_per_sample("add_layer_norm_bwd", m, sample_scale), flags,
-                    (dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), n,
-                     n if store_dx else 0),
-                    (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values()),
-                    tuple(_tuning.row_candidates(tile, grow=False)), {})
+    tokens = rows_per_sample("add_layer_norm_bwd", m, sample_scale)
+    # dy, d(h), h, x, dh, dx
+    strides = (dy.stride(0), dh_out.stride(0) if dh_out is not None else 0, h.stride(0), x.stride(0), n,
+               n if store_dx else 0)
+
+    def bind(cfg: RowTile):
+        g = num_partials(cdiv(m, cfg.block_m), 1, dev)  # programs along the rows = rows of the partial buffer
+        constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+        summed = bind_sum_partials(len(params), g, n, grad_dtype, dev)
+
+        def launch(dh, dx, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, seed, p):
+            partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
+            launcher(_layer_norm_bwd_kernel, (g,))(dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma,
+                                                   sample_scale, mean, rstd, *strides, m, n, g, tokens, seed, p,
+                                                   **constexprs)
+            return summed(partial)
+        return launch
+    key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values())
+    return _BwdPlan((m, n) if store_dx else (0,), len(params), grad_dtype,
+                    _tuning.LaunchPlan("layer_norm_bwd", key, _tuning.row_candidates(tile, grow=False), bind))
 
 
 _BWD_PLANS = _tuning.LaunchPlans(_bwd_plan)
@@ -364,17 +387,12 @@ def run_bwd(plan: _BwdPlan, dy, dh_out, h, x, weight, branch_bias, gamma, sample
     if m == 0:
         return dh, dx, torch.zeros((plan.params, n), device=dev, dtype=plan.grad_dtype)
 
+    launches = plan.launch
+
     def launch(cfg: RowTile) -> torch.Tensor:
-        g = plan.partials.get(cfg)
-        if g is None:
-            g = plan.partials[cfg] = num_partials(cdiv(m, cfg.block_m), 1, dev)
-        partial = torch.empty((plan.params, g, n), device=dev, dtype=torch.float32)
-        launcher(_layer_norm_bwd_kernel, (g,))(
-            dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, *plan.strides,
-            m, n, g, plan.tokens, seed, p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            **plan.flags)
-        return sum_partials(partial, plan.grad_dtype)
-    return dh, dx, launch(_tuning.choose("layer_norm_bwd", plan.key, plan.candidates, launch, dev))
+        return launches.bind(cfg)(dh, dx, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd,
+                                  seed, p)
+    return dh, dx, launch(launches.choose(dev, launch))
 
 
 @add_layer_norm_bwd.register_fake

@@ -62,7 +62,7 @@ from . import _tuning, linear_act_tma
 from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._gemm import GROUP_M, GemmTile, column_halves, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
-from ._rows import as_rows, sum_partials, sum_partials_block_n, sum_partials_spec
+from ._rows import as_rows, bind_sum_partials, sum_partials_block_n, sum_partials_spec
 from ._tuning import launcher
 from ._utils import cdiv, check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
 from .linear_act_tma import TmaTile, tma_compatible
@@ -219,39 +219,50 @@ def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                    store_dact: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K), weight (N, K) in x's dtype, both with contiguous columns; bias (N,) or None. Returns
     (h, d) = (act(u), act'(u)), u = x weight^T + bias, (M, N) in x's dtype (d empty without store_dact)."""
-    m, k = x.shape
+    m = x.shape[0]
     n = weight.shape[0]
     h = torch.empty((m, n), device=x.device, dtype=x.dtype)
     dact = torch.empty((m, n) if store_dact else (0, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return h, dact
-    precision = input_precision(x.dtype)
-    arch = gpu_arch(x.device)
+    # read per call: torch's tf32 flag, the TMA switch's environment variable
+    precision, arch, with_tma = input_precision(x.dtype), gpu_arch(x.device), linear_act_tma.enabled()
+    plan = _FWD_PLANS.get((x.shape, x.stride(0), weight.shape, weight.stride(0), x.dtype, bias is None, activation,
+                           store_dact, x.device, precision, arch, with_tma, tma_only.on),
+                          x, weight, bias, activation, store_dact, precision, arch, with_tma)
 
     def launch(t: GemmTile) -> None:
-        launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
-
-    with_tma = linear_act_tma.enabled()  # in the key: a choice made without the TMA tiles must not stand for one with
-    key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact, with_tma)
-    static = linear_act_config(x.dtype, arch, precision).fwd
-    candidates = _candidates(static, x.dtype, arch, tma_only.on, with_tma, co_resident=True)
-    launch(_tuning.choose("linear_act_fwd", key, candidates, launch, x.device))
+        plan.bind(t)(h, dact, x, weight, bias)
+    launch(plan.choose(x.device, launch))
     return h, dact
 
 
-def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-               bias: Optional[torch.Tensor], activation: str, store_dact: bool, t: GemmTile) -> None:
-    """The forward kernel on tile ``t``: the TMA kernel for a ``TmaTile`` whose operands TMA can describe, else the
-    pointer kernel on the same tile."""
-    if isinstance(t, TmaTile) and tma_compatible(h, x, weight, *((dact,) if store_dact else ())):
-        return linear_act_tma.launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
+def _fwd_plan(x, weight, bias, activation: str, store_dact: bool, precision: str, arch: int,
+              with_tma: bool) -> _tuning.LaunchPlan:
     m, k = x.shape
     n = weight.shape[0]
-    launcher(_linear_act_fwd_kernel, (cdiv(m, t.block_m) * cdiv(n, t.block_n),))(
-        h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0,
-        HAS_BIAS=bias is not None, STORE_DACT=store_dact, ACT=ACTIVATIONS[activation],
-        INPUT_PRECISION=input_precision(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
+    static = linear_act_config(x.dtype, arch, precision).fwd
+    # with_tma in the key: a choice made without the TMA tiles must not stand for one with
+    key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact, with_tma)
+
+    def bind(t: GemmTile):
+        grid = (cdiv(m, t.block_m) * cdiv(n, t.block_n),)
+        constexprs = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M,
+                          EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None, STORE_DACT=store_dact,
+                          ACT=ACTIVATIONS[activation], INPUT_PRECISION=precision, num_warps=t.num_warps,
+                          num_stages=t.num_stages)
+
+        def launch(h, dact, x, weight, bias):
+            if isinstance(t, TmaTile) and tma_compatible(h, x, weight, *((dact,) if store_dact else ())):
+                return linear_act_tma.launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
+            launcher(_linear_act_fwd_kernel, grid)(h, dact, x, weight, bias, x.stride(0), weight.stride(0),
+                                                   h.stride(0), dact.stride(0), m, n, k, **constexprs)
+        return launch
+    return _tuning.LaunchPlan("linear_act_fwd", key,
+                              _candidates(static, x.dtype, arch, tma_only.on, with_tma, co_resident=True), bind)
+
+
+_FWD_PLANS = _tuning.LaunchPlans(_fwd_plan)
 
 
 # inside ``with tma_only():`` every 16-bit launch (of any thread: backwards included) runs the static tile on the
@@ -302,43 +313,73 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
     Returns du = (dy @ w2) * act'(u) (M, K) in dact's dtype and its column sums db (K,) in bias's dtype
     (empty without bias; bias itself is not read)."""
     m, k = dact.shape
-    n = weight.shape[0]
     has_bias = bias is not None
     du = torch.empty((m, k), device=dact.device, dtype=dact.dtype)
     if m == 0:
         return du, (torch.zeros_like(bias) if has_bias else dact.new_empty(0))
-    precision = input_precision(dact.dtype)
-    arch = gpu_arch(dact.device)
+    precision, arch, with_tma = input_precision(dact.dtype), gpu_arch(dact.device), linear_act_tma.enabled()
+    bias_dtype = None if bias is None else bias.dtype
+    plan = _BWD_PLANS.get((dact.shape, dact.stride(0), dy.stride(0), weight.shape, weight.stride(0), dact.dtype,
+                           bias_dtype, dact.device, precision, arch, with_tma, tma_only.on),
+                          dy, dact, weight, bias_dtype, precision, arch, with_tma)
 
     def launch(t: GemmTile) -> Optional[torch.Tensor]:
-        return launch_bwd(du, dy, weight, dact, has_bias, t)
+        return plan.bind(t)(du, dy, weight, dact)
+    t = plan.choose(dact.device, launch)
+    partial = launch(t)
+    return du, (plan.bind(t).summed(partial)[0] if has_bias else dact.new_empty(0))
 
-    with_tma = linear_act_tma.enabled()
-    key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias, with_tma)
+
+def _bwd_plan(dy, dact, weight, bias_dtype: Optional[torch.dtype], precision: str, arch: int,
+              with_tma: bool) -> _tuning.LaunchPlan:
+    """The dgrad's launches; ``bias_dtype``: the bias's (its gradient's) dtype, None without a bias."""
+    m, k = dact.shape
+    n = weight.shape[0]
+    has_bias = bias_dtype is not None
+    device = dact.device
     static = linear_act_config(dact.dtype, arch, precision).bwd
-    candidates = _candidates(static, dact.dtype, arch, tma_only.on, with_tma)
-    partial = launch(_tuning.choose("linear_act_bwd", key, candidates, launch, dact.device))
-    dbias = sum_partials(partial, bias.dtype)[0] if has_bias else dact.new_empty(0)
-    return du, dbias
+    key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias, with_tma)
+
+    def bind(t: GemmTile):
+        row_tiles = cdiv(m, t.block_m)
+        grid = (row_tiles * cdiv(k, t.block_n),)
+        constexprs = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M,
+                          EVEN_N=n % t.block_k == 0, HAS_BIAS=has_bias, INPUT_PRECISION=precision,
+                          num_warps=t.num_warps, num_stages=t.num_stages)
+
+        def launch(du, dy, weight, dact) -> Optional[torch.Tensor]:
+            """du, and with a bias the fp32 partial column sums of du (1, row tiles, K) (``launch.summed`` adds
+            them up), else None."""
+            partial = torch.empty((1, row_tiles, k), device=device, dtype=torch.float32) if has_bias else None
+            if isinstance(t, TmaTile) and tma_compatible(du, dy, weight, dact):
+                linear_act_tma.launch_bwd(du, partial, dy, weight, dact, t)
+            else:
+                launcher(_linear_act_bwd_kernel, grid)(du, partial, dy, weight, dact, dy.stride(0), weight.stride(0),
+                                                       dact.stride(0), du.stride(0), m, n, k, **constexprs)
+            return partial
+        launch.summed = bind_sum_partials(1, row_tiles, k, bias_dtype, device) if has_bias else None
+        return launch
+    return _tuning.LaunchPlan("linear_act_bwd", key, _candidates(static, dact.dtype, arch, tma_only.on, with_tma),
+                              bind)
+
+
+_BWD_PLANS = _tuning.LaunchPlans(_bwd_plan)
+
+
+def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor], activation: str, store_dact: bool, t: GemmTile) -> None:
+    """The forward kernel on tile ``t`` alone (the TMA kernel for a ``TmaTile`` whose operands TMA can describe,
+    else the pointer kernel on the same tile): what tests and probes compare."""
+    _fwd_plan(x, weight, bias, activation, store_dact, input_precision(x.dtype), gpu_arch(x.device),
+              True).bind(t)(h, dact, x, weight, bias)
 
 
 def launch_bwd(du: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, dact: torch.Tensor, has_bias: bool,
                t: GemmTile) -> Optional[torch.Tensor]:
-    """The dgrad kernel on tile ``t`` (TMA for a ``TmaTile`` whose operands TMA can describe); returns the fp32
-    partial column sums of du (1, row tiles, K) with ``has_bias``, else None."""
-    m, k = dact.shape
-    n = weight.shape[0]
-    row_tiles = cdiv(m, t.block_m)
-    partial = torch.empty((1, row_tiles, k), device=dact.device, dtype=torch.float32) if has_bias else None
-    if isinstance(t, TmaTile) and tma_compatible(du, dy, weight, dact):
-        linear_act_tma.launch_bwd(du, partial, dy, weight, dact, t)
-        return partial
-    launcher(_linear_act_bwd_kernel, (row_tiles * cdiv(k, t.block_n),))(
-        du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m, n, k,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0,
-        HAS_BIAS=has_bias, INPUT_PRECISION=input_precision(dact.dtype), num_warps=t.num_warps,
-        num_stages=t.num_stages)
-    return partial
+    """The dgrad kernel on tile ``t`` alone (as ``launch_fwd``); returns the fp32 partial column sums of du
+    (1, row tiles, K) with ``has_bias``, else None."""
+    return _bwd_plan(dy, dact, weight, torch.float32 if has_bias else None, input_precision(dact.dtype),
+                     gpu_arch(dact.device), True).bind(t)(du, dy, weight, dact)
 
 
 @linear_act_bwd.register_fake

@@ -184,6 +184,7 @@ class _FlashPlan(NamedTuple):
     head_align: int
     key: tuple  # the tuning key
     candidates: tuple
+    launch: _tuning.LaunchPlan  # a bound launch per config
 
 
 def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision: str, arch: int) -> _FlashPlan:
@@ -203,7 +204,44 @@ def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision
         if offered:  # in the key: offered or not, another choice
             key, candidates = key + ("stored_ds",), candidates + (StoredDsConfig.of(static),)
     strides = tuple(stride for t in tensors for stride in t.stride())
-    return _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates)
+    plan = _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates, None)
+    bind = functools.partial(_bind_fwd if op == "attention_fwd" else _bind_bwd, plan, (B, H, N, D), q_len)
+    return plan._replace(launch=_tuning.LaunchPlan(op, key, candidates, bind))
+
+
+def _bind_fwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: Tile):
+    """The flash forward on ``cfg``: launch(q, k, v, out, lse, scale, seed)."""
+    B, H, N, D = shape
+    block_d, tail = _block_dims(D, cfg.split)
+    grid = attention_grid(B * H, q_len, cfg.block_m)
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail,
+                      DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision, TAIL_N=LAST_STEP, PEEL=cfg.peel,
+                      HEAD_ALIGN=plan.head_align, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    strides, threshold, inv_keep = plan.strides, plan.threshold, plan.inv_keep
+
+    def launch(q, k, v, out, lse, scale, seed):
+        launcher(_attention_fwd_kernel, grid)(out, lse, q, k, v, *strides, H, N, D, q_len, scale, threshold, inv_keep,
+                                              seed, **constexprs)
+    return launch
+
+
+def _bind_bwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: AttentionConfig | StoredDsConfig):
+    """The flash backward on ``cfg``: launch(do, q, k, v, out, lse, dq, dk, dv, scale, seed)."""
+    if isinstance(cfg, StoredDsConfig):
+        return functools.partial(_launch_stored_ds_bwd, cfg, plan)
+    B, H, N, D = shape
+    block_d, tail = _block_dims(D, cfg.dq.split)
+    grid = attention_grid(B * H, N, cfg.dq.block_m)
+    constexprs = dict(BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
+                      BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision, TAIL=LAST_STEP,
+                      PEEL=cfg.dq.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps,
+                      num_stages=cfg.dq.num_stages)
+    strides, threshold, inv_keep = plan.strides[:24], plan.threshold, plan.inv_keep
+
+    def launch(do, q, k, v, out, lse, dq, dk, dv, scale, seed):
+        launcher(_attention_bwd_kernel, grid)(dq, dk, dv, q, k, v, out, do, lse, *strides, H, N, D, q_len, scale,
+                                              threshold, inv_keep, seed, **constexprs)
+    return launch
 
 
 # inside ``with stored_ds_only():`` every flash backward runs the stored-dS launches (``StoredDsConfig``) on the
@@ -219,21 +257,14 @@ _BWD_PLANS = _tuning.LaunchPlans(functools.partial(_flash_plan, "attention_bwd")
 
 def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:
     """out (B, H, M, D) and lse (B, H, M) of the first M = out.shape[2] query rows (M <= N)."""
-    B, H, N, D = q.shape
-    q_len = out.shape[2]
-    tensors = (q, k, v, out)
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)  # read per launch: torch's tf32 flag
-    plan = _FWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), q.dtype, dropout_p,
-                           precision, arch), tensors, q_len, dropout_p, precision, arch)
+    launches = _FWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), q.dtype,
+                               dropout_p, precision, arch), (q, k, v, out), out.shape[2], dropout_p, precision,
+                              arch).launch
 
     def launch(cfg: Tile) -> None:
-        block_d, tail = _block_dims(D, cfg.split)
-        launcher(_attention_fwd_kernel, attention_grid(B * H, q_len, cfg.block_m))(
-            out, lse, q, k, v, *plan.strides, H, N, D, q_len, scale, plan.threshold, plan.inv_keep, seed,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout,
-            INPUT_PRECISION=plan.precision, TAIL_N=LAST_STEP, PEEL=cfg.peel, HEAD_ALIGN=plan.head_align,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch(_tuning.choose("attention_fwd", plan.key, plan.candidates, launch, q.device))
+        launches.bind(cfg)(q, k, v, out, lse, scale, seed)
+    launch(launches.choose(q.device, launch))
 
 
 def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: float,
@@ -241,27 +272,16 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     """dq, dk, dv (which share one stride layout) in one launch, or two for the stored-dS candidate
     (``StoredDsConfig``). out, dO and lse may hold the first M < N query rows only (the forward's): the other rows
     of dq are written as zeros."""
-    B, H, N, D = q.shape
-    q_len = out.shape[2]
-    # the kernel's argument order: q, k, v, out, dO, then dq (dk and dv share its layout)
-    tensors = (q, k, v, out, do, dq, dk, dv)
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
-    plan = _BWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), do.stride(),
-                           dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch,
-                           stored_ds_only.on, one_launch_only.on), tensors, q_len, dropout_p, precision, arch)
+    # the kernel's argument order: q, k, v, out, dO, then dq (dk and dv share its layout)
+    launches = _BWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), do.stride(),
+                               dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch,
+                               stored_ds_only.on, one_launch_only.on), (q, k, v, out, do, dq, dk, dv), out.shape[2],
+                              dropout_p, precision, arch).launch
 
     def launch(cfg: AttentionConfig | StoredDsConfig) -> None:
-        if isinstance(cfg, StoredDsConfig):
-            _launch_stored_ds_bwd(cfg, plan, do, q, k, v, out, lse, dq, dk, dv, scale, seed)
-            return
-        block_d, tail = _block_dims(D, cfg.dq.split)
-        launcher(_attention_bwd_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
-            dq, dk, dv, q, k, v, out, do, lse, *plan.strides[:24], H, N, D, q_len, scale, plan.threshold,
-            plan.inv_keep, seed, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n,
-            BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision,
-            TAIL=LAST_STEP, PEEL=cfg.dq.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps,
-            num_stages=cfg.dq.num_stages)
-    launch(_tuning.choose("attention_bwd", plan.key, plan.candidates, launch, q.device))
+        launches.bind(cfg)(do, q, k, v, out, lse, dq, dk, dv, scale, seed)
+    launch(launches.choose(q.device, launch))
 
 
 def _launch_stored_ds_bwd(cfg: StoredDsConfig, plan: _FlashPlan, do, q, k, v, out, lse, dq, dk, dv, scale: float,

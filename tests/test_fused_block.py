@@ -273,15 +273,17 @@ def test_no_grad_runs_no_backward_work_and_frozen_parts_none(monkeypatch):
     model, _ = make_pair(**dict(TINY, global_pool="avg"))
     block, next_norm = model.blocks[0], model.blocks[1].norm1
     stored, backwards = [], []
-    run_op = fused_block.run_op
+    op_caller = fused_block.op_caller
 
-    def seen(op, *args):  # the MLP forward's store_dact flag; every attention backward
-        if op._name == "linear_act_fwd":
-            stored.append(args[-1])
-        if op._name.startswith("attention") and op._name.endswith("_bwd"):
-            backwards.append(1)
-        return run_op(op, *args)
-    monkeypatch.setattr(fused_block, "run_op", seen)
+    def seen_through(call):
+        def seen(op, *args):  # the MLP forward's store_dact flag; every attention backward
+            if op._name == "linear_act_fwd":
+                stored.append(args[-1])
+            if op._name.startswith("attention") and op._name.endswith("_bwd"):
+                backwards.append(1)
+            return call(op, *args)
+        return seen
+    monkeypatch.setattr(fused_block, "op_caller", lambda: seen_through(op_caller()))
     hidden, residual = torch.randn(2, 17, 64), torch.randn(2, 17, 64)
     with torch.no_grad():
         for _ in range(2):

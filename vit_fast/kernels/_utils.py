@@ -106,6 +106,20 @@ def run_op(op, *args):
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+def op_caller():
+    """How a caller inside ``direct_ops`` (its tensors checked) calls a run of custom ops: ``op(*args)`` through
+    ``run_op``'s first case decided once for the run (the ops' Python functions directly when nothing traces and no
+    profiler listens), else ``run_op`` itself."""
+    if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or torch.autograd.profiler._is_profiler_enabled):
+        return run_op
+    return _call_directly
+
+
+def _call_directly(op, *args):
+    return custom_op_function(op)(*args)
+
+
 def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
     """All tensors on one device that can run Triton kernels: CUDA, or CPU under the interpreter."""
     present = [t for t in tensors if t is not None]

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..adapters import effective_bias, effective_weight, fusable_linear
 from ..kernels._join import stores_dx
 from ..kernels._rows import as_rows
-from ..kernels._utils import compute_dtype_for, direct_ops, env_switch, next_seed, run_op, unit_stride
+from ..kernels._utils import compute_dtype_for, direct_ops, env_switch, next_seed, op_caller, run_op, unit_stride
 from ..kernels.attention.interface import FAMILY_OPS, _dropout_and_seed
 from ..kernels.bias_gelu import bias_dropout_add_bwd, bias_dropout_add_fwd, join_param_grads
 from ..kernels.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, ln_param_grads
@@ -289,7 +289,7 @@ class FusedBlockFunction(torch.autograd.Function):
     Inputs after the plan and the grad mode of the call: hidden, residual, the 14 parameters of ``_params`` (None
     where absent), the two drop-path scales, three seeds and the joins' dropout rates.
 
-    Straight-line: the parts' custom ops (``run_op``: their Python functions directly on plain tensors, the ops
+    Straight-line: the parts' custom ops (``op_caller``: their Python functions directly on plain tensors, the ops
     themselves where something traces) with what the parts' autograd Functions do around them (rows views, the
     saved tensors, the parameter gradients' casts) written out once here, in their order and layouts."""
 
@@ -304,6 +304,7 @@ class FusedBlockFunction(torch.autograd.Function):
         attention_fwd, ctx.attention_bwd = FAMILY_OPS[plan.attention_kernel]
         attn_p = plan.attn_p if plan.training else 0.0
         with direct_ops():
+            run_op = op_caller()
             # attention: the qkv GEMM with its bias as a constant (its gradient comes from the attention backward)
             qkv_wc = qkv_w.to(dtype)  # autocast's weight copy (the weight itself when it has the dtype)
             qkv = F.linear(hidden, qkv_wc, qkv_b)
@@ -357,12 +358,12 @@ class FusedBlockFunction(torch.autograd.Function):
     def backward(ctx, d_normed, d_stream):
         saved = ctx.saved_tensors  # unpacked first: a checkpointed region recomputes here, with every check on
         if torch.compiler.is_compiling():  # compiled autograd traces the parts' custom ops
-            return FusedBlockFunction._backward(ctx, saved, d_normed, d_stream)
+            return FusedBlockFunction._backward(ctx, saved, d_normed, d_stream, run_op)
         with direct_ops():
-            return FusedBlockFunction._backward(ctx, saved, d_normed, d_stream)
+            return FusedBlockFunction._backward(ctx, saved, d_normed, d_stream, op_caller())
 
     @staticmethod
-    def _backward(ctx, saved, d_normed, d_stream):
+    def _backward(ctx, saved, d_normed, d_stream, run_op):
         (qkv, qkv_bias, lse, attn_seed, hidden, qkv_wc, proj_wc, out,
          stream1, branch1, n2_w, n2_b, proj_b, gamma1, scale1, mean1, rstd1, seed1,
          mlp_in, fc1_wc, fc1_b, fc2_wc, hid, dact,
@@ -375,8 +376,8 @@ class FusedBlockFunction(torch.autograd.Function):
         grads = [None] * 25
         if plan.next_eps is not None:
             dy, d_stream1, grads[15], grads[16], grads[17], grads[14] = _join_backward(
-                d_normed, d_stream, shape, stream2, y, next_w, next_b, fc2_b, gamma2, scale2, mean2, rstd2, p2, seed2,
-                ctx.store_dx2, residual2_dtype)
+                run_op, d_normed, d_stream, shape, stream2, y, next_w, next_b, fc2_b, gamma2, scale2, mean2, rstd2,
+                p2, seed2, ctx.store_dx2, residual2_dtype)
         elif d_stream is None:  # the stream, the only output, unused
             return (None,) * 25
         else:
@@ -398,8 +399,8 @@ class FusedBlockFunction(torch.autograd.Function):
                     grads[11] = _to(du.t().mm(mlp_in), fc1_dtype)  # cuBLAS
         if wants.join1:
             d_branch, grads[3], grads[8], grads[9], grads[10], grads[7] = _join_backward(
-                d_normed1, d_stream1, shape, stream1, branch1, n2_w, n2_b, proj_b, gamma1, scale1, mean1, rstd1, p1,
-                seed1, ctx.store_dx1, residual1_dtype)
+                run_op, d_normed1, d_stream1, shape, stream1, branch1, n2_w, n2_b, proj_b, gamma1, scale1, mean1,
+                rstd1, p1, seed1, ctx.store_dx1, residual1_dtype)
             d_out, d_proj_w = _linear_backward(d_branch, out, proj_wc, wants.attention, needs[6])
             grads[6] = _to(d_proj_w, proj_dtype)
             if wants.attention:
@@ -411,7 +412,7 @@ class FusedBlockFunction(torch.autograd.Function):
         return tuple(grads)
 
 
-def _join_backward(dy, dh_out, shape, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, p, seed,
+def _join_backward(run_op, dy, dh_out, shape, h, x, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, p, seed,
                    store_dx, residual_dtype):
     """``AddLayerNormFunction.backward`` of a join with a residual (h, x: its saved rows): (dx, d(residual),
     dweight, dbias, dgamma, dbranch_bias)."""

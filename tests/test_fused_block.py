@@ -298,6 +298,25 @@ def test_no_grad_runs_no_backward_work_and_frozen_parts_none(monkeypatch):
     assert block.norm2.weight.grad is not None and block.attn.proj.weight.grad is None
 
 
+def test_only_the_proj_weight_trainable_gets_the_per_part_gradient(monkeypatch):
+    """Inputs, qkv and everything else frozen but the attention's output projection (a proj-only fine-tune): the
+    one Function saves what that GEMM's weight gradient reads, and it is bitwise the per-part path's."""
+    calls = BlockCalls(monkeypatch)
+    model, _ = make_pair(**dict(TINY, global_pool="avg"))
+    block, next_norm = model.blocks[0], model.blocks[1].norm1
+    for name, p in block.named_parameters():
+        p.requires_grad_(name == "attn.proj.weight")
+    hidden, residual = torch.randn(2, 17, 64), torch.randn(2, 17, 64)
+    grads = []
+    for per_part in (True, False, False):  # the first call checks the signature, the next ones are one Function
+        calls.per_part = per_part
+        block.attn.proj.weight.grad = None
+        normed, stream = block.forward_pair(hidden, residual, next_norm)
+        (normed.sum() + stream.sum()).backward()
+        grads.append(block.attn.proj.weight.grad.clone())
+    assert calls.count == 2 and all(torch.equal(grads[0], g) for g in grads[1:])
+
+
 def test_compiled_autograd_and_dispatch_modes_see_the_parts_ops_in_backward(monkeypatch):
     from torch._dynamo import compiled_autograd
     from torch.utils._python_dispatch import TorchDispatchMode

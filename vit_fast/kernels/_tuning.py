@@ -116,9 +116,8 @@ def autotune_enabled() -> bool:
 def set_autotune(enabled: Optional[bool]) -> None:
     """Turn measured configs on or off for this process (None: follow VIT_FAST_AUTOTUNE again). Turning
     it off also forgets the choices made so far, so every launch uses the static tables."""
-    global _version
     _state.enabled = enabled
-    _version += 1
+    _bump()
     if enabled is False:
         _state.decisions.clear()
         _state.fast.clear()
@@ -527,11 +526,10 @@ def decisions() -> dict[str, str]:
 
 def install_decisions(chosen: dict[str, str]) -> None:
     """Adopt choices made elsewhere (rank 0's, after a broadcast)."""
-    global _version
     with _lock:
         _state.decisions.update(chosen)
         _state.fast.clear()
-        _version += 1
+        _bump()
 
 
 def records() -> list[TuneRecord]:

@@ -26,7 +26,7 @@ def interpreter_active() -> bool:
     reads TRITON_INTERPRET; parsed as Triton parses it (``1``, ``true``, ``on``, ``yes``, ``y``, any
     case), read at every call (tests and tools set it at run time). Importing this module imports
     triton, but Triton reads the variable at launch time, so setting it after the import still works."""
-    return _env_meaning("TRITON_INTERPRET", lambda value: value.lower() in _TRUE_VALUES, "")
+    return _env_meaning("TRITON_INTERPRET", _interpret_on, "")
 
 
 _OFF_VALUES = ("0", "false", "off", "no")
@@ -44,23 +44,29 @@ def _switch_on(value: str) -> bool:
     return value.strip().lower() not in _OFF_VALUES
 
 
+def _interpret_on(value: str) -> bool:
+    return value.lower() in _TRUE_VALUES
+
+
 def _env_meaning(name: str, parse, default: str) -> bool:
-    """``parse(os.environ.get(name, default))``, kept per (name, raw value): read on every launch."""
+    """``parse(os.environ.get(name, default))``, kept per (name, raw value, parse, default): read on every
+    launch."""
     if _ENVIRON_DATA is None:
         return parse(os.environ.get(name, default))
     key = _ENV_KEYS.get(name)
     if key is None:
         key = _ENV_KEYS[name] = os.environ.encodekey(name)
     raw = _ENVIRON_DATA.get(key)
-    meaning = _ENV_MEANINGS.get((name, raw))
+    meaning = _ENV_MEANINGS.get((name, raw, parse, default))
     if meaning is None:
-        meaning = _ENV_MEANINGS[(name, raw)] = parse(default if raw is None else os.environ.decodevalue(raw))
+        value = default if raw is None else os.environ.decodevalue(raw)
+        meaning = _ENV_MEANINGS[(name, raw, parse, default)] = parse(value)
     return meaning
 
 
 _ENVIRON_DATA = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") else None
 _ENV_KEYS: dict = {}
-_ENV_MEANINGS: dict = {}  # (name, raw value) -> meaning (a few distinct values in a process)
+_ENV_MEANINGS: dict = {}  # (name, raw value, parse, default) -> meaning (a few in a process)
 
 
 class _Direct(threading.local):

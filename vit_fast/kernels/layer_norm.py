@@ -270,8 +270,7 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 def fwd_plan(x: torch.Tensor, residual: Optional[torch.Tensor], branch_bias: Optional[torch.Tensor],
              gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], p: float,
              out_dtype: Optional[torch.dtype]) -> _FwdPlan:
-    """The forward's plan for these inputs' layout, built once per layout: what ``run_fwd`` launches with (a fused
-    block keeps it and calls ``run_fwd`` alone)."""
+    """The forward's plan for these inputs' layout, built once per layout: what ``run_fwd`` launches with."""
     return _FWD_PLANS.get((x.shape, x.stride(0), x.dtype, None if residual is None else (residual.dtype,
                            residual.stride(0)), out_dtype, branch_bias is None, gamma is None,
                            None if sample_scale is None else sample_scale.shape[0], p > 0, x.device),

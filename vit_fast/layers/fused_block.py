@@ -339,8 +339,8 @@ class FusedBlockFunction(torch.autograd.Function):
                 join2_h_dtype = stream_o.dtype
         # saved: what the backward parts that will run read (as autograd keeps only its live nodes' tensors)
         ctx.save_for_backward(
-            *((qkv, qkv_b if needs[5] else None, lse, attn_seed, hidden, qkv_wc, proj_wc) if wants.attention
-              else (None,) * 7), out if wants.attention or wants.proj_weight else None,
+            *((qkv, qkv_b if needs[5] else None, lse, attn_seed, hidden, qkv_wc) if wants.attention else (None,) * 6),
+            *((proj_wc, out) if wants.attention or wants.proj_weight else (None, None)),
             *((stream2, branch2, n2_w, n2_b, proj_b, gamma1, scale1, mean1, rstd1, join1_seed) if wants.join1
               else (None,) * 10),
             *((mlp_in, fc1_wc, fc1_b, fc2_wc, hid, dact) if wants.mlp else (None,) * 6), *join2)

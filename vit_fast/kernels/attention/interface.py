@@ -259,8 +259,8 @@ def _launch_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optiona
     """out (B, H, M, D) and lse (B, H, M) of the first M = out.shape[2] query rows (M <= N)."""
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)  # read per launch: torch's tf32 flag
     launches = _FWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), q.dtype,
-                               dropout_p, precision, arch), (q, k, v, out), out.shape[2], dropout_p, precision,
-                              arch).launch
+                               dropout_p, precision, arch, q.device), (q, k, v, out), out.shape[2], dropout_p,
+                              precision, arch).launch
 
     def launch(cfg: Tile) -> None:
         launches.bind(cfg)(q, k, v, out, lse, scale, seed)
@@ -275,7 +275,7 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     precision, arch = dot_input_precision(q.dtype), gpu_arch(q.device)
     # the kernel's argument order: q, k, v, out, dO, then dq (dk and dv share its layout)
     launches = _BWD_PLANS.get((q.shape, q.stride(), k.stride(), v.stride(), out.shape, out.stride(), do.stride(),
-                               dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch,
+                               dq.stride(), dk.stride(), dv.stride(), q.dtype, dropout_p, precision, arch, q.device,
                                stored_ds_only.on, one_launch_only.on), (q, k, v, out, do, dq, dk, dv), out.shape[2],
                               dropout_p, precision, arch).launch
 

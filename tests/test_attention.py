@@ -827,14 +827,14 @@ def test_stored_ds_offered_at_vit_lengths_only():
         q = torch.empty(B, H, N, D, dtype=dtype, device="meta")
         return AI._flash_plan(op, (q,) * 8, N, 0.0, "ieee", 90)
     vit_b = plan("attention_bwd", 256, 197, 12)
-    assert isinstance(vit_b.candidates[-1], A.StoredDsConfig) and vit_b.key[-1] == "stored_ds"
-    assert vit_b.candidates[:-1] == AI._bwd_candidates(A.attention_config(197, 64, torch.bfloat16, 90))
+    assert isinstance(vit_b.launch.candidates[-1], A.StoredDsConfig) and vit_b.launch.key[-1] == "stored_ds"
+    assert vit_b.launch.candidates[:-1] == AI._bwd_candidates(A.attention_config(197, 64, torch.bfloat16, 90))
     for kept_out in (plan("attention_bwd", 1, 1025, 2), plan("attention_bwd", 4096, 577, 16),
                      plan("attention_fwd", 256, 197, 12)):
-        assert not any(isinstance(c, A.StoredDsConfig) for c in kept_out.candidates)
-        assert kept_out.key[-1] != "stored_ds"
+        assert not any(isinstance(c, A.StoredDsConfig) for c in kept_out.launch.candidates)
+        assert kept_out.launch.key[-1] != "stored_ds"
     with AI.one_launch_only():
-        assert plan("attention_bwd", 256, 197, 12).candidates == vit_b.candidates[:-1]
+        assert plan("attention_bwd", 256, 197, 12).launch.candidates == vit_b.launch.candidates[:-1]
     with AI.stored_ds_only():
-        assert AI._flash_plan("attention_bwd", (torch.empty(1, 2, 1025, 64, device="meta"),) * 8, 1025, 0.0, "ieee",
-                              90).candidates == (A.StoredDsConfig.of(A.attention_config(1025, 64, torch.float32, 90)),)
+        long = AI._flash_plan("attention_bwd", (torch.empty(1, 2, 1025, 64, device="meta"),) * 8, 1025, 0.0, "ieee", 90)
+        assert long.launch.candidates == (A.StoredDsConfig.of(A.attention_config(1025, 64, torch.float32, 90)),)

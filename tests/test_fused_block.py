@@ -38,6 +38,7 @@ class BlockCalls:
 
         monkeypatch.setattr(fused_block, "run_block", counted)
         monkeypatch.setattr(fused_block, "enabled", True)
+        monkeypatch.setattr(fused_block, "_checked", set())  # no signature checked by an earlier test in this worker
         self.per_part = False  # every block per part, signatures still marked as checked
         ready = fused_block.ready
         monkeypatch.setattr(fused_block, "ready", lambda signature: not self.per_part and ready(signature))

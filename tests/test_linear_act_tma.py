@@ -82,9 +82,9 @@ def test_strided_rows_and_weight_column_slices(tma_launches):
 
 
 def test_same_outputs_as_the_pointer_kernels_and_repeatable(tma_launches):
-    """On one tile, the TMA kernels write what the pointer kernels write (h, act'(u), du, the bias-gradient
-    partials), twice the same bits. Bitwise against the pointer kernels in the interpreter (same dot order);
-    on a GPU within one rounding of the output dtype."""
+    """On one tile, the TMA kernels write what the pointer kernels write (h, act'(u), du, the bias gradient summed
+    from its partials), twice the same bits. Bitwise against the pointer kernels in the interpreter (same dot
+    order); on a GPU within one rounding of the output dtype."""
     torch.manual_seed(2)
     m, c, hid, n = 300, 64, 192, 48
     x, dy = randn(m, c, grad=False).bfloat16(), randn(m, n, grad=False).bfloat16()
@@ -95,12 +95,12 @@ def test_same_outputs_as_the_pointer_kernels_and_repeatable(tma_launches):
     def run(t):
         h, dact, du = (torch.empty(m, hid, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
         la.launch_fwd(h, dact, x, w1, b1, "gelu", True, t)
-        partial = la.launch_bwd(du, dy, w2, dact, True, t)
-        return h, dact, du, partial
+        db = la.launch_bwd(du, dy, w2, dact, True, t)
+        return h, dact, du, db
 
     pointer, tma, again = run(tile), run(TmaTile.of(tile)), run(TmaTile.of(tile))
     assert tma_launches == {"fwd": 2, "bwd": 2}
-    for name, a, b, c2 in zip(("h", "dact", "du", "partial"), pointer, tma, again):
+    for name, a, b, c2 in zip(("h", "dact", "du", "db"), pointer, tma, again):
         assert torch.equal(b, c2), f"{name}: not repeatable"
         if interpreter_active():
             assert torch.equal(a, b), name
@@ -206,12 +206,12 @@ def test_co_resident_tiles_match_the_reference(tma_launches, monkeypatch):
                      (la.CO_RESIDENT_TMA, la.CO_RESIDENT_TMA)):
         h, dact, du = (torch.full((m, hid), float("nan"), device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
         la.launch_fwd(h, dact, x, w1, b1, "gelu_tanh", True, fwd)
-        partial = la.launch_bwd(du, dy, w2, dact, True, bwd)
+        db = la.launch_bwd(du, dy, w2, dact, True, bwd)
         assert_close(h, gelu.detach(), bound(torch.bfloat16), f"h {fwd}")
         assert_close(dact, dgelu, bound(torch.bfloat16), f"act'(u) {fwd}")
         du64 = (dy.double() @ w2.double()) * dact.double()
         assert_close(du, du64, bound(torch.bfloat16), f"du {bwd}")
-        assert_close(partial.sum((0, 1)), du64.sum(0), bound(torch.bfloat16), f"db1 {bwd}")
+        assert_close(db, du64.sum(0), bound(torch.bfloat16), f"db1 {bwd}")
     assert tma_launches == {"fwd": 1, "bwd": 1}  # the pointer tiles ran the pointer kernels
 
 

@@ -263,23 +263,10 @@ def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     """x, residual: (M, N) with contiguous columns; seed: a ``next_seed`` tensor (None without
     dropout). Returns (normed in ``out_dtype`` or x.dtype, h, mean, rstd); without a residual h is an
     empty placeholder (the plain LayerNorm)."""
-    return run_fwd(fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype), x, residual, weight, bias,
-                   branch_bias, gamma, sample_scale, eps, p, seed)
-
-
-def fwd_plan(x: torch.Tensor, residual: Optional[torch.Tensor], branch_bias: Optional[torch.Tensor],
-             gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], p: float,
-             out_dtype: Optional[torch.dtype]) -> _FwdPlan:
-    """The forward's plan for these inputs' layout, built once per layout: what ``run_fwd`` launches with."""
-    return _FWD_PLANS.get((x.shape, x.stride(0), x.dtype, None if residual is None else (residual.dtype,
+    plan = _FWD_PLANS.get((x.shape, x.stride(0), x.dtype, None if residual is None else (residual.dtype,
                            residual.stride(0)), out_dtype, branch_bias is None, gamma is None,
                            None if sample_scale is None else sample_scale.shape[0], p > 0, x.device),
                           x, residual, branch_bias, gamma, sample_scale, p, out_dtype)
-
-
-def run_fwd(plan: _FwdPlan, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps: float, p: float,
-            seed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``add_layer_norm_fwd`` on inputs of ``plan``'s layout."""
     m, n = x.shape
     dev = x.device
     y = torch.empty((m, n), device=dev, dtype=plan.out_dtype)
@@ -358,29 +345,15 @@ def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torc
                        store_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows (M, N). h: the normalised rows (x itself for plain LN). Returns (dh in h.dtype, dx in
     x.dtype or an empty placeholder when dx is dh, (K, N) grads of [w, b, gamma?, branch_bias?])."""
-    return run_bwd(bwd_plan(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, p, store_dx), dy,
-                   dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, p, seed)
-
-
-def bwd_plan(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor, branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
-             sample_scale: Optional[torch.Tensor], p: float, store_dx: bool) -> _BwdPlan:
-    """The backward's plan for these inputs' layout, built once per layout (``fwd_plan``'s counterpart)."""
     dev = h.device
     arch = gpu_arch(dev)
-    return _BWD_PLANS.get((h.shape, h.dtype, h.stride(0), dy.dtype, dy.stride(0),
+    plan = _BWD_PLANS.get((h.shape, h.dtype, h.stride(0), dy.dtype, dy.stride(0),
                            None if dh_out is None else dh_out.stride(0), x.dtype, x.stride(0), weight.dtype,
                            bias.dtype, None if gamma is None else gamma.dtype,
                            None if branch_bias is None else branch_bias.dtype,
                            None if sample_scale is None else sample_scale.shape[0], p > 0, store_dx, dev, arch),
                           dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, p, store_dx, arch)
-
-
-def run_bwd(plan: _BwdPlan, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, p: float,
-            seed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``add_layer_norm_bwd`` on inputs of ``plan``'s layout."""
     m, n = h.shape
-    dev = h.device
     dh = torch.empty((m, n), device=dev, dtype=h.dtype)
     dx = torch.empty(plan.dx_shape, device=dev, dtype=x.dtype)
     if m == 0:

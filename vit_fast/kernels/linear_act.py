@@ -242,8 +242,8 @@ def _fwd_plan(x, weight, bias, activation: str, store_dact: bool, precision: str
     m, k = x.shape
     n = weight.shape[0]
     static = linear_act_config(x.dtype, arch, precision).fwd
-    # with_tma in the key: a choice made without the TMA tiles must not stand for one with
-    key = (_tuning.bucket(m), n, k, str(x.dtype), arch, activation, store_dact, with_tma)
+    # with_tma and the fp32 dot precision in the key: each changes the candidates
+    key = (_tuning.bucket(m), n, k, str(x.dtype), arch, precision, activation, store_dact, with_tma)
 
     def bind(t: GemmTile):
         grid = (cdiv(m, t.block_m) * cdiv(n, t.block_n),)
@@ -325,9 +325,8 @@ def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
 
     def launch(t: GemmTile) -> Optional[torch.Tensor]:
         return plan.bind(t)(du, dy, weight, dact)
-    t = plan.choose(dact.device, launch)
-    partial = launch(t)
-    return du, (plan.bind(t).summed(partial)[0] if has_bias else dact.new_empty(0))
+    db = launch(plan.choose(dact.device, launch))
+    return du, (db if has_bias else dact.new_empty(0))
 
 
 def _bwd_plan(dy, dact, weight, bias_dtype: Optional[torch.dtype], precision: str, arch: int,
@@ -338,7 +337,7 @@ def _bwd_plan(dy, dact, weight, bias_dtype: Optional[torch.dtype], precision: st
     has_bias = bias_dtype is not None
     device = dact.device
     static = linear_act_config(dact.dtype, arch, precision).bwd
-    key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, has_bias, with_tma)
+    key = (_tuning.bucket(m), n, k, str(dact.dtype), arch, precision, has_bias, with_tma)
 
     def bind(t: GemmTile):
         row_tiles = cdiv(m, t.block_m)
@@ -346,18 +345,18 @@ def _bwd_plan(dy, dact, weight, bias_dtype: Optional[torch.dtype], precision: st
         constexprs = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M,
                           EVEN_N=n % t.block_k == 0, HAS_BIAS=has_bias, INPUT_PRECISION=precision,
                           num_warps=t.num_warps, num_stages=t.num_stages)
+        summed = bind_sum_partials(1, row_tiles, k, bias_dtype, device) if has_bias else None
 
         def launch(du, dy, weight, dact) -> Optional[torch.Tensor]:
-            """du, and with a bias the fp32 partial column sums of du (1, row tiles, K) (``launch.summed`` adds
-            them up), else None."""
+            """du, and with a bias its column sums (K,) in the bias's dtype (per-tile fp32 partials, then
+            ``sum_partials``), else None."""
             partial = torch.empty((1, row_tiles, k), device=device, dtype=torch.float32) if has_bias else None
             if isinstance(t, TmaTile) and tma_compatible(du, dy, weight, dact):
                 linear_act_tma.launch_bwd(du, partial, dy, weight, dact, t)
             else:
                 launcher(_linear_act_bwd_kernel, grid)(du, partial, dy, weight, dact, dy.stride(0), weight.stride(0),
                                                        dact.stride(0), du.stride(0), m, n, k, **constexprs)
-            return partial
-        launch.summed = bind_sum_partials(1, row_tiles, k, bias_dtype, device) if has_bias else None
+            return summed(partial)[0] if has_bias else None
         return launch
     return _tuning.LaunchPlan("linear_act_bwd", key, _candidates(static, dact.dtype, arch, tma_only.on, with_tma),
                               bind)
@@ -376,8 +375,8 @@ def launch_fwd(h: torch.Tensor, dact: torch.Tensor, x: torch.Tensor, weight: tor
 
 def launch_bwd(du: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, dact: torch.Tensor, has_bias: bool,
                t: GemmTile) -> Optional[torch.Tensor]:
-    """The dgrad kernel on tile ``t`` alone (as ``launch_fwd``); returns the fp32 partial column sums of du
-    (1, row tiles, K) with ``has_bias``, else None."""
+    """The dgrad kernel on tile ``t`` alone (as ``launch_fwd``); returns du's fp32 column sums (K,) with
+    ``has_bias``, else None."""
     return _bwd_plan(dy, dact, weight, torch.float32 if has_bias else None, input_precision(dact.dtype),
                      gpu_arch(dact.device), True).bind(t)(du, dy, weight, dact)
 

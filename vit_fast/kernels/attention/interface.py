@@ -182,9 +182,7 @@ class _FlashPlan(NamedTuple):
     threshold: int
     inv_keep: float
     head_align: int
-    key: tuple  # the tuning key
-    candidates: tuple
-    launch: _tuning.LaunchPlan  # a bound launch per config
+    launch: _tuning.LaunchPlan  # the tuning key, the candidates and a bound launch per config
 
 
 def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision: str, arch: int) -> _FlashPlan:
@@ -204,7 +202,7 @@ def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision
         if offered:  # in the key: offered or not, another choice
             key, candidates = key + ("stored_ds",), candidates + (StoredDsConfig.of(static),)
     strides = tuple(stride for t in tensors for stride in t.stride())
-    plan = _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), key, candidates, None)
+    plan = _FlashPlan(strides, precision, dropout, threshold, inv_keep, _head_align(*tensors), None)
     bind = functools.partial(_bind_fwd if op == "attention_fwd" else _bind_bwd, plan, (B, H, N, D), q_len)
     return plan._replace(launch=_tuning.LaunchPlan(op, key, candidates, bind))
 

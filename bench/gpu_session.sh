@@ -30,27 +30,29 @@ python3 -c "import torch, triton, vit_fast; print(torch.__version__, triton.__ve
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 # the headline (ViT-B/16 and S/16 b256: timm eager / compile, vit_fast eager / compile / CUDA graph, profile) first
 step campaign 300 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --quick --out "$R/campaign"
-# attention from packed qkv to its gradient per shape (issue 32): vit_fast's flash kernels, the stored-dS backward
-# (an autotuning candidate never timed on a GPU), the short family, SDPA's backends; CUDA-graph ms
-step attn 60 python3 bench/gpu_probe.py attn --dump-after 40
 # what only a GPU checks (8 workers; each failure's traceback printed as it happens, which a deadline cannot lose):
 # the activations with the GPU's approximate exp2, the TMA kernels and every sm_90 attention
 # candidate against float64, graph replays draw fresh dropout masks, a block as one autograd Function bitwise its
 # parts on the compiled kernels, the short kernels
 VIT_FAST_FAILURES_AT_ONCE=1 step tests 120 python3 -m pytest -q -n 8 tests/test_math.py tests/test_linear_act_tma.py "tests/test_attention.py::test_every_sm90_candidate_matches_float64" "tests/test_attention.py::test_stored_ds_backward_matches_float64" tests/test_graphs.py tests/test_fused_block.py tests/test_attention_short.py -p no:cacheprovider
+# the host work's A/B: ViT-S/16 eager at batch 1, where the GPU work is a small part of the step, which is then about
+# the host's time per step; then vit_fast's step again with every launch through Triton's JIT
+# (VIT_FAST_DIRECT_LAUNCH=0): what the direct launches of the compiled kernels (_tuning.KernelLaunch) save per step
+step host_ab 45 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 --paths vit_fast timm_eager --steps 20 --warmup 5 --out "$R/host_ab"
+VIT_FAST_DIRECT_LAUNCH=0 step host_ab_jit 30 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 --paths vit_fast --steps 20 --warmup 5 --out "$R/host_ab_jit"
+# attention from packed qkv to its gradient per shape (issue 32): vit_fast's flash kernels, the stored-dS backward
+# (an autotuning candidate never timed on a GPU), the short family, SDPA's backends; CUDA-graph ms
+step attn 60 python3 bench/gpu_probe.py attn --dump-after 40
 # the fused ops alone, kernel time (CUDA-graph replays) beside host-included calls: the full campaign's micro stage
 step micro 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --stages micro --budget 100 --out "$R/micro"
 # every part's candidates timed on ViT-B/16 b256, as JSON
 step tune 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" tune --model vit_base_patch16_224 --batch 256 --json "$R/tune_b16_b256.json"
 # linear_act's Triton GEMMs, pointer vs persistent TMA kernels (never run on a GPU before), against cuBLAS
 step gemm 60 python3 bench/gpu_probe.py gemm --dump-after 50
-# host microseconds per launch: the op, Triton's JIT launch and the compiled kernel called directly (what a leaner
-# launch path could save; 15.8-22.1 us vs 2.1-2.4 us per launch behind a fake sm_90 driver on the 2-core CPU
-# machine, triton 3.8.0, 2026-11-27: a CPU check, not a GPU timing)
+# host microseconds per launch: the op (its launches direct since _tuning.KernelLaunch), Triton's JIT launch and the
+# compiled kernel called directly (behind a fake sm_90 driver on the 2-core CPU machine, triton 3.8.0, 2026-11-28:
+# JIT 9.6 us, KernelLaunch's direct call 3.9, a CPU check, not a GPU timing)
 step launch 30 python3 bench/gpu_probe.py launch --dump-after 20
-# the host work's A/B: ViT-S/16 eager with each block as one autograd Function (the default) and per part; at batch
-# 1 the GPU work is a small part of the step, which is then about the host's time per step
-step host_ab 60 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 256 --paths vit_fast vit_fast_per_part timm_eager --steps 20 --warmup 5 --out "$R/host_ab"
 # linear_act's TMA kernels (sm_90's default since 2026-11-27) against its pointer kernels in a whole ViT-B/16 step
 VIT_FAST_TMA_GEMM=0 step tma_off 45 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_base_patch16_224 --batches 256 --paths vit_fast --steps 20 --warmup 5 --out "$R/tma_off"
 step trace 45 python3 bench/gpu_probe.py trace --path vit_fast --dump-after 30

@@ -377,3 +377,25 @@ def test_a_linked_transformers_dinov2_runs_as_one_function(monkeypatch):
         results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
         assert calls.count == (0 if per_part else 2 * 2 - 1)  # every block but the first call's
     assert_bitwise(*results)
+
+
+def test_direct_launches_compute_what_the_jit_launches_computed(monkeypatch):
+    """A launch's first call goes through Triton's JIT, later ones straight to the compiled kernel on a GPU
+    (``_tuning.KernelLaunch``; under the interpreter always the JIT): the third step, with every launch direct,
+    gives bitwise the first step's logits and gradients, under autocast, with dropout and drop-path drawn."""
+    from vit_fast.kernels import _tuning
+
+    armed = []
+    real = _tuning.KernelLaunch._direct
+    monkeypatch.setattr(_tuning.KernelLaunch, "_direct",
+                        lambda self, compiled, args: armed.append(real(self, compiled, args)) or armed[-1])
+    # shapes no other test plans (head_dim 40, width 80): every launch plan starts here
+    model = make_pair(**dict(TINY, embed_dim=80, num_heads=2, depth=3, drop_path_rate=0.3, attn_drop_rate=0.1,
+                             global_pool="avg"))[0].train()
+    x = torch.randn(3, 3, 32, 32)
+    first = step(model, x, 5, autocast=True)
+    for _ in range(2):
+        last = step(model, x, 5, autocast=True)
+    assert_bitwise(first, last)
+    went_direct = [d for d in armed if d is not None]
+    assert went_direct if torch.cuda.is_available() else not went_direct and armed

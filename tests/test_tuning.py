@@ -365,6 +365,131 @@ def test_compile_ahead_compiles_the_real_kernels_for_sm90_without_a_gpu(tmp_path
     assert out.stdout.split()[-3:] == ["4", "4", "['CompiledKernel']"], out.stdout
 
 
+_DIRECT_LAUNCH_SCRIPT = r"""
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+launched = []  # (kernel, arguments) of every launch the compiled kernels' launcher received
+
+
+class FakeUtils:
+    def load_binary(self, name, kernel, shared, device): return 1, 1, 64, 0, 1024
+    def get_device_properties(self, device): return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+
+class FakeDriver:  # compiles for sm_90; its launcher records the arguments instead of launching
+    utils = FakeUtils()
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 7
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+    def get_device_interface(self): return torch.cuda
+    def launcher_cls(self, src, metadata): return lambda *args: launched.append((src.fn.__name__, args))
+driver.set_active(FakeDriver())
+
+jit_runs = []
+real_run = JITFunction.run
+JITFunction.run = lambda self, *a, **kw: jit_runs.append(self.__name__) or real_run(self, *a, **kw)
+
+from vit_fast.kernels import layer_norm as ln, linear_act as la
+from vit_fast.kernels.attention import interface as AI
+
+
+def alike(x, y):  # a tensor the launch makes (the partial sums) is new each call: its layout
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and (x is y or (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(),
+                                                                                              y.dtype))
+    return type(x) is type(y) and x == y
+
+
+def twice(name, launch, *args):
+    runs, start = len(jit_runs), len(launched)
+    launch(*args)
+    middle, kernels = len(launched), len(jit_runs) - runs
+    launch(*args)
+    first, second = launched[start:middle], launched[middle:]
+    assert kernels >= 1 and len(first) == len(second) == kernels and len(jit_runs) == runs + kernels, name
+    for (kernel, a), (again, b) in zip(first, second):  # a[6]: the launch metadata, made per launch
+        assert kernel == again and len(a) == len(b) and type(a[6]) is type(b[6]), name
+        assert all(alike(x, y) for i, (x, y) in enumerate(zip(a, b)) if i != 6), (name, a, b)
+    print(name, len(first))
+
+
+bf16 = torch.bfloat16
+m, n, hid = 64, 768, 1024
+x, dy, w, b = torch.randn(m, n, dtype=bf16), torch.randn(m, n, dtype=bf16), torch.ones(n), torch.zeros(n)
+y, h, dh, dx = (torch.empty(m, n, dtype=bf16) for _ in range(4))
+mean, rstd = torch.empty(m), torch.empty(m)
+fwd = ln._fwd_plan(x, x, None, None, None, 0.0, None).launch
+twice("layer_norm_fwd", fwd.bind(fwd.candidates[0]), y, h, mean, rstd, x, x, w, b, None, None, None, 1e-6, None, 0.0)
+runs = len(jit_runs)  # an output 2 bytes off 16-byte alignment: Triton would specialize the kernel otherwise
+odd = torch.empty(m * n + 1, dtype=bf16)[1:].view(m, n)
+fwd.bind(fwd.candidates[0])(odd, h, mean, rstd, x, x, w, b, None, None, None, 1e-6, None, 0.0)
+assert len(jit_runs) == runs + 1, "a misaligned tensor launched directly"
+bwd = ln._bwd_plan(dy, None, h, x, w, b, None, None, None, 0.0, True, 90).launch
+twice("layer_norm_bwd", bwd.bind(bwd.candidates[0]), dh, dx, dy, None, h, x, w, None, None, None, mean, rstd, None,
+      0.0)
+w1, b1, w2 = torch.randn(hid, n, dtype=bf16), torch.randn(hid), torch.randn(n, hid, dtype=bf16)
+h1, dact, du = (torch.empty(m, hid, dtype=bf16) for _ in range(3))
+twice("linear_act_fwd", la._fwd_plan(x, w1, b1, "gelu", True, "ieee", 90, False).bind(
+    la.linear_act_config(bf16, 90).fwd), h1, dact, x, w1, b1)
+twice("linear_act_bwd", la._bwd_plan(dy, dact, w2, torch.float32, "ieee", 90, False).bind(
+    la.linear_act_config(bf16, 90).bwd), du, dy, w2, dact)
+B, N, H = 2, 197, 2
+qkv, dqkv = torch.randn(B, N, 3 * H * 64, dtype=bf16), torch.empty(B, N, 3 * H * 64, dtype=bf16)
+(q, k, v), (dq, dk, dv) = AI._split_packed(qkv, H), AI._split_packed(dqkv, H)
+out, do = (AI._heads_view(torch.randn(B, N, H * 64, dtype=bf16), H) for _ in range(2))
+lse = torch.empty(B, H, N)
+fwd = AI._flash_plan("attention_fwd", (q, k, v, out), N, 0.0, "ieee", 90).launch
+twice("attention_fwd", fwd.bind(fwd.candidates[0]), q, k, v, out, lse, 0.125, None)
+bwd = AI._flash_plan("attention_bwd", (q, k, v, out, do, dq, dk, dv), N, 0.0, "ieee", 90).launch
+twice("attention_bwd", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, dk, dv, 0.125, None)
+"""
+
+
+@pytest.mark.slow
+def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
+    """``KernelLaunch`` behind a driver that compiles for sm_90 and records what the compiled kernels' launcher
+    receives: for LayerNorm, linear_act and flash attention, forward and backward (the partial sums' launch
+    included), the second call of a bound launch skips Triton's JIT and hands the launcher the same grid, stream
+    and arguments, constexprs included, as the first; a tensor whose alignment Triton would specialize otherwise
+    goes through the JIT again."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "VIT_FAST_DIRECT_LAUNCH")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    out = subprocess.run([sys.executable, "-c", _DIRECT_LAUNCH_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["layer_norm_fwd", "1", "layer_norm_bwd", "2", "linear_act_fwd", "1",
+                                  "linear_act_bwd", "2", "attention_fwd", "1", "attention_bwd", "1"], out.stdout
+
+
+def test_kernel_launch_never_goes_direct_in_the_interpreter(monkeypatch):
+    """Under the interpreter (this suite on CPU) every launch is the JIT's, whatever the launch returns."""
+    monkeypatch.setattr(_tuning, "interpreter_active", lambda: True)
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            raise AssertionError("went direct")
+
+    class Kernel:
+        params = ()
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: calls.append((grid, args, constexprs)) or Compiled()
+    launch = _tuning.KernelLaunch(Kernel(), (3,), BLOCK=16, num_warps=4)
+    for _ in range(3):
+        launch(torch.empty(4), 4, 0.5, None)
+    assert launch.direct is None and len(calls) == 3 and calls[0][0] == (3,) and calls[0][2] == dict(BLOCK=16,
+                                                                                                    num_warps=4)
+
+
 # ------------------------------------------------------------------------------------ per-fusion choice
 def tiny_model(**overrides):
     torch.manual_seed(0)

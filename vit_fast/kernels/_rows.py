@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._aot import LAUNCH_DEFAULT_STAGES, AotSpec, divisible_args, kernel_signature
-from ._tuning import launcher
+from ._tuning import KernelLaunch
 from ._utils import cdiv, check_float, check_shape, next_power_of_2, programs_to_fill
 
 
@@ -69,11 +69,12 @@ def bind_sum_partials(k: int, g: int, n: int, out_dtype: torch.dtype,
                       device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """``sum_partials`` for (k, g, n) fp32 partials, its grid and constants bound once (a launch plan keeps it)."""
     block_n = sum_partials_block_n(n)
-    grid = (k, cdiv(n, block_n))
+    kernel = KernelLaunch(_sum_partials_kernel, (k, cdiv(n, block_n)), BLOCK_G=_BLOCK_G, BLOCK_N=block_n,
+                          num_warps=_WARPS)
 
     def summed(partial: torch.Tensor) -> torch.Tensor:
         out = torch.empty((k, n), device=device, dtype=out_dtype)
-        launcher(_sum_partials_kernel, grid)(out, partial, g, n, BLOCK_G=_BLOCK_G, BLOCK_N=block_n, num_warps=_WARPS)
+        kernel(out, partial, g, n)
         return out
     return summed
 

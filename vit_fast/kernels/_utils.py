@@ -34,9 +34,10 @@ _OFF_VALUES = ("0", "false", "off", "no")
 
 def env_switch(name: str) -> bool:
     """A vit_fast on/off environment variable (VIT_FAST_AUTOTUNE, VIT_FAST_PARALLEL_COMPILE,
-    VIT_FAST_BLOCK_FUNCTION): on unless set to '0', 'false', 'off' or 'no' (any case, spaces ignored). Read at
-    every call (tests and users set them at run time), so it is asked on every launch: where os.environ keeps its
-    encoded copy (POSIX CPython) the raw value is read from it and its meaning kept per value."""
+    VIT_FAST_BLOCK_FUNCTION, VIT_FAST_DIRECT_LAUNCH): on unless set to '0', 'false', 'off' or 'no' (any case,
+    spaces ignored). Read at every call (tests and users set them at run time), so it is asked on every launch:
+    where os.environ keeps its encoded copy (POSIX CPython) the raw value is read from it and its meaning kept per
+    value."""
     return _env_meaning(name, _switch_on, "1")
 
 

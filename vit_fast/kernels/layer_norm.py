@@ -67,7 +67,7 @@ from ._rows import (
     num_partials,
     param_grad_dtype,
 )
-from ._tuning import bucket, launcher
+from ._tuning import KernelLaunch, bucket
 from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref, join_param_grads
 
@@ -240,11 +240,12 @@ def _fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype) -> _F
 
     def bind(cfg: RowTile):
         grid = (cdiv(m, cfg.block_m),)
-        constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+        kernel = KernelLaunch(_layer_norm_fwd_kernel, grid, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              num_warps=cfg.num_warps, **flags)
 
         def launch(y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale, eps, seed, p):
-            launcher(_layer_norm_fwd_kernel, grid)(y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma,
-                                                   sample_scale, *strides, m, n, tokens, eps, seed, p, **constexprs)
+            kernel(y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale, *strides, m, n,
+                   tokens, eps, seed, p)
         return launch
     key = (bucket(m), n, str(x.dtype), str(h_dtype), str(y_dtype), *flags.values())
     return _FwdPlan(y_dtype, (m, n) if has_res else (0,), h_dtype,
@@ -319,14 +320,14 @@ def _bwd_plan(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, 
 
     def bind(cfg: RowTile):
         g = num_partials(cdiv(m, cfg.block_m), 1, dev)  # programs along the rows = rows of the partial buffer
-        constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+        kernel = KernelLaunch(_layer_norm_bwd_kernel, (g,), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              num_warps=cfg.num_warps, **flags)
         summed = bind_sum_partials(len(params), g, n, grad_dtype, dev)
 
         def launch(dh, dx, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, seed, p):
             partial = torch.empty((len(params), g, n), device=dev, dtype=torch.float32)
-            launcher(_layer_norm_bwd_kernel, (g,))(dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma,
-                                                   sample_scale, mean, rstd, *strides, m, n, g, tokens, seed, p,
-                                                   **constexprs)
+            kernel(dh, dx, partial, dy, dh_out, h, x, weight, branch_bias, gamma, sample_scale, mean, rstd, *strides,
+                   m, n, g, tokens, seed, p)
             return summed(partial)
         return launch
     key = (bucket(m), n, str(dy.dtype), str(h.dtype), str(x.dtype), len(params), arch, *flags.values())

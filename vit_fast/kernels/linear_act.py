@@ -63,7 +63,7 @@ from ._aot import TRITON_DTYPE_NAMES, AotSpec, divisible_args, kernel_signature
 from ._gemm import GROUP_M, GemmTile, column_halves, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
 from ._rows import as_rows, bind_sum_partials, sum_partials_block_n, sum_partials_spec
-from ._tuning import launcher
+from ._tuning import KernelLaunch
 from ._utils import cdiv, check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
 from .linear_act_tma import TmaTile, tma_compatible
 
@@ -247,16 +247,15 @@ def _fwd_plan(x, weight, bias, activation: str, store_dact: bool, precision: str
 
     def bind(t: GemmTile):
         grid = (cdiv(m, t.block_m) * cdiv(n, t.block_n),)
-        constexprs = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M,
-                          EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None, STORE_DACT=store_dact,
-                          ACT=ACTIVATIONS[activation], INPUT_PRECISION=precision, num_warps=t.num_warps,
-                          num_stages=t.num_stages)
+        kernel = KernelLaunch(_linear_act_fwd_kernel, grid, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                              GROUP_M=GROUP_M, EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
+                              STORE_DACT=store_dact, ACT=ACTIVATIONS[activation], INPUT_PRECISION=precision,
+                              num_warps=t.num_warps, num_stages=t.num_stages)
 
         def launch(h, dact, x, weight, bias):
             if isinstance(t, TmaTile) and tma_compatible(h, x, weight, *((dact,) if store_dact else ())):
                 return linear_act_tma.launch_fwd(h, dact, x, weight, bias, activation, store_dact, t)
-            launcher(_linear_act_fwd_kernel, grid)(h, dact, x, weight, bias, x.stride(0), weight.stride(0),
-                                                   h.stride(0), dact.stride(0), m, n, k, **constexprs)
+            kernel(h, dact, x, weight, bias, x.stride(0), weight.stride(0), h.stride(0), dact.stride(0), m, n, k)
         return launch
     return _tuning.LaunchPlan("linear_act_fwd", key,
                               _candidates(static, x.dtype, arch, tma_only.on, with_tma, co_resident=True), bind)
@@ -342,9 +341,9 @@ def _bwd_plan(dy, dact, weight, bias_dtype: Optional[torch.dtype], precision: st
     def bind(t: GemmTile):
         row_tiles = cdiv(m, t.block_m)
         grid = (row_tiles * cdiv(k, t.block_n),)
-        constexprs = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=GROUP_M,
-                          EVEN_N=n % t.block_k == 0, HAS_BIAS=has_bias, INPUT_PRECISION=precision,
-                          num_warps=t.num_warps, num_stages=t.num_stages)
+        kernel = KernelLaunch(_linear_act_bwd_kernel, grid, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                              GROUP_M=GROUP_M, EVEN_N=n % t.block_k == 0, HAS_BIAS=has_bias,
+                              INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages)
         summed = bind_sum_partials(1, row_tiles, k, bias_dtype, device) if has_bias else None
 
         def launch(du, dy, weight, dact) -> Optional[torch.Tensor]:
@@ -354,8 +353,8 @@ def _bwd_plan(dy, dact, weight, bias_dtype: Optional[torch.dtype], precision: st
             if isinstance(t, TmaTile) and tma_compatible(du, dy, weight, dact):
                 linear_act_tma.launch_bwd(du, partial, dy, weight, dact, t)
             else:
-                launcher(_linear_act_bwd_kernel, grid)(du, partial, dy, weight, dact, dy.stride(0), weight.stride(0),
-                                                       dact.stride(0), du.stride(0), m, n, k, **constexprs)
+                kernel(du, partial, dy, weight, dact, dy.stride(0), weight.stride(0), dact.stride(0), du.stride(0), m,
+                       n, k)
             return summed(partial)[0] if has_bias else None
         return launch
     return _tuning.LaunchPlan("linear_act_bwd", key, _candidates(static, dact.dtype, arch, tma_only.on, with_tma),

@@ -212,14 +212,14 @@ def _bind_fwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: Tile):
     B, H, N, D = shape
     block_d, tail = _block_dims(D, cfg.split)
     grid = attention_grid(B * H, q_len, cfg.block_m)
-    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail,
-                      DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision, TAIL_N=LAST_STEP, PEEL=cfg.peel,
-                      HEAD_ALIGN=plan.head_align, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = _tuning.KernelLaunch(_attention_fwd_kernel, grid, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout,
+                                  INPUT_PRECISION=plan.precision, TAIL_N=LAST_STEP, PEEL=cfg.peel,
+                                  HEAD_ALIGN=plan.head_align, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides, threshold, inv_keep = plan.strides, plan.threshold, plan.inv_keep
 
     def launch(q, k, v, out, lse, scale, seed):
-        launcher(_attention_fwd_kernel, grid)(out, lse, q, k, v, *strides, H, N, D, q_len, scale, threshold, inv_keep,
-                                              seed, **constexprs)
+        kernel(out, lse, q, k, v, *strides, H, N, D, q_len, scale, threshold, inv_keep, seed)
     return launch
 
 
@@ -230,15 +230,15 @@ def _bind_bwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: AttentionConfig |
     B, H, N, D = shape
     block_d, tail = _block_dims(D, cfg.dq.split)
     grid = attention_grid(B * H, N, cfg.dq.block_m)
-    constexprs = dict(BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m, Q_BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d,
-                      BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision, TAIL=LAST_STEP,
-                      PEEL=cfg.dq.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps,
-                      num_stages=cfg.dq.num_stages)
+    kernel = _tuning.KernelLaunch(_attention_bwd_kernel, grid, BLOCK=cfg.dq.block_m, KV_BLOCK_M=cfg.dkdv.block_m,
+                                  Q_BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, DROPOUT=plan.dropout,
+                                  INPUT_PRECISION=plan.precision, TAIL=LAST_STEP, PEEL=cfg.dq.peel,
+                                  HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps,
+                                  num_stages=cfg.dq.num_stages)
     strides, threshold, inv_keep = plan.strides[:24], plan.threshold, plan.inv_keep
 
     def launch(do, q, k, v, out, lse, dq, dk, dv, scale, seed):
-        launcher(_attention_bwd_kernel, grid)(dq, dk, dv, q, k, v, out, do, lse, *strides, H, N, D, q_len, scale,
-                                              threshold, inv_keep, seed, **constexprs)
+        kernel(dq, dk, dv, q, k, v, out, do, lse, *strides, H, N, D, q_len, scale, threshold, inv_keep, seed)
     return launch
 
 

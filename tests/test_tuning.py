@@ -446,16 +446,19 @@ fwd = AI._flash_plan("attention_fwd", (q, k, v, out), N, 0.0, "ieee", 90).launch
 twice("attention_fwd", fwd.bind(fwd.candidates[0]), q, k, v, out, lse, 0.125, None)
 bwd = AI._flash_plan("attention_bwd", (q, k, v, out, do, dq, dk, dv), N, 0.0, "ieee", 90).launch
 twice("attention_bwd", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, dk, dv, 0.125, None)
+with AI.stored_ds_only():
+    bwd = AI._flash_plan("attention_bwd", (q, k, v, out, do, dq, dk, dv), N, 0.0, "ieee", 90).launch
+twice("attention_bwd_stored_ds", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, dk, dv, 0.125, None)
 """
 
 
 @pytest.mark.slow
 def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
     """``KernelLaunch`` behind a driver that compiles for sm_90 and records what the compiled kernels' launcher
-    receives: for LayerNorm, linear_act and flash attention, forward and backward (the partial sums' launch
-    included), the second call of a bound launch skips Triton's JIT and hands the launcher the same grid, stream
-    and arguments, constexprs included, as the first; a tensor whose alignment Triton would specialize otherwise
-    goes through the JIT again."""
+    receives: for LayerNorm, linear_act and flash attention, forward and backward (the partial sums' launch and the
+    stored-dS backward's two included), the second call of a bound launch skips Triton's JIT and hands the launcher
+    the same grid, stream and arguments, constexprs included, as the first; a tensor whose alignment Triton would
+    specialize otherwise goes through the JIT again."""
     import os
     import subprocess
     import sys
@@ -466,7 +469,8 @@ def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["layer_norm_fwd", "1", "layer_norm_bwd", "2", "linear_act_fwd", "1",
-                                  "linear_act_bwd", "2", "attention_fwd", "1", "attention_bwd", "1"], out.stdout
+                                  "linear_act_bwd", "2", "attention_fwd", "1", "attention_bwd", "1",
+                                  "attention_bwd_stored_ds", "2"], out.stdout
 
 
 def test_kernel_launch_never_goes_direct_in_the_interpreter(monkeypatch):

@@ -226,7 +226,7 @@ def _bind_fwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: Tile):
 def _bind_bwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: AttentionConfig | StoredDsConfig):
     """The flash backward on ``cfg``: launch(do, q, k, v, out, lse, dq, dk, dv, scale, seed)."""
     if isinstance(cfg, StoredDsConfig):
-        return functools.partial(_launch_stored_ds_bwd, cfg, plan)
+        return _bind_stored_ds_bwd(plan, shape, q_len, cfg)
     B, H, N, D = shape
     block_d, tail = _block_dims(D, cfg.dq.split)
     grid = attention_grid(B * H, N, cfg.dq.block_m)
@@ -282,26 +282,37 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     launch(launches.choose(q.device, launch))
 
 
-def _launch_stored_ds_bwd(cfg: StoredDsConfig, plan: _FlashPlan, do, q, k, v, out, lse, dq, dk, dv, scale: float,
-                          seed: Optional[torch.Tensor]) -> None:
+def _bind_stored_ds_bwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: StoredDsConfig):
+    """The backward as ``StoredDsConfig``'s two launches (``_launch_stored_ds_bwd``), their grids and constexprs
+    bound once."""
+    B, H, N, D = shape
+    block_d, tail = _block_dims(D, cfg.dkdv.split)
+    dkdv = _tuning.KernelLaunch(_attention_bwd_dkdv_kernel, attention_grid(B * H, N, cfg.dkdv.block_n),
+                                BLOCK=cfg.dkdv.block_n, KV_BLOCK_M=cfg.dkdv.block_m, BLOCK_D=block_d,
+                                BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision,
+                                TAIL=LAST_STEP, PEEL=cfg.dkdv.peel, HEAD_ALIGN=plan.head_align,
+                                num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
+    block_d, tail = _block_dims(D, cfg.dq.split)
+    dq = _tuning.KernelLaunch(_attention_bwd_dq_stored_kernel, attention_grid(B * H, N, cfg.dq.block_m),
+                              BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail,
+                              INPUT_PRECISION=plan.precision, TAIL=LAST_STEP, HEAD_ALIGN=plan.head_align,
+                              num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
+    kernels = (dkdv, dq)
+    return lambda *args: _launch_stored_ds_bwd(cfg, plan, kernels, *args)
+
+
+def _launch_stored_ds_bwd(cfg: StoredDsConfig, plan: _FlashPlan, kernels: tuple, do, q, k, v, out, lse, dq, dk, dv,
+                          scale: float, seed: Optional[torch.Tensor]) -> None:
     """The backward as ``StoredDsConfig``: dK, dV and the dS workspace (B * H, q_len, N padded to 16) in one launch,
-    then dQ from it (rows past q_len zeros) in a second."""
+    then dQ from it (rows past q_len zeros) in a second; ``kernels``: the two launches (``_bind_stored_ds_bwd``)."""
     B, H, N, D = q.shape
     q_len = out.shape[2]
     row = stored_ds_row(N)
     ds = _empty((B * H, q_len, row), q.dtype, q.device)
-    block_d, tail = _block_dims(D, cfg.dkdv.split)
-    launcher(_attention_bwd_dkdv_kernel, attention_grid(B * H, N, cfg.dkdv.block_n))(
-        dk, dv, ds, q, k, v, out, do, lse, *plan.strides[:24], row, H, N, D, q_len, scale, plan.threshold,
-        plan.inv_keep, seed, BLOCK=cfg.dkdv.block_n, KV_BLOCK_M=cfg.dkdv.block_m, BLOCK_D=block_d,
-        BLOCK_D_TAIL=tail, DROPOUT=plan.dropout, INPUT_PRECISION=plan.precision, TAIL=LAST_STEP,
-        PEEL=cfg.dkdv.peel, HEAD_ALIGN=plan.head_align, num_warps=cfg.dkdv.num_warps,
-        num_stages=cfg.dkdv.num_stages)
-    block_d, tail = _block_dims(D, cfg.dq.split)
-    launcher(_attention_bwd_dq_stored_kernel, attention_grid(B * H, N, cfg.dq.block_m))(
-        dq, ds, k, *plan.strides[4:8], *plan.strides[20:24], row, H, N, D, q_len, scale, BLOCK_M=cfg.dq.block_m,
-        BLOCK_N=cfg.dq.block_n, BLOCK_D=block_d, BLOCK_D_TAIL=tail, INPUT_PRECISION=plan.precision,
-        TAIL=LAST_STEP, HEAD_ALIGN=plan.head_align, num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
+    dkdv_kernel, dq_kernel = kernels
+    dkdv_kernel(dk, dv, ds, q, k, v, out, do, lse, *plan.strides[:24], row, H, N, D, q_len, scale, plan.threshold,
+                plan.inv_keep, seed)
+    dq_kernel(dq, ds, k, *plan.strides[4:8], *plan.strides[20:24], row, H, N, D, q_len, scale)
 
 
 def _launch_short_fwd(q, k, v, out, lse, scale: float, dropout_p: float, seed: Optional[torch.Tensor]) -> None:

@@ -393,7 +393,7 @@ jit_runs = []
 real_run = JITFunction.run
 JITFunction.run = lambda self, *a, **kw: jit_runs.append(self.__name__) or real_run(self, *a, **kw)
 
-from vit_fast.kernels import layer_norm as ln, linear_act as la
+from vit_fast.kernels import bias_gelu as bg, layer_norm as ln, linear_act as la
 from vit_fast.kernels.attention import interface as AI
 
 
@@ -437,6 +437,14 @@ twice("linear_act_fwd", la._fwd_plan(x, w1, b1, "gelu", True, "ieee", 90, False)
     la.linear_act_config(bf16, 90).fwd), h1, dact, x, w1, b1)
 twice("linear_act_bwd", la._bwd_plan(dy, dact, w2, torch.float32, "ieee", 90, False).bind(
     la.linear_act_config(bf16, 90).bwd), du, dy, w2, dact)
+first = lambda plan: plan.bind(plan.candidates[0])  # noqa: E731
+twice("bias_gelu_fwd", first(bg._gelu_fwd_plan(h1, True, "none")), dact, h1, b1)
+twice("bias_gelu_bwd", first(bg._gelu_bwd_plan(h1, h1, torch.float32, "none")), du, h1, h1, b1)
+gamma, scale = torch.ones(n), torch.ones(4)
+twice("bias_dropout_add_fwd", first(bg._add_fwd_plan(x, dy, b, gamma, scale, 0.1)), y, x, b, dy, gamma, scale,
+      torch.zeros(1, dtype=torch.int64), 0.1)
+twice("bias_dropout_add_bwd", first(bg._add_bwd_plan(dy, x, b, gamma, scale, 0.1, True)), dx, dy, x, b, gamma, scale,
+      torch.zeros(1, dtype=torch.int64), 0.1)
 B, N, H = 2, 197, 2
 qkv, dqkv = torch.randn(B, N, 3 * H * 64, dtype=bf16), torch.empty(B, N, 3 * H * 64, dtype=bf16)
 (q, k, v), (dq, dk, dv) = AI._split_packed(qkv, H), AI._split_packed(dqkv, H)
@@ -455,10 +463,10 @@ twice("attention_bwd_stored_ds", bwd.bind(bwd.candidates[0]), do, q, k, v, out, 
 @pytest.mark.slow
 def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
     """``KernelLaunch`` behind a driver that compiles for sm_90 and records what the compiled kernels' launcher
-    receives: for LayerNorm, linear_act and flash attention, forward and backward (the partial sums' launch and the
-    stored-dS backward's two included), the second call of a bound launch skips Triton's JIT and hands the launcher
-    the same grid, stream and arguments, constexprs included, as the first; a tensor whose alignment Triton would
-    specialize otherwise goes through the JIT again."""
+    receives: for LayerNorm, linear_act, bias_gelu, bias_dropout_add and flash attention, forward and backward (the
+    partial sums' launches and the stored-dS backward's two included), the second call of a bound launch skips
+    Triton's JIT and hands the launcher the same grid, stream and arguments, constexprs included, as the first; a
+    tensor whose alignment Triton would specialize otherwise goes through the JIT again."""
     import os
     import subprocess
     import sys
@@ -469,7 +477,9 @@ def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["layer_norm_fwd", "1", "layer_norm_bwd", "2", "linear_act_fwd", "1",
-                                  "linear_act_bwd", "2", "attention_fwd", "1", "attention_bwd", "1",
+                                  "linear_act_bwd", "2", "bias_gelu_fwd", "1", "bias_gelu_bwd", "2",
+                                  "bias_dropout_add_fwd", "1", "bias_dropout_add_bwd", "2", "attention_fwd", "1",
+                                  "attention_bwd", "1",
                                   "attention_bwd_stored_ds", "2"], out.stdout
 
 

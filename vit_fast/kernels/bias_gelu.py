@@ -64,15 +64,15 @@ from ._math import gelu_fwd_bwd
 from ._rows import (
     RowTile,
     as_rows,
+    bind_sum_partials,
     check_param,
     check_rows_input,
     num_partials,
     param_grad_dtype,
-    sum_partials,
     sum_partials_block_n,
     sum_partials_spec,
 )
-from ._tuning import bucket, launcher
+from ._tuning import KernelLaunch, bucket
 from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, unit_stride
 
 
@@ -214,6 +214,25 @@ def dropout_add_bwd_tile(n: int, arch: int = 80, gamma: bool = False, dropout: b
 
 
 # ------------------------------------------------------------ validation and launchers (custom ops)
+def _gelu_fwd_plan(x: torch.Tensor, has_bias: bool, approximate: str) -> _tuning.LaunchPlan:
+    m, n = x.shape
+    stride = x.stride(0)
+
+    def bind(cfg: RowTile):
+        kernel = KernelLaunch(_bias_gelu_fwd_kernel, (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)),
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_BIAS=has_bias,
+                              APPROX_TANH=approximate == "tanh", num_warps=cfg.num_warps)
+
+        def launch(y, x, bias):
+            kernel(y, x, bias, stride, n, m, n)
+        return launch
+    key = (bucket(m), n, str(x.dtype), has_bias, approximate)
+    return _tuning.LaunchPlan("bias_gelu_fwd", key, _tuning.row_candidates(tile_config(n)), bind)
+
+
+_GELU_FWD_PLANS = _tuning.LaunchPlans(_gelu_fwd_plan)
+
+
 @torch.library.custom_op("vit_fast::bias_gelu_fwd", mutates_args=())
 def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str) -> torch.Tensor:
     """x: (M, N) with contiguous columns. Returns GELU(x + bias) (M, N) in x.dtype."""
@@ -221,20 +240,45 @@ def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: st
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return y
+    plan = _GELU_FWD_PLANS.get((x.shape, x.stride(0), x.dtype, None if bias is None else bias.dtype, approximate,
+                                x.device), x, bias is not None, approximate)
+
     def launch(cfg: RowTile) -> None:
-        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
-        grid = (cdiv(m, block_m), cdiv(n, block_n))
-        launcher(_bias_gelu_fwd_kernel, grid)(
-            y, x, bias, x.stride(0), y.stride(0), m, n, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
-            APPROX_TANH=approximate == "tanh", num_warps=warps)
-    key = (bucket(m), n, str(x.dtype), bias is not None, approximate)
-    launch(_tuning.choose("bias_gelu_fwd", key, _tuning.row_candidates(tile_config(n)), launch, x.device))
+        plan.bind(cfg)(y, x, bias)
+    launch(plan.choose(x.device, launch))
     return y
 
 
 @bias_gelu_fwd.register_fake
 def _(x, bias, approximate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _gelu_bwd_plan(dy: torch.Tensor, x: torch.Tensor, bias_dtype: Optional[torch.dtype],
+                   approximate: str) -> _tuning.LaunchPlan:
+    """``bias_dtype``: the bias's (its gradient's) dtype, None without a bias."""
+    m, n = x.shape
+    has_bias, device = bias_dtype is not None, x.device
+    strides = (dy.stride(0), x.stride(0), n)  # dy, x, dx
+
+    def bind(cfg: RowTile):
+        col_tiles = cdiv(n, cfg.block_n)
+        g = num_partials(cdiv(m, cfg.block_m), col_tiles, device, per_sm=BWD_PROGRAMS_PER_SM)
+        kernel = KernelLaunch(_bias_gelu_bwd_kernel, (g, col_tiles), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              HAS_BIAS=has_bias, APPROX_TANH=approximate == "tanh", num_warps=cfg.num_warps)
+        summed = bind_sum_partials(1, g, n, bias_dtype, device) if has_bias else None
+
+        def launch(dx, dy, x, bias) -> Optional[torch.Tensor]:
+            """dx, and with a bias its column sums (N,) in the bias's dtype, else None."""
+            partial = torch.empty((1, g, n), device=device, dtype=torch.float32) if has_bias else None
+            kernel(dx, partial, dy, x, bias, *strides, m, n, g)
+            return summed(partial)[0] if has_bias else None
+        return launch
+    key = (bucket(m), n, str(dy.dtype), str(x.dtype), has_bias, approximate)
+    return _tuning.LaunchPlan("bias_gelu_bwd", key, _tuning.row_candidates(bwd_tile_config(n), grow=False), bind)
+
+
+_GELU_BWD_PLANS = _tuning.LaunchPlans(_gelu_bwd_plan)
 
 
 @torch.library.custom_op("vit_fast::bias_gelu_bwd", mutates_args=())
@@ -246,24 +290,51 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor
     has_bias = bias is not None
     if m == 0:
         return dx, (torch.zeros_like(bias) if has_bias else x.new_empty(0))
-    def launch(cfg: RowTile) -> torch.Tensor:
-        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
-        col_tiles = cdiv(n, block_n)
-        g = num_partials(cdiv(m, block_m), col_tiles, x.device, per_sm=BWD_PROGRAMS_PER_SM)
-        partial = torch.empty((1, g, n), device=x.device, dtype=torch.float32) if has_bias else None
-        launcher(_bias_gelu_bwd_kernel, (g, col_tiles))(
-            dx, partial, dy, x, bias, dy.stride(0), x.stride(0), dx.stride(0), m, n, g, BLOCK_M=block_m,
-            BLOCK_N=block_n, HAS_BIAS=has_bias, APPROX_TANH=approximate == "tanh", num_warps=warps)
-        return sum_partials(partial, bias.dtype)[0] if has_bias else x.new_empty(0)
-    key = (bucket(m), n, str(dy.dtype), str(x.dtype), has_bias, approximate)
-    candidates = _tuning.row_candidates(bwd_tile_config(n), grow=False)
-    return dx, launch(_tuning.choose("bias_gelu_bwd", key, candidates, launch, x.device))
+    bias_dtype = bias.dtype if has_bias else None
+    plan = _GELU_BWD_PLANS.get((x.shape, x.stride(0), x.dtype, dy.stride(0), dy.dtype, bias_dtype, approximate,
+                                x.device), dy, x, bias_dtype, approximate)
+
+    def launch(cfg: RowTile) -> Optional[torch.Tensor]:
+        return plan.bind(cfg)(dx, dy, x, bias)
+    dbias = launch(plan.choose(x.device, launch))
+    return dx, (dbias if has_bias else x.new_empty(0))
 
 
 @bias_gelu_bwd.register_fake
 def _(dy, x, bias, approximate):
     return torch.empty_like(x, memory_format=torch.contiguous_format), (
         torch.empty_like(bias) if bias is not None else x.new_empty(0))
+
+
+def _join_flags(bias, gamma, sample_scale, p: float) -> dict:
+    return dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
+                HAS_DROPOUT=p > 0)
+
+
+def _join_layout(x, bias, gamma, sample_scale, p: float) -> tuple:
+    """What a bias_dropout_add plan depends on besides its other tensors' layouts."""
+    return (x.shape, x.stride(0), x.dtype, x.device, None if bias is None else bias.dtype,
+            None if gamma is None else gamma.dtype, None if sample_scale is None else sample_scale.shape[0], p > 0)
+
+
+def _add_fwd_plan(x, residual, bias, gamma, sample_scale, p: float) -> _tuning.LaunchPlan:
+    m, n = x.shape
+    tokens = rows_per_sample("bias_dropout_add_fwd", m, sample_scale)
+    flags = _join_flags(bias, gamma, sample_scale, p)
+    strides = (x.stride(0), residual.stride(0), n)  # x, residual, out
+
+    def bind(cfg: RowTile):
+        kernel = KernelLaunch(_bias_dropout_add_fwd_kernel, (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)),
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+
+        def launch(out, x, bias, residual, gamma, sample_scale, seed, p):
+            kernel(out, x, bias, residual, gamma, sample_scale, *strides, m, n, tokens, seed, p)
+        return launch
+    key = (bucket(m), n, str(x.dtype), str(residual.dtype), *flags.values())
+    return _tuning.LaunchPlan("bias_dropout_add_fwd", key, _tuning.row_candidates(tile_config(n)), bind)
+
+
+_ADD_FWD_PLANS = _tuning.LaunchPlans(_add_fwd_plan)
 
 
 @torch.library.custom_op("vit_fast::bias_dropout_add_fwd", mutates_args=())
@@ -281,24 +352,47 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     out = full.view(m, n)
     if m == 0:
         return full
-    tokens = rows_per_sample("bias_dropout_add_fwd", m, sample_scale)
-    flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
-                 HAS_DROPOUT=p > 0)
+    plan = _ADD_FWD_PLANS.get((_join_layout(x, bias, gamma, sample_scale, p), residual.dtype, residual.stride(0)),
+                              x, residual, bias, gamma, sample_scale, p)
 
     def launch(cfg: RowTile) -> None:
-        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
-        grid = (cdiv(m, block_m), cdiv(n, block_n))
-        launcher(_bias_dropout_add_fwd_kernel, grid)(
-            out, x, bias, residual, gamma, sample_scale, x.stride(0), residual.stride(0), out.stride(0), m, n, tokens,
-            seed, p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags)
-    key = (bucket(m), n, str(x.dtype), str(residual.dtype), *flags.values())
-    launch(_tuning.choose("bias_dropout_add_fwd", key, _tuning.row_candidates(tile_config(n)), launch, x.device))
+        plan.bind(cfg)(out, x, bias, residual, gamma, sample_scale, seed, p)
+    launch(plan.choose(x.device, launch))
     return full
 
 
 @bias_dropout_add_fwd.register_fake
 def _(x, bias, residual, gamma, sample_scale, p, seed):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+
+
+def _add_bwd_plan(dout, x, bias, gamma, sample_scale, p: float, store_dx: bool) -> _tuning.LaunchPlan:
+    m, n = x.shape
+    device = x.device
+    params = [t for t in (bias, gamma) if t is not None]
+    param_dtype = param_grad_dtype(params)
+    tokens = rows_per_sample("bias_dropout_add_bwd", m, sample_scale)
+    flags = dict(_join_flags(bias, gamma, sample_scale, p), STORE_DX=store_dx)
+    strides = (dout.stride(0), x.stride(0), n if store_dx else 0)  # dout, x, dx
+
+    def bind(cfg: RowTile):
+        col_tiles = cdiv(n, cfg.block_n)
+        g = num_partials(cdiv(m, cfg.block_m), col_tiles, device)
+        kernel = KernelLaunch(_bias_dropout_add_bwd_kernel, (g, col_tiles), BLOCK_M=cfg.block_m,
+                              BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+        summed = bind_sum_partials(len(params), g, n, param_dtype, device) if params else None
+
+        def launch(dx, dout, x, bias, gamma, sample_scale, seed, p) -> torch.Tensor:
+            partial = torch.empty((len(params), g, n), device=device, dtype=torch.float32)
+            kernel(dx, partial, dout, x, bias, gamma, sample_scale, *strides, m, n, g, tokens, seed, p)
+            return summed(partial) if params else partial.new_empty((0, n))
+        return launch
+    key = (bucket(m), n, str(dout.dtype), str(x.dtype), *flags.values())
+    static = dropout_add_bwd_tile(n, gamma=gamma is not None, dropout=p > 0)
+    return _tuning.LaunchPlan("bias_dropout_add_bwd", key, _tuning.row_candidates(static, grow=False), bind)
+
+
+_ADD_BWD_PLANS = _tuning.LaunchPlans(_add_bwd_plan)
 
 
 @torch.library.custom_op("vit_fast::bias_dropout_add_bwd", mutates_args=())
@@ -311,27 +405,14 @@ def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[tor
     store_dx = stores_dx(p, gamma, sample_scale, dout.dtype, x.dtype)
     dx = torch.empty((m, n) if store_dx else (0,), device=x.device, dtype=x.dtype)
     params = [t for t in (bias, gamma) if t is not None]
-    param_dtype = param_grad_dtype(params)
     if m == 0 or (not params and not store_dx):
-        return dx, torch.zeros((len(params), n), device=x.device, dtype=param_dtype)
-    tokens = rows_per_sample("bias_dropout_add_bwd", m, sample_scale)
-    flags = dict(HAS_BIAS=bias is not None, HAS_GAMMA=gamma is not None, HAS_SCALE=sample_scale is not None,
-                 HAS_DROPOUT=p > 0, STORE_DX=store_dx)
+        return dx, torch.zeros((len(params), n), device=x.device, dtype=param_grad_dtype(params))
+    plan = _ADD_BWD_PLANS.get((_join_layout(x, bias, gamma, sample_scale, p), dout.dtype, dout.stride(0)),
+                              dout, x, bias, gamma, sample_scale, p, store_dx)
 
     def launch(cfg: RowTile) -> torch.Tensor:
-        block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
-        col_tiles = cdiv(n, block_n)
-        g = num_partials(cdiv(m, block_m), col_tiles, x.device)
-        partial = torch.empty((len(params), g, n), device=x.device, dtype=torch.float32)
-        launcher(_bias_dropout_add_bwd_kernel, (g, col_tiles))(
-            dx, partial, dout, x, bias, gamma, sample_scale, dout.stride(0), x.stride(0),
-            dx.stride(0) if store_dx else 0, m, n, g, tokens, seed, p, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=warps, **flags)
-        return sum_partials(partial, param_dtype) if params else partial.new_empty((0, n))
-    key = (bucket(m), n, str(dout.dtype), str(x.dtype), *flags.values())
-    static = dropout_add_bwd_tile(n, gamma=gamma is not None, dropout=p > 0)
-    candidates = _tuning.row_candidates(static, grow=False)
-    return dx, launch(_tuning.choose("bias_dropout_add_bwd", key, candidates, launch, x.device))
+        return plan.bind(cfg)(dx, dout, x, bias, gamma, sample_scale, seed, p)
+    return dx, launch(plan.choose(x.device, launch))
 
 
 @bias_dropout_add_bwd.register_fake

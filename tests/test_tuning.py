@@ -379,9 +379,12 @@ class FakeUtils:
     def get_device_properties(self, device): return {"max_shared_mem": 232448, "multiprocessor_count": 132}
 
 
+current_device = [0]
+
+
 class FakeDriver:  # compiles for sm_90; its launcher records the arguments instead of launching
     utils = FakeUtils()
-    def get_current_device(self): return 0
+    def get_current_device(self): return current_device[0]
     def get_current_stream(self, device=None): return 7
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
     def get_active_torch_device(self): return torch.device("cpu")
@@ -457,6 +460,42 @@ twice("attention_bwd", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, d
 with AI.stored_ds_only():
     bwd = AI._flash_plan("attention_bwd", (q, k, v, out, do, dq, dk, dv), N, 0.0, "ieee", 90).launch
 twice("attention_bwd_stored_ds", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, dk, dv, 0.125, None)
+
+import os, sys
+from vit_fast.kernels import _tuning
+sys.path.insert(0, os.environ["EDGE_KERNEL_DIR"])
+from edge_kernel import scaled
+x = torch.zeros(32)
+
+
+def goes_direct(first, second, grid=(1,), between=lambda: None, **constexprs):
+    launch = _tuning.KernelLaunch(scaled, grid, BLOCK=32, **constexprs)
+    launch(*first)
+    between()
+    runs = len(jit_runs)
+    launch(*second)
+    current_device[0] = 0
+    return len(jit_runs) == runs
+
+
+print("edges", goes_direct((x, 8, 0, 0.5), (x, 8, 0, 0.5), SCALE=1.0),  # the control: direct
+      goes_direct((x, 8, True, 0.5), (x, 8, 1, 0.5), SCALE=1.0),  # a bool then an int: Triton's u1 then i32
+      goes_direct((x, 8, 0, 2), (x, 8, 0, 2.0), SCALE=1.0),  # an int then a float
+      goes_direct((x, 8, 0, 0.5, 0.5), (x, 8, 0, 0.5, 0.25)),  # a constexpr float passed positionally
+      goes_direct((x, 8, 0, 0.5), (x, 8, 0, 0.5), grid=lambda meta: (1,), SCALE=1.0),  # a callable grid
+      goes_direct((x, 8, 0, 0.5), (x, 8, 0, 0.5), between=lambda: current_device.__setitem__(0, 1), SCALE=1.0))
+"""
+
+_EDGE_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scaled(X, n, flag, s, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    tl.store(X + offs, x * s * SCALE + flag, mask=offs < n)
 """
 
 
@@ -466,13 +505,17 @@ def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
     receives: for LayerNorm, linear_act, bias_gelu, bias_dropout_add and flash attention, forward and backward (the
     partial sums' launches and the stored-dS backward's two included), the second call of a bound launch skips
     Triton's JIT and hands the launcher the same grid, stream and arguments, constexprs included, as the first; a
-    tensor whose alignment Triton would specialize otherwise goes through the JIT again."""
+    tensor whose alignment Triton would specialize otherwise goes through the JIT again, and so do a bool then an
+    int, an int then a float, another value of a constexpr passed positionally, a callable grid and another current
+    device."""
     import os
     import subprocess
     import sys
 
     env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "VIT_FAST_DIRECT_LAUNCH")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    (tmp_path / "edge_kernel.py").write_text(_EDGE_KERNEL)
+    env["EDGE_KERNEL_DIR"] = str(tmp_path)
     out = subprocess.run([sys.executable, "-c", _DIRECT_LAUNCH_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -480,7 +523,8 @@ def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
                                   "linear_act_bwd", "2", "bias_gelu_fwd", "1", "bias_gelu_bwd", "2",
                                   "bias_dropout_add_fwd", "1", "bias_dropout_add_bwd", "2", "attention_fwd", "1",
                                   "attention_bwd", "1",
-                                  "attention_bwd_stored_ds", "2"], out.stdout
+                                  "attention_bwd_stored_ds", "2",
+                                  "edges", "True", "False", "False", "False", "False", "False"], out.stdout
 
 
 def test_kernel_launch_never_goes_direct_in_the_interpreter(monkeypatch):

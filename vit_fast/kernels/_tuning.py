@@ -373,16 +373,19 @@ class KernelLaunch:
     The first call goes through Triton's JIT (argument binding, specialization, cache lookup: 21.6 us of host time
     per launch against 9.1 for the compiled kernel called directly, H200 host, torch 2.11 + triton 3.6,
     2026-11-27). Later calls that Triton would specialize alike (every tensor's dtype and 16-byte alignment, the
-    None / int / bool arguments' values, floats still floats) call the compiled kernel's runner with the
-    arguments the JIT hands it: the call's, then the constexprs in the kernel's order. Otherwise, under the
-    interpreter, with pre-run hooks, while ``choose`` compiles ahead, or with VIT_FAST_DIRECT_LAUNCH=0 (read when
-    a launch would first go direct): the JIT, as ``launcher``."""
+    None / int / bool arguments' types and values, and any argument of a constexpr parameter, floats of the others
+    still floats), on the device current at the first, call the compiled kernel's runner with the arguments the JIT
+    hands it: the call's, then the constexprs in the kernel's order. Otherwise, under the interpreter, for a
+    wrapped kernel (autotuner, heuristics), a callable grid or pre-run hooks, while ``choose`` or the caller's
+    AsyncCompileMode compiles ahead, or with VIT_FAST_DIRECT_LAUNCH=0 (read when a launch would first go direct):
+    the JIT, as ``launcher``. The kernel is the one given when the plan was bound; what the JIT reads per call and
+    this does not: Triton's debug and instrumentation knobs, pre-run hooks added later."""
 
     __slots__ = ("kernel", "grid", "constexprs", "direct")
 
     def __init__(self, kernel: Any, grid: tuple, **constexprs: Any):
         self.kernel, self.grid, self.constexprs = kernel, grid, constexprs
-        self.direct: Optional[tuple] = None  # (runner, constexpr tail, pickers and the specialization they saw)
+        self.direct: Optional[tuple] = None  # (runner, constexpr tail, device, pickers and what they saw)
 
     def __call__(self, *args: Any) -> None:
         if _warming.on:
@@ -390,14 +393,17 @@ class KernelLaunch:
             return
         direct = self.direct
         if direct is not None:
-            runner, tail, tensors, tensor_key, fixed, fixed_key, floats = direct
+            runner, tail, device, driver, tensors, tensor_key, fixed, fixed_key, floats = direct
             try:
-                same = (fixed(args) == fixed_key and all(type(x) is float for x in floats(args))
-                        and tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors(args)]) == tensor_key)
-            except AttributeError:  # a None where a tensor was
+                values = fixed(args)
+                same = (values == fixed_key[0] and tuple(map(type, values)) == fixed_key[1]
+                        and all(type(x) is float for x in floats(args))
+                        and tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors(args)]) == tensor_key
+                        and driver.get_current_device() == device)
+            except (AttributeError, RuntimeError, TypeError):  # a None where a tensor was, a tensor compared as int
                 same = False
             if same:
-                runner(*args, *tail)
+                runner(*args, *tail, stream=driver.get_current_stream(device))
                 return
         compiled = self.kernel[self.grid](*args, **self.constexprs)
         if direct is None:
@@ -405,10 +411,13 @@ class KernelLaunch:
 
     def _direct(self, compiled: Any, args: tuple) -> Optional[tuple]:
         """What the direct call needs, or None where the JIT must run every call."""
-        if (compiled is None or interpreter_active() or not hasattr(compiled, "__getitem__")
+        from triton.compiler import CompiledKernel
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+
+        if (type(compiled) is not CompiledKernel or not isinstance(self.kernel, JITFunction) or interpreter_active()
+                or callable(self.grid) or not all(isinstance(g, int) for g in self.grid)
                 or getattr(self.kernel, "pre_run_hooks", None) or not env_switch(ENV_DIRECT_LAUNCH)):
-            return None
-        if not all(isinstance(g, int) for g in self.grid):
             return None
         tail = []
         for param in self.kernel.params[len(args):]:
@@ -418,15 +427,20 @@ class KernelLaunch:
                 tail.append(param.default)
             else:
                 return None
-        kinds = [torch.Tensor if isinstance(a, torch.Tensor) else float if type(a) is float else None for a in args]
-        if any(kind is None and not (a is None or type(a) in (int, bool)) for kind, a in zip(kinds, args)):
+        constexpr = [param.is_constexpr for param in self.kernel.params[:len(args)]]
+        kinds = [None if is_constexpr else torch.Tensor if isinstance(a, torch.Tensor) else float if type(a) is float
+                 else None for a, is_constexpr in zip(args, constexpr)]
+        if any(kind is None and not (a is None or type(a) in (int, bool, float)) for kind, a in zip(kinds, args)):
             return None  # an argument kind this check does not know: the JIT decides every call
         tensors = _picker(tuple(i for i, kind in enumerate(kinds) if kind is torch.Tensor))
         fixed = _picker(tuple(i for i, kind in enumerate(kinds) if kind is None))
         floats = _picker(tuple(i for i, kind in enumerate(kinds) if kind is float))
+        device = driver.active.get_current_device()
         runner = compiled[tuple(self.grid) + (1,) * (3 - len(self.grid))]
-        return (runner, tuple(tail), tensors, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors(args)]),
-                fixed, fixed(args), floats)
+        values = fixed(args)
+        return (runner, tuple(tail), device, driver.active, tensors,
+                tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors(args)]), fixed,
+                (values, tuple(map(type, values))), floats)
 
 
 def _compile_ahead(candidates: Sequence[Any], launch: Callable[[Any], Any], device: torch.device) -> None:
@@ -499,8 +513,8 @@ class LaunchPlan:
         self.memo: tuple = (None, -1, None, None, None)  # (state, version, autotune on, choose, config)
 
     def bind(self, cfg: Any) -> Callable[..., Any]:
-        """The launch on ``cfg``, built once (it calls ``launcher`` as it launches: a warmup while ``choose``
-        compiles candidates ahead, the kernel as the module holds it then)."""
+        """The launch on ``cfg``, built once (its ``KernelLaunch`` launches the kernel the module held when it was
+        bound; a warmup while ``choose`` compiles candidates ahead)."""
         launch = self.bound.get(cfg)
         if launch is None:
             launch = self.bound[cfg] = self.build(cfg)

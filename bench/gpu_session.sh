@@ -51,7 +51,7 @@ step tune 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.e
 step gemm 60 python3 bench/gpu_probe.py gemm --dump-after 50
 # host microseconds per launch: the op (its launches direct since _tuning.KernelLaunch), Triton's JIT launch and the
 # compiled kernel called directly (behind a fake sm_90 driver on the 2-core CPU machine, triton 3.8.0, 2026-11-28:
-# JIT 9.6 us, KernelLaunch's direct call 3.9, a CPU check, not a GPU timing)
+# JIT about 10 us, KernelLaunch's direct call 4-5, a CPU check, not a GPU timing)
 step launch 30 python3 bench/gpu_probe.py launch --dump-after 20
 # linear_act's TMA kernels (sm_90's default since 2026-11-27) against its pointer kernels in a whole ViT-B/16 step
 VIT_FAST_TMA_GEMM=0 step tma_off 45 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_base_patch16_224 --batches 256 --paths vit_fast --steps 20 --warmup 5 --out "$R/tma_off"

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
 import torch
 
@@ -368,6 +368,26 @@ def _picker(positions: tuple) -> Callable[[tuple], tuple]:
     return operator.itemgetter(*positions) if positions else (lambda args: ())
 
 
+def _tensor_key(tensors: tuple) -> tuple:
+    """What Triton specializes a tensor argument on: its dtype and whether its address is 16-byte aligned."""
+    return tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+class _Direct(NamedTuple):
+    """What a ``KernelLaunch`` needs to call its compiled kernel, and the specialization it was compiled for."""
+
+    runner: Callable[..., Any]  # the compiled kernel's runner on the launch's grid
+    tail: tuple  # the constexprs after the call's arguments, in the kernel's order
+    device: int  # current at the first call
+    driver: Any
+    tensors: Callable[[tuple], tuple]  # pickers of the call's tensor, fixed and float arguments
+    tensor_key: tuple
+    fixed: Callable[[tuple], tuple]
+    fixed_values: tuple
+    fixed_types: tuple
+    floats: Callable[[tuple], tuple]
+
+
 class KernelLaunch:
     """``kernel[grid](*args, **constexprs)`` for one bound launch of a ``LaunchPlan`` (grid and constexprs fixed).
     The first call goes through Triton's JIT (argument binding, specialization, cache lookup: 21.6 us of host time
@@ -385,7 +405,7 @@ class KernelLaunch:
 
     def __init__(self, kernel: Any, grid: tuple, **constexprs: Any):
         self.kernel, self.grid, self.constexprs = kernel, grid, constexprs
-        self.direct: Optional[tuple] = None  # (runner, constexpr tail, device, pickers and what they saw)
+        self.direct: Optional[_Direct] = None
 
     def __call__(self, *args: Any) -> None:
         if _warming.on:
@@ -393,23 +413,22 @@ class KernelLaunch:
             return
         direct = self.direct
         if direct is not None:
-            runner, tail, device, driver, tensors, tensor_key, fixed, fixed_key, floats = direct
             try:
-                values = fixed(args)
-                same = (values == fixed_key[0] and tuple(map(type, values)) == fixed_key[1]
-                        and all(type(x) is float for x in floats(args))
-                        and tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors(args)]) == tensor_key
-                        and driver.get_current_device() == device)
+                values = direct.fixed(args)
+                same = (values == direct.fixed_values and tuple(map(type, values)) == direct.fixed_types
+                        and all(type(x) is float for x in direct.floats(args))
+                        and _tensor_key(direct.tensors(args)) == direct.tensor_key
+                        and direct.driver.get_current_device() == direct.device)
             except (AttributeError, RuntimeError, TypeError):  # a None where a tensor was, a tensor compared as int
                 same = False
             if same:
-                runner(*args, *tail, stream=driver.get_current_stream(device))
+                direct.runner(*args, *direct.tail, stream=direct.driver.get_current_stream(direct.device))
                 return
         compiled = self.kernel[self.grid](*args, **self.constexprs)
         if direct is None:
             self.direct = self._direct(compiled, args)
 
-    def _direct(self, compiled: Any, args: tuple) -> Optional[tuple]:
+    def _direct(self, compiled: Any, args: tuple) -> Optional[_Direct]:
         """What the direct call needs, or None where the JIT must run every call."""
         from triton.compiler import CompiledKernel
         from triton.runtime import driver
@@ -435,12 +454,10 @@ class KernelLaunch:
         tensors = _picker(tuple(i for i, kind in enumerate(kinds) if kind is torch.Tensor))
         fixed = _picker(tuple(i for i, kind in enumerate(kinds) if kind is None))
         floats = _picker(tuple(i for i, kind in enumerate(kinds) if kind is float))
-        device = driver.active.get_current_device()
-        runner = compiled[tuple(self.grid) + (1,) * (3 - len(self.grid))]
         values = fixed(args)
-        return (runner, tuple(tail), device, driver.active, tensors,
-                tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors(args)]), fixed,
-                (values, tuple(map(type, values))), floats)
+        return _Direct(compiled[tuple(self.grid) + (1,) * (3 - len(self.grid))], tuple(tail),
+                       driver.active.get_current_device(), driver.active, tensors, _tensor_key(tensors(args)), fixed,
+                       values, tuple(map(type, values)), floats)
 
 
 def _compile_ahead(candidates: Sequence[Any], launch: Callable[[Any], Any], device: torch.device) -> None:

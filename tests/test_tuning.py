@@ -536,8 +536,13 @@ def test_kernel_launch_never_goes_direct_in_the_interpreter(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("went direct")
 
-    class Kernel:
+    from triton.runtime.jit import JITFunction
+
+    class Kernel(JITFunction):  # a compiled kernel's type, so only the interpreter check refuses
         params = ()
+
+        def __init__(self):
+            pass
 
         def __getitem__(self, grid):
             return lambda *args, **constexprs: calls.append((grid, args, constexprs)) or Compiled()
@@ -546,6 +551,35 @@ def test_kernel_launch_never_goes_direct_in_the_interpreter(monkeypatch):
         launch(torch.empty(4), 4, 0.5, None)
     assert launch.direct is None and len(calls) == 3 and calls[0][0] == (3,) and calls[0][2] == dict(BLOCK=16,
                                                                                                     num_warps=4)
+
+
+def test_kernel_launch_asks_once_when_the_jit_runs_for_good(monkeypatch):
+    """An interpreted or wrapped kernel (not a JITFunction) or a callable grid never goes direct: decided at the
+    first call, not asked again per launch (the interpreter's host-cost meter would count the asking)."""
+    from triton.runtime.jit import JITFunction
+
+    asked, calls = [], []
+    real = _tuning.KernelLaunch._direct
+    monkeypatch.setattr(_tuning.KernelLaunch, "_direct", lambda self, *a: asked.append(1) or real(self, *a))
+
+    class Wrapped:
+        params = ()
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: calls.append(grid)
+
+    class Jitted(JITFunction):
+        __getitem__ = Wrapped.__getitem__
+
+        def __init__(self):
+            self.params = ()
+    for kernel, grid in ((Wrapped(), (3,)), (Jitted(), lambda meta: (3,))):
+        asked.clear()
+        launch = _tuning.KernelLaunch(kernel, grid, BLOCK=16)
+        for _ in range(3):
+            launch(torch.empty(4), 4)
+        assert launch.direct is False and asked == [1]
+    assert len(calls) == 6
 
 
 # ------------------------------------------------------------------------------------ per-fusion choice

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, TypeVar, Union
 
 import torch
 
@@ -405,14 +405,14 @@ class KernelLaunch:
 
     def __init__(self, kernel: Any, grid: tuple, **constexprs: Any):
         self.kernel, self.grid, self.constexprs = kernel, grid, constexprs
-        self.direct: Optional[_Direct] = None
+        self.direct: Union[_Direct, None, bool] = None  # None: not armed yet; False: the JIT for good
 
     def __call__(self, *args: Any) -> None:
         if _warming.on:
             self.kernel.warmup(*args, grid=self.grid, **self.constexprs)
             return
         direct = self.direct
-        if direct is not None:
+        if direct:
             try:
                 values = direct.fixed(args)
                 same = (values == direct.fixed_values and tuple(map(type, values)) == direct.fixed_types
@@ -428,14 +428,17 @@ class KernelLaunch:
         if direct is None:
             self.direct = self._direct(compiled, args)
 
-    def _direct(self, compiled: Any, args: tuple) -> Optional[_Direct]:
-        """What the direct call needs, or None where the JIT must run every call."""
+    def _direct(self, compiled: Any, args: tuple) -> Union[_Direct, None, bool]:
+        """What the direct call needs; False where the JIT must run every call for good (an interpreted or wrapped
+        kernel, a callable grid: asked once, not per launch), None where this call cannot arm it (asked again)."""
         from triton.compiler import CompiledKernel
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction
 
-        if (type(compiled) is not CompiledKernel or not isinstance(self.kernel, JITFunction) or interpreter_active()
-                or callable(self.grid) or not all(isinstance(g, int) for g in self.grid)
+        if not isinstance(self.kernel, JITFunction) or callable(self.grid) or not all(
+                isinstance(g, int) for g in self.grid):
+            return False
+        if (type(compiled) is not CompiledKernel or interpreter_active()
                 or getattr(self.kernel, "pre_run_hooks", None) or not env_switch(ENV_DIRECT_LAUNCH)):
             return None
         tail = []

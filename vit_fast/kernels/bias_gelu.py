@@ -463,7 +463,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 def join_param_grads(dparams: torch.Tensor, bias: Optional[torch.Tensor],
                      gamma: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(dbias, dgamma) from ``bias_dropout_add_bwd``'s rows, each in its parameter's dtype (None where absent)."""
-    grads = iter(dparams)
+    grads = iter(dparams.unbind(0))  # Tensor.__iter__ costs a few microseconds of Python more
     dbias = next(grads).to(bias.dtype) if bias is not None else None
     return dbias, (next(grads).to(gamma.dtype) if gamma is not None else None)
 

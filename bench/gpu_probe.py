@@ -20,6 +20,11 @@ Run by bench/gpu_probe.sh, one subprocess per item under its own timeout, with
   launch                    host microseconds per launch of a few vit_fast kernels on one-tile shapes (GPU work
                             smaller than the host's): the op as the model calls it, Triton's JIT launch
                             (``kernel[grid](...)``), and the compiled kernel called directly with the same arguments
+  hostprof --preset --path  where the host's time goes in `--path`'s eager training step (vit_fast or
+            --batch         timm_eager; forward under bf16 autocast, cross-entropy, backward, fused AdamW): host ms
+                            per step, then cProfile's functions by own and by inclusive time per step, written to
+                            $PROBE_DIR/hostprof_<path>.txt (at batch 1 the step is the host's time;
+                            with VIT_FAST_DIRECT_LAUNCH=0 every launch goes through Triton's JIT)
 
 ``--tiny`` shrinks every shape so the script can be smoke-tested on CPU (figures meaningless).
 """
@@ -454,9 +459,58 @@ def item_launch(args) -> None:
         safe("launch", measure, case=name)
 
 
+# ------------------------------------------------------------------------------------------------ host profile
+def item_hostprof(args) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    model = build(args.path, args.preset, args.tiny)
+    img = 32 if args.tiny else 224
+    x = torch.randn(args.batch, 3, img, img, device=DEVICE)
+    y = torch.randint(0, 1000, (args.batch,), device=DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+
+    def step():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    steps = 3 if args.tiny else 20
+    for _ in range(3 if args.tiny else 10):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    report = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=report).sort_stats(order).print_stats(60)
+    direct = os.environ.get("VIT_FAST_DIRECT_LAUNCH", "1") not in ("0", "false", "off", "no")
+    name = f"hostprof_{args.path}{'' if direct or args.path.startswith('timm') else '_jit_launches'}.txt"
+    with open(os.path.join(os.environ.get("PROBE_DIR", "."), name), "w") as f:
+        f.write(f"{args.path} {args.preset} batch {args.batch}: {step_ms:.2f} ms per step unprofiled; "
+                f"{steps} steps profiled\n{report.getvalue()}")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]  # (file, line, name) -> (cc, nc, tt, ct, _)
+    emit("hostprof", preset=args.preset, path=args.path, batch=args.batch, direct_launch=direct, step_ms=step_ms,
+         top_own_us_per_step=[(f"{os.path.basename(k[0])}:{k[1]}({k[2]})", round(v[2] / steps * 1e6, 1),
+                               round(v[1] / steps, 1)) for k, v in rows])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("item", choices=["env", "hang", "step", "attn", "micro", "gemm", "gelubwd", "trace", "launch"])
+    parser.add_argument("item", choices=["env", "hang", "step", "attn", "micro", "gemm", "gelubwd", "trace", "launch",
+                                           "hostprof"])
     parser.add_argument("--preset", default="vit_base_patch16_224")
     parser.add_argument("--path", default="vit_fast")
     parser.add_argument("--batch", type=int, default=256)

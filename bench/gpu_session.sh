@@ -35,11 +35,11 @@ step campaign 300 python3 -c "import sys; from vit_fast.tools.cli import main; s
 # candidate against float64, graph replays draw fresh dropout masks, a block as one autograd Function bitwise its
 # parts on the compiled kernels, the short kernels
 VIT_FAST_FAILURES_AT_ONCE=1 step tests 120 python3 -m pytest -q -n 8 tests/test_math.py tests/test_linear_act_tma.py "tests/test_attention.py::test_every_sm90_candidate_matches_float64" "tests/test_attention.py::test_stored_ds_backward_matches_float64" tests/test_graphs.py tests/test_fused_block.py tests/test_attention_short.py -p no:cacheprovider
-# the host work's A/B: ViT-S/16 eager at batch 1, where the GPU work is a small part of the step, which is then about
-# the host's time per step; then vit_fast's step again with every launch through Triton's JIT
-# (VIT_FAST_DIRECT_LAUNCH=0): what the direct launches of the compiled kernels (_tuning.KernelLaunch) save per step
-step host_ab 45 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 --paths vit_fast timm_eager --steps 20 --warmup 5 --out "$R/host_ab"
-VIT_FAST_DIRECT_LAUNCH=0 step host_ab_jit 30 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --models vit_small_patch16_224 --batches 1 --paths vit_fast --steps 20 --warmup 5 --out "$R/host_ab_jit"
+# the host work at ViT-S/16 eager batch 1, where the GPU work is a small part of the step, which is then about the
+# host's time per step: vit_fast and timm eager, and vit_fast with every launch through Triton's JIT
+# (VIT_FAST_DIRECT_LAUNCH=0: what the direct launches of _tuning.KernelLaunch save), each with its cProfile table
+# (hostprof_*.txt: where a GPU host's time goes, which the CPU meter `vit-fast host` can only approximate)
+step host 75 bash -c 'for p in vit_fast timm_eager; do python3 bench/gpu_probe.py hostprof --preset vit_small_patch16_224 --path $p --batch 1 --dump-after 30; done; VIT_FAST_DIRECT_LAUNCH=0 python3 bench/gpu_probe.py hostprof --preset vit_small_patch16_224 --path vit_fast --batch 1 --dump-after 30'
 # attention from packed qkv to its gradient per shape (issue 32): vit_fast's flash kernels, the stored-dS backward
 # (an autotuning candidate never timed on a GPU), the short family, SDPA's backends; CUDA-graph ms
 step attn 60 python3 bench/gpu_probe.py attn --dump-after 40

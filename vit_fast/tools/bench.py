@@ -104,6 +104,7 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=graph)
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cuda and dtype == torch.float16)
     loss_fn = (lambda out, y: F.cross_entropy(out, y)) if num_classes else (lambda out, y: out.square().mean())
+    started = time.perf_counter()  # a graph's warmup steps and capture included
     if graph:
         from vit_fast.training.graphs import CudaGraphStep
 
@@ -125,6 +126,9 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
 
     for i in range(warmup):
         step(i)
+    if cuda:
+        torch.cuda.synchronize()
+    phases = dict(warmup_s=time.perf_counter() - started)  # compilation and autotuning happen here
     if not cuda:
         ms = []
         for i in range(steps):
@@ -133,8 +137,7 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
             ms.append((time.perf_counter() - start) * 1e3)
         ms.sort()
         return dict(step_ms=statistics.median(ms), p10_ms=ms[int(0.1 * (len(ms) - 1))],
-                    p90_ms=ms[int(0.9 * (len(ms) - 1))], peak_mem_gb=float("nan"))
-    torch.cuda.synchronize()
+                    p90_ms=ms[int(0.9 * (len(ms) - 1))], peak_mem_gb=float("nan"), **phases)
     if not graph:  # a graph's tensors were allocated at capture: keep them in the peak
         torch.cuda.reset_peak_memory_stats()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
@@ -145,7 +148,7 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
     torch.cuda.synchronize()
     ms = sorted(s.elapsed_time(e) for s, e in events)
     return dict(step_ms=statistics.median(ms), p10_ms=ms[int(0.1 * (len(ms) - 1))], p90_ms=ms[int(0.9 * (len(ms) - 1))],
-                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
+                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30, **phases)
 
 
 class _block_function:
@@ -178,7 +181,9 @@ def measure(meta: dict, preset: str, dtype_name: str, batch: int, path: str, ste
     try:
         if path in GRAPH_PATHS and not device.startswith("cuda"):
             raise ValueError(f"{path}: a CUDA-graph step needs a CUDA device, got {device}")
+        started = time.perf_counter()
         model = build(path, preset, device, compile_backend, **overrides)
+        row["build_s"] = time.perf_counter() - started
         with _block_function(path != "vit_fast_per_part"):
             row.update(time_training(model, batch, DTYPES[dtype_name], cfg.img_size[0], cfg.num_classes, steps,
                                      warmup, device=device, graph=path in GRAPH_PATHS))
@@ -216,7 +221,16 @@ def format_row(r: dict) -> str:
         return f"{head} FAILED {r['error']}"
     return (f"{head} {r['images_per_s']:8.0f} img/s  step {r['step_ms']:7.1f} ms "
             f"[{r['p10_ms']:.1f}-{r['p90_ms']:.1f}]  "
-            f"{r['tflops']:6.1f} TFLOP/s  MFU {r['mfu']:5.1%}  peak mem {r['peak_mem_gb']:5.1f} GiB")
+            f"{r['tflops']:6.1f} TFLOP/s  MFU {r['mfu']:5.1%}  peak mem {r['peak_mem_gb']:5.1f} GiB"
+            + _phases(r))
+
+
+def _phases(r: dict) -> str:
+    """Where a row's wall time went, where measured: process start and imports (the campaign's rows), model
+    build, warmup steps (compilation, autotuning)."""
+    phases = [(name, r[key]) for name, key in (("start", "startup_s"), ("build", "build_s"), ("warmup", "warmup_s"))
+              if isinstance(r.get(key), (int, float))]
+    return ("  (" + ", ".join(f"{name} {s:.1f} s" for name, s in phases) + ")") if phases else ""
 
 
 def write_outputs(rows: list[dict], out_dir: str) -> list[str]:

@@ -537,7 +537,7 @@ def measure_isolated(c: Campaign, spec: dict, timeout: float) -> dict:
     """One throughput row measured by ``python -m vit_fast.tools.campaign row JSON`` in its own process: a crash
     or a hang costs this row only. A row that runs out of time comes back as an error row, its stack appended
     to DIR/hangs.log."""
-    cmd = [sys.executable, "-m", "vit_fast.tools.campaign", "row", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "vit_fast.tools.campaign", "row", json.dumps(dict(spec, spawned_at=time.time()))]
     out, rc = _run(c, cmd, timeout)
     for line in reversed(out.splitlines()):
         if line.startswith("ROW "):
@@ -558,6 +558,7 @@ def row_main(argv: list[str]) -> int:
     from vit_fast.tools.bench import measure
 
     spec = json.loads(argv[0])
+    startup_s = time.time() - spec["spawned_at"]  # interpreter start and imports: paid by every row
     faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
     _simulated_hang(spec["path"])
     if spec["device"] == "cpu":
@@ -566,6 +567,7 @@ def row_main(argv: list[str]) -> int:
         install_bf16_shims()
     row = measure(spec["meta"], spec["preset"], "bf16", spec["batch"], spec["path"], spec["steps"], spec["warmup"],
                   spec["peak"], device=spec["device"], compile_backend=spec["compile_backend"], **spec["overrides"])
+    row["startup_s"] = startup_s
     print("ROW " + json.dumps(row, default=str), flush=True)
     return 0
 

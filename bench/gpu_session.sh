@@ -2,8 +2,12 @@
 # One leased GPU call, in order of value, each step under a timeout capped by one overall deadline; everything
 # lands under $OUT (results.tar.gz + log). Run on the device machine from the repository root:
 #   set -o pipefail; bash bench/gpu_session.sh 520 2>&1 | tee $OUT/log
+# A second call issued at once (the machine still warm) spends the rest of the lease on the steps the first could
+# not reach, from the named one on:
+#   set -o pipefail; FROM=attn bash bench/gpu_session.sh 200 2>&1 | tee $OUT/log
 set -uo pipefail
 DEADLINE=${1:-520}
+FROM=${FROM:-}
 OUT=${OUT:-/tmp/gpu_session}
 R=$OUT/results
 mkdir -p "$R"
@@ -14,8 +18,10 @@ pack() {  # the autotune cache too: every timed candidate lands there as it is m
   rm -rf "$R/autotune_cache"; cp -r "$VIT_FAST_CACHE_DIR" "$R/autotune_cache" 2>/dev/null
   tar -czf "$OUT/results.tar.gz" -C "$OUT" results 2>/dev/null
 }
-step() {  # step NAME MAX_S CMD...: run unless the deadline is near
+step() {  # step NAME MAX_S CMD...: run unless the deadline is near or FROM names a later step
   local name=$1 max=$2; shift 2
+  if [[ -n $FROM && $name != "$FROM" ]]; then echo "[session] not run: $name (FROM=$FROM)"; return; fi
+  FROM=
   local left=$((DEADLINE - (SECONDS - start) - 10))
   local t=$((max < left ? max : left))
   if ((t < 15)); then echo "[session] SKIPPED $name (deadline)"; return; fi
@@ -43,10 +49,10 @@ step host 75 bash -c 'for p in vit_fast timm_eager; do python3 bench/gpu_probe.p
 # attention from packed qkv to its gradient per shape (issue 32): vit_fast's flash kernels, the stored-dS backward
 # (an autotuning candidate never timed on a GPU), the short family, SDPA's backends; CUDA-graph ms
 step attn 60 python3 bench/gpu_probe.py attn --dump-after 40
-# the fused ops alone, kernel time (CUDA-graph replays) beside host-included calls: the full campaign's micro stage
-step micro 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --stages micro --budget 100 --out "$R/micro"
 # every part's candidates timed on ViT-B/16 b256, as JSON
 step tune 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" tune --model vit_base_patch16_224 --batch 256 --json "$R/tune_b16_b256.json"
+# the fused ops alone, kernel time (CUDA-graph replays) beside host-included calls: the full campaign's micro stage
+step micro 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --stages micro --budget 100 --out "$R/micro"
 # linear_act's Triton GEMMs, pointer vs persistent TMA kernels (never run on a GPU before), against cuBLAS
 step gemm 60 python3 bench/gpu_probe.py gemm --dump-after 50
 # host microseconds per launch: the op (its launches direct since _tuning.KernelLaunch), Triton's JIT launch and the

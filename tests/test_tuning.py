@@ -460,6 +460,10 @@ twice("attention_bwd", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, d
 with AI.stored_ds_only():
     bwd = AI._flash_plan("attention_bwd", (q, k, v, out, do, dq, dk, dv), N, 0.0, "ieee", 90).launch
 twice("attention_bwd_stored_ds", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, dk, dv, 0.125, None)
+from vit_fast.kernels import swiglu as sw
+gate, value = torch.randn(m, hid, dtype=bf16), torch.randn(m, hid, dtype=bf16)
+twice("swiglu_fwd", sw.swiglu_fwd._init_fn, gate, value)
+twice("swiglu_bwd", sw.swiglu_bwd._init_fn, dy[:, :1].expand(m, hid).contiguous(), gate, value, 1)
 
 import os, sys
 from vit_fast.kernels import _tuning
@@ -502,12 +506,12 @@ def scaled(X, n, flag, s, SCALE: tl.constexpr, BLOCK: tl.constexpr):
 @pytest.mark.slow
 def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
     """``KernelLaunch`` behind a driver that compiles for sm_90 and records what the compiled kernels' launcher
-    receives: for LayerNorm, linear_act, bias_gelu, bias_dropout_add and flash attention, forward and backward (the
-    partial sums' launches and the stored-dS backward's two included), the second call of a bound launch skips
-    Triton's JIT and hands the launcher the same grid, stream and arguments, constexprs included, as the first; a
-    tensor whose alignment Triton would specialize otherwise goes through the JIT again, and so do a bool then an
-    int, an int then a float, another value of a constexpr passed positionally, a callable grid and another current
-    device."""
+    receives: for LayerNorm, linear_act, bias_gelu, bias_dropout_add, flash attention and swiglu, forward and
+    backward (the partial sums' launches and the stored-dS backward's two included), the second call of a bound
+    launch skips Triton's JIT and hands the launcher the same grid, stream and arguments, constexprs included, as
+    the first; a tensor whose alignment Triton would specialize otherwise goes through the JIT again, and so do a
+    bool then an int, an int then a float, another value of a constexpr passed positionally, a callable grid and
+    another current device."""
     import os
     import subprocess
     import sys
@@ -523,7 +527,7 @@ def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
                                   "linear_act_bwd", "2", "bias_gelu_fwd", "1", "bias_gelu_bwd", "2",
                                   "bias_dropout_add_fwd", "1", "bias_dropout_add_bwd", "2", "attention_fwd", "1",
                                   "attention_bwd", "1",
-                                  "attention_bwd_stored_ds", "2",
+                                  "attention_bwd_stored_ds", "2", "swiglu_fwd", "1", "swiglu_bwd", "1",
                                   "edges", "True", "False", "False", "False", "False", "False"], out.stdout
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._rows import RowTile
-from ._tuning import launcher
+from ._tuning import KernelLaunch, LaunchPlans
 from ._utils import cdiv, check_float, check_kernel_device, next_power_of_2, run_op
 
 
@@ -80,8 +80,17 @@ def tile_config(f: int) -> RowTile:
     return RowTile(block_m, block_f, max(1, block_m * block_f // 256))
 
 
-def _grid(m: int, f: int, block_m: int, block_f: int) -> tuple[int, int]:
-    return cdiv(m, block_m), cdiv(f, block_f)
+def _bound_launch(kernel, m: int, f: int) -> KernelLaunch:
+    """``kernel`` on the static tile of an (M, F) problem, its grid and constants bound once (``KernelLaunch``: the
+    compiled kernel called directly after the first launch)."""
+    tile = tile_config(f)
+    return KernelLaunch(kernel, (cdiv(m, tile.block_m), cdiv(f, tile.block_n)), BLOCK_M=tile.block_m,
+                        BLOCK_F=tile.block_n, num_warps=tile.num_warps)
+
+
+# per layout (sizes, row strides, device): a launch's integer arguments are part of what Triton specializes on
+_FWD_LAUNCHES = LaunchPlans(lambda m, f: _bound_launch(_swiglu_fwd_kernel, m, f))
+_BWD_LAUNCHES = LaunchPlans(lambda m, f: _bound_launch(_swiglu_bwd_kernel, m, f))
 
 
 @torch.library.custom_op("vit_fast::swiglu_fwd", mutates_args=())
@@ -91,10 +100,8 @@ def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     y = torch.empty((m, f), device=a.device, dtype=a.dtype)
     if m == 0 or f == 0:
         return y
-    tile = tile_config(f)
-    block_m, block_f, warps = tile.block_m, tile.block_n, tile.num_warps
-    launcher(_swiglu_fwd_kernel, _grid(m, f, block_m, block_f))(
-        y, a, b, a.stride(0), b.stride(0), y.stride(0), m, f, BLOCK_M=block_m, BLOCK_F=block_f, num_warps=warps)
+    strides = (a.stride(0), b.stride(0), y.stride(0))
+    _FWD_LAUNCHES.get((m, f, strides, a.device), m, f)(y, a, b, *strides, m, f)
     return y
 
 
@@ -116,11 +123,8 @@ def swiglu_bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, packed: int) 
         da, db = grad[0], grad[1]
     if m == 0 or f == 0:
         return grad
-    tile = tile_config(f)
-    block_m, block_f, warps = tile.block_m, tile.block_n, tile.num_warps
-    launcher(_swiglu_bwd_kernel, _grid(m, f, block_m, block_f))(
-        da, db, dy, a, b, da.stride(0), db.stride(0), dy.stride(0), a.stride(0), b.stride(0), m, f, BLOCK_M=block_m,
-        BLOCK_F=block_f, num_warps=warps)
+    strides = (da.stride(0), db.stride(0), dy.stride(0), a.stride(0), b.stride(0))
+    _BWD_LAUNCHES.get((m, f, strides, a.device), m, f)(da, db, dy, a, b, *strides, m, f)
     return grad
 
 

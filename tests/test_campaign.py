@@ -195,3 +195,22 @@ def test_quick_runs_the_headline_and_its_profile_in_five_minutes_and_stages_run_
     assert campaign._stages(False, None) == campaign.STAGES
     with pytest.raises(ValueError, match="unknown stage.*nope.*expected some of env"):
         campaign._stages(False, ["micro", "nope"])
+
+
+def test_a_record_lists_the_files_it_holds(tmp_path, monkeypatch):
+    """docs/measured/<gpu>-<date>-<hhmm>.md names exactly the files copied beside it (the CSVs, logs, check.txt and
+    campaign.json; not the PNGs), and the summary names what the output folder holds."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("campaign.json", "throughput.csv", "tests.log", "check.txt", "throughput.png", "summary.md"):
+        (out / name).write_text("x")
+    monkeypatch.setattr(campaign, "REPO", str(tmp_path / "repo"))
+    c = campaign.Campaign(out=str(out), dry_run=False, meta=dict(gpu="NVIDIA H200", date="2026-11-28 10:05 UTC"))
+    assert "Files: campaign.json (everything), check.txt, tests.log, throughput.csv, throughput.png" in \
+        campaign.summary(c)
+    record = tmp_path / "repo" / campaign.write_record(c)
+    assert record.name == "nvidia-h200-2026-11-28-1005.md"
+    assert record.read_text().endswith("Files (in nvidia-h200-2026-11-28-1005/): campaign.json (everything), "
+                                       "check.txt, tests.log, throughput.csv\n")
+    assert sorted(p.name for p in record.with_suffix("").iterdir()) == ["campaign.json", "check.txt", "tests.log",
+                                                                        "throughput.csv"]

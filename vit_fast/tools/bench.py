@@ -316,8 +316,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                           help="with --campaign: only these stages (env, headline, profile, micro, tune, check, tests, "
                                "throughput), each on its full budget")
     campaign.add_argument("--dry-run", action="store_true",
-                          help="with --campaign: every stage on CPU with tiny shapes in seconds (figures meaningless; "
-                               "proves the command works before a GPU sees it)")
+                          help="with --campaign: every stage on CPU with tiny shapes in about a minute (figures "
+                               "meaningless; proves the command works before a GPU sees it)")
     campaign.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                           help="with --campaign: total time budget, split over the stages in proportion (default 540)")
     return parser

@@ -770,11 +770,14 @@ def write_record(c: Campaign) -> str:
 
     folder = os.path.join(REPO, "docs", "measured", record_name(c.meta))
     os.makedirs(folder, exist_ok=True)
-    for name in os.listdir(c.out):
-        if name.endswith((".csv", ".log")) or name == "campaign.json":
-            shutil.copyfile(os.path.join(c.out, name), os.path.join(folder, name))
+    copied = sorted(name for name in os.listdir(c.out)
+                    if name.endswith((".csv", ".log", ".txt")) or name == "campaign.json")
+    for name in copied:
+        shutil.copyfile(os.path.join(c.out, name), os.path.join(folder, name))
+    text = summary(c)
+    files = text.rindex("Files: ")
     with open(folder + ".md", "w") as f:
-        f.write(summary(c).replace("Files: ", f"Files (in {os.path.basename(folder)}/): ", 1))
+        f.write(text[:files] + f"Files (in {os.path.basename(folder)}/): {files_line(copied)}\n")
     if c.results.get("profile"):  # the calibrated speed model's data (vit_fast/tools/calibration.py)
         from vit_fast.tools.calibration import measurement_from_campaign
 
@@ -881,9 +884,16 @@ def summary(c: Campaign) -> str:
                          f"{_f(r['speedup_vs_eager'])} | {_f(r.get('kernel_speedup_vs_eager'))} | "
                          f"{_f(r['speedup_vs_compiled'])} | "
                          f"{_f(r['vit_fast_rate'], '{:.1f}')} {r['unit']} | {_f(r['vit_fast_of_peak'], '{:.0%}')} |")
-    lines += ["", "Files: campaign.json (everything), env/tests/check/micro/profile/throughput.csv, throughput.png, "
-              "micro.png, tests.log, check.txt, hangs.log (the stack of every row or case that ran out of time).", ""]
+    present = sorted(os.listdir(c.out)) if os.path.isdir(c.out) else []
+    lines += ["", "Files: " + files_line([name for name in present if name != "summary.md"]), ""]
     return "\n".join(lines)
+
+
+def files_line(names: list[str]) -> str:
+    """The files a campaign wrote, as its summary lists them."""
+    about = {"campaign.json": "campaign.json (everything)",
+             "hangs.log": "hangs.log (the stack of every row or case that ran out of time)"}
+    return ", ".join(about.get(name, name) for name in names) or "none yet"
 
 
 # ------------------------------------------------------------------------------------------------ main

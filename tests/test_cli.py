@@ -53,3 +53,11 @@ def test_bench_campaign_flags_are_documented(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert all(flag in out for flag in ("--campaign", "--dry-run", "--budget", "--out"))
+
+
+def test_info_refuses_the_triton_backend_on_cpu_outside_the_interpreter(monkeypatch, capsys):
+    """The forward runs on CPU tensors: without TRITON_INTERPRET=1 a usage error says what to do, not a traceback."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["info", "--model", "vit_tiny_patch16_224", "--backend", "triton"])
+    assert exit_info.value.code == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err

@@ -61,6 +61,11 @@ def info_main(argv: Sequence[str]) -> int:
         return 0
     if args.batch < 1:
         parser.error("--batch must be >= 1")
+    from vit_fast.kernels._utils import interpreter_active
+
+    if args.backend == "triton" and not interpreter_active():  # the forward runs on CPU tensors
+        parser.error("--backend triton runs the Triton kernels on CPU only in Triton's interpreter: set "
+                     "TRITON_INTERPRET=1, or use --backend torch / auto")
     overrides = {"backend": args.backend}
     if args.img_size is not None:
         overrides["img_size"] = args.img_size

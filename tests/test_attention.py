@@ -733,7 +733,8 @@ class _Launches:
 
         for name in ("_attention_fwd_kernel", "_attention_bwd_kernel"):
             monkeypatch.setattr(AI, name, Counted(name.strip("_").replace("_kernel", ""), getattr(AI, name)))
-        for plans in (AI._FWD_PLANS, AI._BWD_PLANS):  # bound launches hold the kernel they were bound with
+        # bound launches hold the kernel they were bound with
+        for plans in (AI._FWD_PLANS, AI._BWD_PLANS, AI._PACKED_FWD_PLANS, AI._PACKED_BWD_PLANS):
             monkeypatch.setattr(plans, "plans", {})
 
         class Aten(TorchDispatchMode):

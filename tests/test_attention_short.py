@@ -24,7 +24,8 @@ def launches(monkeypatch):
     """Which family's launchers ran: {'short_fwd': n, 'short_bwd': n, 'flash_fwd': n, 'flash_bwd': n}."""
     counts = dict.fromkeys(("short_fwd", "short_bwd", "flash_fwd", "flash_bwd"), 0)
     for key, name in (("short_fwd", "_launch_short_fwd"), ("short_bwd", "_launch_short_bwd"),
-                      ("flash_fwd", "_launch_fwd"), ("flash_bwd", "_launch_bwd")):
+                      ("flash_fwd", "_launch_fwd"), ("flash_bwd", "_launch_bwd"),
+                      ("flash_fwd", "_launch_packed_fwd"), ("flash_bwd", "_launch_packed_bwd")):
         def counted(*args, _real=getattr(AI, name), _key=key):
             counts[_key] += 1
             return _real(*args)

@@ -460,6 +460,36 @@ twice("attention_bwd", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, d
 with AI.stored_ds_only():
     bwd = AI._flash_plan("attention_bwd", (q, k, v, out, do, dq, dk, dv), N, 0.0, "ieee", 90).launch
 twice("attention_bwd_stored_ds", bwd.bind(bwd.candidates[0]), do, q, k, v, out, lse, dq, dk, dv, 0.125, None)
+
+
+def same_launches(name, first, second):  # pointers, not views: the packed launchers pass column slices
+    runs = len(launched)
+    first()
+    middle = len(launched)
+    second()
+    a_launches, b_launches = launched[runs:middle], launched[middle:]
+    assert len(a_launches) == len(b_launches) >= 1, name
+    for (kernel, a), (again, b) in zip(a_launches, b_launches):
+        assert kernel == again and len(a) == len(b), name
+        for i, (x, y) in enumerate(zip(a, b)):
+            if isinstance(x, torch.Tensor) and i != 6:  # the same memory, or a workspace made per call
+                assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and (
+                    x.data_ptr() == y.data_ptr() or (x.shape, x.stride()) == (y.shape, y.stride())), (name, i)
+            elif i != 6:
+                assert alike(x, y), (name, i, x, y)
+    print(name, len(a_launches))
+
+
+packed_out, grad_out = torch.randn(B, N, H * 64, dtype=bf16), torch.randn(B, N, H * 64, dtype=bf16)
+same_launches("attention_fwd_packed",
+              lambda: AI._launch_fwd(q, k, v, AI._heads_view(packed_out, H), lse, 0.125, 0.0, None),
+              lambda: AI._launch_packed_fwd(qkv, packed_out, lse, H, 0.125, 0.0, None))
+for only in (AI.one_launch_only, AI.stored_ds_only):
+    with only():
+        same_launches("attention_bwd_packed",
+                      lambda: AI._launch_bwd(AI._heads_view(grad_out, H), q, k, v, AI._heads_view(packed_out, H), lse,
+                                             dq, dk, dv, 0.125, 0.0, None),
+                      lambda: AI._launch_packed_bwd(grad_out, qkv, packed_out, lse, dqkv, H, 0.125, 0.0, None))
 from vit_fast.kernels import swiglu as sw
 gate, value = torch.randn(m, hid, dtype=bf16), torch.randn(m, hid, dtype=bf16)
 twice("swiglu_fwd", sw.swiglu_fwd._init_fn, gate, value)
@@ -527,7 +557,9 @@ def test_direct_launches_hand_the_launcher_what_the_jit_does(tmp_path):
                                   "linear_act_bwd", "2", "bias_gelu_fwd", "1", "bias_gelu_bwd", "2",
                                   "bias_dropout_add_fwd", "1", "bias_dropout_add_bwd", "2", "attention_fwd", "1",
                                   "attention_bwd", "1",
-                                  "attention_bwd_stored_ds", "2", "swiglu_fwd", "1", "swiglu_bwd", "1",
+                                  "attention_bwd_stored_ds", "2", "attention_fwd_packed", "1",
+                                  "attention_bwd_packed", "1", "attention_bwd_packed", "2", "swiglu_fwd", "1",
+                                  "swiglu_bwd", "1",
                                   "edges", "True", "False", "False", "False", "False", "False"], out.stdout
 
 

@@ -282,6 +282,55 @@ def _launch_bwd(do, q, k, v, out, lse, dq, dk, dv, scale: float, dropout_p: floa
     launch(launches.choose(q.device, launch))
 
 
+def _packed_views(qkv: torch.Tensor, out: torch.Tensor, grad_out: Optional[torch.Tensor], num_heads: int) -> tuple:
+    """The (B, H, N, D) views the flash launchers take, of the packed qkv and out (and for the backward grad_out and
+    a dqkv laid out as a contiguous qkv), in ``_flash_plan``'s order: built once per layout, for the plan."""
+    q, k, v = _split_packed(qkv, num_heads)
+    if grad_out is None:
+        return q, k, v, _heads_view(out, num_heads)
+    dq, dk, dv = _split_packed(torch.empty(qkv.shape, dtype=qkv.dtype, device="meta"), num_heads)
+    return q, k, v, _heads_view(out, num_heads), _heads_view(grad_out, num_heads), dq, dk, dv
+
+
+_PACKED_FWD_PLANS = _tuning.LaunchPlans(
+    lambda qkv, out, num_heads, dropout_p, precision, arch: _flash_plan(
+        "attention_fwd", _packed_views(qkv, out, None, num_heads), out.shape[1], dropout_p, precision, arch))
+_PACKED_BWD_PLANS = _tuning.LaunchPlans(
+    lambda qkv, out, grad_out, num_heads, dropout_p, precision, arch: _flash_plan(
+        "attention_bwd", _packed_views(qkv, out, grad_out, num_heads), out.shape[1], dropout_p, precision, arch))
+
+
+def _launch_packed_fwd(qkv, out, lse, num_heads: int, scale: float, dropout_p: float,
+                       seed: Optional[torch.Tensor]) -> None:
+    """``_launch_fwd`` on the packed tensors (qkv (B, N, 3 * H * D), out (B, M, H * D)): the plan, built once per
+    layout, holds the per-head strides, so a call passes qkv and its k and v column slices for their pointers
+    instead of building the per-head views (the same launches, argument for argument)."""
+    precision, arch = dot_input_precision(qkv.dtype), gpu_arch(qkv.device)
+    launches = _PACKED_FWD_PLANS.get((qkv.shape, qkv.stride(), out.shape, qkv.dtype, num_heads, dropout_p, precision,
+                                      arch, qkv.device), qkv, out, num_heads, dropout_p, precision, arch).launch
+    width = out.shape[-1]
+    k, v = qkv[..., width:], qkv[..., 2 * width:]
+
+    def launch(cfg: Tile) -> None:
+        launches.bind(cfg)(qkv, k, v, out, lse, scale, seed)
+    launch(launches.choose(qkv.device, launch))
+
+
+def _launch_packed_bwd(grad_out, qkv, out, lse, dqkv, num_heads: int, scale: float, dropout_p: float,
+                       seed: Optional[torch.Tensor]) -> None:
+    """``_launch_bwd`` on the packed tensors (``_launch_packed_fwd``), dqkv a contiguous tensor of qkv's shape."""
+    precision, arch = dot_input_precision(qkv.dtype), gpu_arch(qkv.device)
+    launches = _PACKED_BWD_PLANS.get((qkv.shape, qkv.stride(), out.shape, grad_out.stride(), qkv.dtype, num_heads,
+                                      dropout_p, precision, arch, qkv.device, stored_ds_only.on, one_launch_only.on),
+                                     qkv, out, grad_out, num_heads, dropout_p, precision, arch).launch
+    width = out.shape[-1]
+    k, v, dk, dv = qkv[..., width:], qkv[..., 2 * width:], dqkv[..., width:], dqkv[..., 2 * width:]
+
+    def launch(cfg: AttentionConfig | StoredDsConfig) -> None:
+        launches.bind(cfg)(grad_out, qkv, k, v, out, lse, dqkv, dk, dv, scale, seed)
+    launch(launches.choose(qkv.device, launch))
+
+
 def _bind_stored_ds_bwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: StoredDsConfig):
     """The backward as ``StoredDsConfig``'s two launches (``_launch_stored_ds_bwd``), their grids and constexprs
     bound once."""
@@ -298,15 +347,15 @@ def _bind_stored_ds_bwd(plan: _FlashPlan, shape: tuple, q_len: int, cfg: StoredD
                               INPUT_PRECISION=plan.precision, TAIL=LAST_STEP, HEAD_ALIGN=plan.head_align,
                               num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
     kernels = (dkdv, dq)
-    return lambda *args: _launch_stored_ds_bwd(cfg, plan, kernels, *args)
+    return lambda *args: _launch_stored_ds_bwd(cfg, plan, kernels, shape, q_len, *args)
 
 
-def _launch_stored_ds_bwd(cfg: StoredDsConfig, plan: _FlashPlan, kernels: tuple, do, q, k, v, out, lse, dq, dk, dv,
-                          scale: float, seed: Optional[torch.Tensor]) -> None:
+def _launch_stored_ds_bwd(cfg: StoredDsConfig, plan: _FlashPlan, kernels: tuple, shape: tuple, q_len: int, do, q, k,
+                          v, out, lse, dq, dk, dv, scale: float, seed: Optional[torch.Tensor]) -> None:
     """The backward as ``StoredDsConfig``: dK, dV and the dS workspace (B * H, q_len, N padded to 16) in one launch,
-    then dQ from it (rows past q_len zeros) in a second; ``kernels``: the two launches (``_bind_stored_ds_bwd``)."""
-    B, H, N, D = q.shape
-    q_len = out.shape[2]
+    then dQ from it (rows past q_len zeros) in a second; ``kernels``: the two launches (``_bind_stored_ds_bwd``).
+    The tensors give their pointers only (the packed launchers pass column slices): the plan holds the layout."""
+    B, H, N, D = shape
     row = stored_ds_row(N)
     ds = _empty((B * H, q_len, row), q.dtype, q.device)
     dkdv_kernel, dq_kernel = kernels
@@ -400,14 +449,22 @@ def _bwd_candidates(static: AttentionConfig) -> tuple[AttentionConfig, ...]:
 # Custom ops: torch.compile(fullgraph=True) traces through them; the autograd Functions call them.
 def _packed_fwd(launch, qkv, num_heads, scale, dropout_p, seed, query_rows):
     """Packed forward: qkv (B, N, 3 * H * D) -> (out (B, M, H * D), lse (B, H, M) fp32) for the first
-    M = query_rows queries (every token still a key and value), by ``launch`` (either family's). Inputs were
-    validated by the calling functional."""
+    M = query_rows queries (every token still a key and value), by ``launch`` (either family's packed launcher).
+    Inputs were validated by the calling functional."""
     B, N, width = qkv.shape
-    D = width // (3 * num_heads)
-    out = _empty((B, query_rows, num_heads * D), qkv.dtype, qkv.device)
+    out = _empty((B, query_rows, width // 3), qkv.dtype, qkv.device)
     lse = _empty((B, num_heads, query_rows), torch.float32, qkv.device)
-    launch(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p, seed)
+    launch(qkv, out, lse, num_heads, scale, dropout_p, seed)
     return out, lse
+
+
+def _launch_short_packed_fwd(qkv, out, lse, num_heads, scale, dropout_p, seed) -> None:
+    _launch_short_fwd(*_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse, scale, dropout_p, seed)
+
+
+def _launch_short_packed_bwd(grad_out, qkv, out, lse, dqkv, num_heads, scale, dropout_p, seed) -> None:
+    _launch_short_bwd(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads),
+                      lse, *_split_packed(dqkv, num_heads), scale, dropout_p, seed)
 
 
 def _packed_bwd(op, launch, grad_out, qkv, qkv_bias, out, lse, num_heads, scale, dropout_p, seed):
@@ -419,8 +476,7 @@ def _packed_bwd(op, launch, grad_out, qkv, qkv_bias, out, lse, num_heads, scale,
     if grad_out.shape != out.shape:
         raise ValueError(f"{op}: expected grad_out of shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
     dqkv = _empty(qkv.shape, qkv.dtype, qkv.device)
-    launch(_heads_view(grad_out, num_heads), *_split_packed(qkv, num_heads), _heads_view(out, num_heads), lse,
-           *_split_packed(dqkv, num_heads), scale, dropout_p, seed)
+    launch(grad_out, qkv, out, lse, dqkv, num_heads, scale, dropout_p, seed)
     if qkv_bias is None:
         return dqkv, qkv.new_empty(0)
     # torch's column sum of the rounded d(qkv), as eager's addmm backward (no atomics: bitwise repeatable); in the
@@ -442,7 +498,7 @@ def _packed_bwd_fake(grad_out, qkv, qkv_bias, out, lse, num_heads, scale, dropou
 def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor], query_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The flash family's packed forward (``_packed_fwd``)."""
-    return _packed_fwd(_launch_fwd, qkv, num_heads, scale, dropout_p, seed, query_rows)
+    return _packed_fwd(_launch_packed_fwd, qkv, num_heads, scale, dropout_p, seed, query_rows)
 
 
 @torch.library.custom_op("vit_fast::attention_bwd", mutates_args=())
@@ -450,7 +506,7 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[
                   lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The flash family's packed backward (``_packed_bwd``)."""
-    return _packed_bwd("attention_bwd", _launch_bwd, grad_out, qkv, qkv_bias, out, lse, num_heads, scale,
+    return _packed_bwd("attention_bwd", _launch_packed_bwd, grad_out, qkv, qkv_bias, out, lse, num_heads, scale,
                        dropout_p, seed)
 
 
@@ -458,7 +514,7 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[
 def attention_short_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                         seed: Optional[torch.Tensor], query_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The short-sequence family's packed forward (``_packed_fwd``)."""
-    return _packed_fwd(_launch_short_fwd, qkv, num_heads, scale, dropout_p, seed, query_rows)
+    return _packed_fwd(_launch_short_packed_fwd, qkv, num_heads, scale, dropout_p, seed, query_rows)
 
 
 @torch.library.custom_op("vit_fast::attention_short_bwd", mutates_args=())
@@ -466,7 +522,7 @@ def attention_short_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Opt
                         out: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                         seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The short-sequence family's packed backward (``_packed_bwd``)."""
-    return _packed_bwd("attention_short_bwd", _launch_short_bwd, grad_out, qkv, qkv_bias, out, lse, num_heads,
+    return _packed_bwd("attention_short_bwd", _launch_short_packed_bwd, grad_out, qkv, qkv_bias, out, lse, num_heads,
                        scale, dropout_p, seed)
 
 

@@ -145,6 +145,26 @@ def test_packed_matches_sdpa_and_timm_attention():
     assert_close(A.attention(qkv.detach(), 3), sdpa, rtol=bound(torch.float32, "dot"), name="vs F.sdpa")
 
 
+def test_packed_backward_plans_follow_the_layout_of_out():
+    """The packed backward's plan holds the per-head strides of out and grad_out: the same values in another layout
+    (what a saved-tensor hook may hand back) give the same gradient as a first call in that layout, bitwise."""
+    B, N, H, D = 1, 20, 2, 16
+    qkv = make_qkv(B, N, H, D, torch.float32)
+    out, lse = AI.attention_fwd(qkv, H, D**-0.5, 0.0, None, N)
+    grad = torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    column_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (out, grad)]
+
+    def backward(out_, grad_):
+        return AI.attention_bwd(grad_, qkv, None, out_, lse, H, D**-0.5, 0.0, None)[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AI._PACKED_BWD_PLANS, "plans", {})
+        first = [backward(*layout) for layout in ((out, grad), (column_major[0], grad), (out, column_major[1]))]
+    for i, layout in enumerate(((out, grad), (column_major[0], grad), (out, column_major[1]))):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(AI._PACKED_BWD_PLANS, "plans", {})
+            assert torch.equal(first[i], backward(*layout)), i
+
+
 def test_sum_backward_stride0_grad_and_determinism():
     """.sum() gives an expanded (stride-0) grad_out; two backward runs must be bitwise equal."""
     qkv = make_qkv(2, 70, 2, 64, torch.float16)

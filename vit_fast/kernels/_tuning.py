@@ -429,8 +429,9 @@ class KernelLaunch:
             self.direct = self._direct(compiled, args)
 
     def _direct(self, compiled: Any, args: tuple) -> Union[_Direct, None, bool]:
-        """What the direct call needs; False where the JIT must run every call for good (an interpreted or wrapped
-        kernel, a callable grid: asked once, not per launch), None where this call cannot arm it (asked again)."""
+        """What the direct call needs; False where the JIT must run every call for good (a kernel that is not a
+        JITFunction: interpreted or wrapped; a callable grid: asked once, not per launch), None where this call cannot
+        arm it (asked again)."""
         from triton.compiler import CompiledKernel
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction

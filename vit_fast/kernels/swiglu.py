@@ -88,7 +88,7 @@ def _bound_launch(kernel, m: int, f: int) -> KernelLaunch:
                         BLOCK_F=tile.block_n, num_warps=tile.num_warps)
 
 
-# per layout (sizes, row strides, device): a launch's integer arguments are part of what Triton specializes on
+# per layout (sizes, row strides, dtype, device): what Triton specializes a launch on
 _FWD_LAUNCHES = LaunchPlans(lambda m, f: _bound_launch(_swiglu_fwd_kernel, m, f))
 _BWD_LAUNCHES = LaunchPlans(lambda m, f: _bound_launch(_swiglu_bwd_kernel, m, f))
 
@@ -101,7 +101,7 @@ def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if m == 0 or f == 0:
         return y
     strides = (a.stride(0), b.stride(0), y.stride(0))
-    _FWD_LAUNCHES.get((m, f, strides, a.device), m, f)(y, a, b, *strides, m, f)
+    _FWD_LAUNCHES.get((m, f, strides, a.dtype, a.device), m, f)(y, a, b, *strides, m, f)
     return y
 
 
@@ -124,7 +124,7 @@ def swiglu_bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, packed: int) 
     if m == 0 or f == 0:
         return grad
     strides = (da.stride(0), db.stride(0), dy.stride(0), a.stride(0), b.stride(0))
-    _BWD_LAUNCHES.get((m, f, strides, a.device), m, f)(da, db, dy, a, b, *strides, m, f)
+    _BWD_LAUNCHES.get((m, f, strides, a.dtype, a.device), m, f)(da, db, dy, a, b, *strides, m, f)
     return grad
 
 

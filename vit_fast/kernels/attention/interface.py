@@ -306,8 +306,9 @@ def _launch_packed_fwd(qkv, out, lse, num_heads: int, scale: float, dropout_p: f
     layout, holds the per-head strides, so a call passes qkv and its k and v column slices for their pointers
     instead of building the per-head views (the same launches, argument for argument)."""
     precision, arch = dot_input_precision(qkv.dtype), gpu_arch(qkv.device)
-    launches = _PACKED_FWD_PLANS.get((qkv.shape, qkv.stride(), out.shape, qkv.dtype, num_heads, dropout_p, precision,
-                                      arch, qkv.device), qkv, out, num_heads, dropout_p, precision, arch).launch
+    launches = _PACKED_FWD_PLANS.get((qkv.shape, qkv.stride(), out.shape, out.stride(), qkv.dtype, num_heads,
+                                      dropout_p, precision, arch, qkv.device), qkv, out, num_heads, dropout_p,
+                                     precision, arch).launch
     width = out.shape[-1]
     k, v = qkv[..., width:], qkv[..., 2 * width:]
 
@@ -320,9 +321,10 @@ def _launch_packed_bwd(grad_out, qkv, out, lse, dqkv, num_heads: int, scale: flo
                        seed: Optional[torch.Tensor]) -> None:
     """``_launch_bwd`` on the packed tensors (``_launch_packed_fwd``), dqkv a contiguous tensor of qkv's shape."""
     precision, arch = dot_input_precision(qkv.dtype), gpu_arch(qkv.device)
-    launches = _PACKED_BWD_PLANS.get((qkv.shape, qkv.stride(), out.shape, grad_out.stride(), qkv.dtype, num_heads,
-                                      dropout_p, precision, arch, qkv.device, stored_ds_only.on, one_launch_only.on),
-                                     qkv, out, grad_out, num_heads, dropout_p, precision, arch).launch
+    launches = _PACKED_BWD_PLANS.get((qkv.shape, qkv.stride(), out.shape, out.stride(), grad_out.stride(), qkv.dtype,
+                                      num_heads, dropout_p, precision, arch, qkv.device, stored_ds_only.on,
+                                      one_launch_only.on), qkv, out, grad_out, num_heads, dropout_p, precision,
+                                     arch).launch
     width = out.shape[-1]
     k, v, dk, dv = qkv[..., width:], qkv[..., 2 * width:], dqkv[..., width:], dqkv[..., 2 * width:]
 

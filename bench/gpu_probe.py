@@ -465,6 +465,9 @@ def item_hostprof(args) -> None:
     import io
     import pstats
 
+    from vit_fast.kernels._tuning import ENV_DIRECT_LAUNCH
+    from vit_fast.kernels._utils import env_switch
+
     model = build(args.path, args.preset, args.tiny)
     img = 32 if args.tiny else 224
     x = torch.randn(args.batch, 3, img, img, device=DEVICE)
@@ -492,11 +495,11 @@ def item_hostprof(args) -> None:
         step()
     sync()
     profiler.disable()
-    stats = pstats.Stats(profiler)
     report = io.StringIO()
+    stats = pstats.Stats(profiler, stream=report)
     for order in ("tottime", "cumulative"):
-        pstats.Stats(profiler, stream=report).sort_stats(order).print_stats(60)
-    direct = os.environ.get("VIT_FAST_DIRECT_LAUNCH", "1") not in ("0", "false", "off", "no")
+        stats.sort_stats(order).print_stats(60)
+    direct = env_switch(ENV_DIRECT_LAUNCH)
     name = f"hostprof_{args.path}{'' if direct or args.path.startswith('timm') else '_jit_launches'}.txt"
     with open(os.path.join(os.environ.get("PROBE_DIR", "."), name), "w") as f:
         f.write(f"{args.path} {args.preset} batch {args.batch}: {step_ms:.2f} ms per step unprofiled; "

@@ -14,7 +14,10 @@ Per op: torch.profiler's CPU time per vit_fast custom op (inclusive) and per top
 The aten GEMMs still do their arithmetic here (a few tens of microseconds each at these shapes, on every path):
 the report gives their self time from the least of three profiled steps apart, a rough figure.
 ``vit_fast_per_part`` runs every block per part instead of as one autograd Function
-(vit_fast/layers/fused_block.py): the same numbers, more host work.
+(vit_fast/layers/fused_block.py): the same numbers, more host work. ``vit_fast_compile`` and ``timm_compile``
+(asked for by name: each compiles for 10-20 s here) are the two models under ``torch.compile`` (inductor, default
+mode): the host work of the compiled step is dynamo's guards, the compiled graphs' Python wrappers (inductor's CPU
+kernels do their arithmetic here, as the GEMMs do) and vit_fast's custom ops, each called through the dispatcher.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 # the host path is the one the full model takes (same ops, same branches); the aten GEMMs' arithmetic is reported apart.
 HOST_OVERRIDES = dict(img_size=32, num_classes=10)
 PATHS = ("vit_fast", "vit_fast_per_part", "timm_eager")
+COMPILED_PATHS = ("vit_fast_compile", "timm_compile")
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
@@ -62,7 +66,7 @@ def shapes(preset: str) -> dict:
 def _model(path: str, preset: str) -> torch.nn.Module:
     torch.manual_seed(0)
     overrides = shapes(preset)
-    if path == "timm_eager":
+    if path.startswith("timm"):
         import timm
 
         return timm.create_model(preset, pretrained=False, **overrides).train()
@@ -111,17 +115,19 @@ class _quiet_stderr:
 
 def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3, batch: int = 1) -> list[HostCost]:
     """Median host microseconds per training step of each path ('vit_fast', 'vit_fast_per_part': every block per
-    part instead of as one autograd Function, 'timm_eager'), with counts. The paths' steps alternate, so a busy or
-    throttled CPU slows them alike and their ratios hold."""
+    part instead of as one autograd Function, 'timm_eager', and the compiled 'vit_fast_compile', 'timm_compile'),
+    with counts. The paths' steps alternate, so a busy or throttled CPU slows them alike and their ratios hold."""
     x = torch.randn(batch, 3, HOST_OVERRIDES["img_size"], HOST_OVERRIDES["img_size"])
     y = torch.randint(0, HOST_OVERRIDES["num_classes"], (batch,))
 
     def stepper(model, path):
         from .bench import _block_function
 
+        run = torch.compile(model) if path.endswith("compile") else model
+
         def step():
             with _block_function(path != "vit_fast_per_part"):
-                F.cross_entropy(model(x).float(), y).backward()
+                F.cross_entropy(run(x).float(), y).backward()
             model.zero_grad(set_to_none=True)
         return step
 
@@ -189,7 +195,8 @@ def _count_ops(result: HostCost, events) -> None:
 
 
 def host_ratio(path: HostCost, timm: HostCost) -> float:
-    """``path``'s host time over timm eager's, each without its aten GEMMs' CPU time (their arithmetic here)."""
+    """``path``'s host time over timm's (eager, or compiled for a compiled path), each without its aten GEMMs' CPU
+    time (their arithmetic here)."""
     return (path.step_us - path.gemm_us) / (timm.step_us - timm.gemm_us)
 
 
@@ -206,10 +213,11 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
     by = {r.path: r for r in results}
     lines.append("(of it GEMMs: the aten GEMMs' self CPU time in the least of 3 profiled steps, mostly their "
                  "arithmetic, which a GPU runs as one launch each; a rough figure)")
-    for path in ("vit_fast", "vit_fast_per_part"):
-        if path in by and "timm_eager" in by:
-            lines.append(f"{path} / timm eager host time: {by[path].step_us / by['timm_eager'].step_us:.2f}x; "
-                         f"without the GEMMs' CPU time: {host_ratio(by[path], by['timm_eager']):.2f}x")
+    for path, base in (("vit_fast", "timm_eager"), ("vit_fast_per_part", "timm_eager"),
+                       ("vit_fast_compile", "timm_compile")):
+        if path in by and base in by:
+            lines.append(f"{path} / {base.replace('_', ' ')} host time: {by[path].step_us / by[base].step_us:.2f}x; "
+                         f"without the GEMMs' CPU time: {host_ratio(by[path], by[base]):.2f}x")
     lines.append("(without the GEMMs: nearer a GPU's host work, where each GEMM is one launch; on the H200 of "
                  "2026-11-27, ViT-S/16 at batch 1 took vit_fast 35.9 ms per eager step and timm 20.3: 1.77x)")
     lines.append("(Triton's launcher and the CUDA launches, not run here, add to both on a GPU)")
@@ -223,7 +231,9 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vit-fast host", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="vit_base_patch16_224", help="preset (depth and head dim are kept)")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS + COMPILED_PATHS),
+                        help=f"default: {' '.join(PATHS)}; the compiled paths ({' '.join(COMPILED_PATHS)}) compile "
+                             "for 10-20 s each here")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported; default 20)")
     parser.add_argument("--top", type=int, default=12, help="ops listed per path (default 12)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -435,8 +435,8 @@ def item_launch(args) -> None:
     w, b = torch.ones(768, device=DEVICE), torch.zeros(768, device=DEVICE)
     qkv = torch.randn(1, 197, 3 * 768, device=DEVICE, dtype=dt)
     cases = {
-        "layer_norm_fwd": lambda: ln.add_layer_norm_fwd._init_fn(x, x, w, b, None, None, None, 1e-6, 0.0, None, None),
-        "attention_fwd": lambda: ai.attention_fwd._init_fn(qkv, 12, 0.125, 0.0, None, 197),
+        "layer_norm_fwd": lambda: ln.add_layer_norm_fwd.function(x, x, w, b, None, None, None, 1e-6, 0.0, None, None),
+        "attention_fwd": lambda: ai.attention_fwd.function(qkv, 12, 0.125, 0.0, None, 197),
     }
     for name, op in cases.items():
         def measure(name=name, op=op):

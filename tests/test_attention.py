@@ -760,11 +760,10 @@ class _Launches:
         class Aten(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 log.aten.append(func.__name__.split(".")[0])
-                if func.namespace == "vit_fast":  # run the custom op's body under the mode: see its aten ops
-                    from torch._library.custom_ops import _maybe_get_opdef
-
+                op = kutils.kernel_op_of(func)
+                if op is not None:  # run the operator's body under the mode: see its aten ops
                     with self:
-                        return _maybe_get_opdef(func._name)._init_fn(*args, **(kwargs or {}))
+                        return op.function(*args, **(kwargs or {}))
                 return func(*args, **(kwargs or {}))
 
         self.mode = Aten

@@ -223,9 +223,9 @@ def test_torch_compile_dropout_without_graph_breaks(monkeypatch):
                            monkeypatch)
     seed = torch.tensor([7])  # the custom ops take the seed tensor itself (schema, fake impl)
     x2, res2, gamma = x.detach().view(6, 64), res.detach().view(6, 64), randn(64, grad=False)
-    torch.library.opcheck(bg.bias_dropout_add_fwd, (x2, bias.detach(), res2, gamma, None, 0.5, seed),
+    torch.library.opcheck(bg.bias_dropout_add_fwd.default, (x2, bias.detach(), res2, gamma, None, 0.5, seed),
                           test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(bg.bias_dropout_add_bwd, (res2, x2, bias.detach(), gamma, None, 0.5, seed),
+    torch.library.opcheck(bg.bias_dropout_add_bwd.default, (res2, x2, bias.detach(), gamma, None, 0.5, seed),
                           test_utils=("test_schema", "test_faketensor"))
 
 

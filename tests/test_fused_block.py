@@ -278,9 +278,9 @@ def test_no_grad_runs_no_backward_work_and_frozen_parts_none(monkeypatch):
 
     def seen_through(call):
         def seen(op, *args):  # the MLP forward's store_dact flag; every attention backward
-            if op._name == "linear_act_fwd":
+            if op.name == "linear_act_fwd":
                 stored.append(args[-1])
-            if op._name.startswith("attention") and op._name.endswith("_bwd"):
+            if op.name.startswith("attention") and op.name.endswith("_bwd"):
                 backwards.append(1)
             return call(op, *args)
         return seen

@@ -15,3 +15,26 @@ def test_interpreter_active_parses_like_triton(monkeypatch, value):
 def test_interpreter_active_unset(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not interpreter_active()
+
+
+def test_every_operator_is_a_kernel_op_with_its_fake_and_no_autograd_kernel():
+    """Every ``vit_fast::`` operator is a ``KernelOp``: a dispatcher op whose one backend kernel is the launcher
+    function, with a fake kernel (torch.compile, fake tensors) and the pt2-compliant tag; no autograd kernel (the
+    autograd Functions own the gradients, and custom_op's Python autograd kernel cost 4-7 us a call)."""
+    import torch
+    from torch._library.simple_registry import singleton
+
+    from vit_fast._compat import custom_ops
+    from vit_fast.kernels._utils import KernelOp, kernel_op_of
+
+    ops = custom_ops()
+    assert len(ops) >= 18
+    for overload in ops:
+        op = kernel_op_of(overload)
+        assert isinstance(op, KernelOp) and op.default is overload, overload
+        assert singleton.find(op.qualname).fake_impl.kernel is not None, overload
+        assert torch.Tag.pt2_compliant_tag in overload.tags, overload
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.qualname, "Autograd"), overload
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.qualname, "CompositeExplicitAutograd"), overload
+    assert kernel_op_of(torch.ops.aten.add.Tensor) is None
+

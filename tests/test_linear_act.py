@@ -225,13 +225,14 @@ def test_torch_compile_fullgraph_and_custom_op_schemas():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     x, w1, b1, w2 = (t.detach() for t in leaves)
     x2 = x.view(10, 32)
-    torch.library.opcheck(la.linear_act_fwd, (x2, w1, b1, "gelu", True), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(la.linear_act_fwd, (x2, w1, None, "quick_gelu", False),
+    torch.library.opcheck(la.linear_act_fwd.default, (x2, w1, b1, "gelu", True),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(la.linear_act_fwd.default, (x2, w1, None, "quick_gelu", False),
                           test_utils=("test_schema", "test_faketensor"))
     dact = torch.rand(10, 64)
-    torch.library.opcheck(la.linear_act_bwd, (torch.randn(10, 16), dact, w2, b1),
+    torch.library.opcheck(la.linear_act_bwd.default, (torch.randn(10, 16), dact, w2, b1),
                           test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(la.linear_act_bwd, (torch.randn(10, 16), dact, w2, None),
+    torch.library.opcheck(la.linear_act_bwd.default, (torch.randn(10, 16), dact, w2, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 

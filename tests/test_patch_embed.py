@@ -385,8 +385,9 @@ def test_custom_ops_trace_under_compile():
     out = compiled(*(inputs[n] for n in NAMES))
     assert torch.equal(out, eager)
     args = tuple(inputs[n].detach() for n in NAMES)
-    torch.library.opcheck(patch_embed_fwd, args + (True, torch.float32), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(patch_embed_bwd, (torch.randn_like(eager),) + args + (True, True, False),
+    torch.library.opcheck(patch_embed_fwd.default, args + (True, torch.float32),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(patch_embed_bwd.default, (torch.randn_like(eager),) + args + (True, True, False),
                           test_utils=("test_schema", "test_faketensor"))
 
 

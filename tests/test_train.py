@@ -265,13 +265,13 @@ def test_fused_backend_trains_like_the_reference(tmp_path, monkeypatch):
     from vit_fast.kernels.layer_norm import add_layer_norm_fwd
 
     joins = []  # the residual joins fused with a LayerNorm (a residual given), per part or in a one-Function block
-    fused_join = add_layer_norm_fwd._init_fn  # what both paths call on plain tensors (run_op)
+    fused_join = add_layer_norm_fwd.function  # what both paths call on plain tensors (run_op)
 
     def counted(x, residual, *args):
         joins.extend([1] if residual is not None else [])
         return fused_join(x, residual, *args)
 
-    monkeypatch.setattr(add_layer_norm_fwd, "_init_fn", counted)
+    monkeypatch.setattr(add_layer_norm_fwd, "function", counted)
     steps = ["--batch-size", "8", "--stop-at-step", "3", "--log-every", "1", "--drop-path-rate", "0.1"]
 
     def losses(backend):

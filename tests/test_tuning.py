@@ -492,8 +492,8 @@ for only in (AI.one_launch_only, AI.stored_ds_only):
                       lambda: AI._launch_packed_bwd(grad_out, qkv, packed_out, lse, dqkv, H, 0.125, 0.0, None))
 from vit_fast.kernels import swiglu as sw
 gate, value = torch.randn(m, hid, dtype=bf16), torch.randn(m, hid, dtype=bf16)
-twice("swiglu_fwd", sw.swiglu_fwd._init_fn, gate, value)
-twice("swiglu_bwd", sw.swiglu_bwd._init_fn, dy[:, :1].expand(m, hid).contiguous(), gate, value, 1)
+twice("swiglu_fwd", sw.swiglu_fwd.function, gate, value)
+twice("swiglu_bwd", sw.swiglu_bwd.function, dy[:, :1].expand(m, hid).contiguous(), gate, value, 1)
 
 import os, sys
 from vit_fast.kernels import _tuning

@@ -168,11 +168,6 @@ def _quiet_interpreter_launches(executor: type) -> None:
 
 
 
-def custom_op_function(op) -> Callable:
-    """The Python function a ``torch.library.custom_op`` was made from (CustomOpDef._init_fn in torch 2.11 and
-    2.14; ``_namespace`` / ``_name`` name it): what the dispatcher ends up running for a plain tensor call."""
-    return op._init_fn
-
 # ------------------------------------------------------------------------------------------------ inductor
 INDUCTOR_LOWERING = "torch._inductor.lowering"
 OP_NAMESPACE = "vit_fast"

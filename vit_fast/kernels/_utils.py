@@ -1,19 +1,18 @@
-"""Launcher helpers shared by every kernel family: whether the Triton interpreter is on, input
-checks, device policy, dropout seeds, architecture lookup for the config tables and how many
-programs fill a GPU. Nothing here touches a device at import time.
+"""Launcher helpers shared by every kernel family: the ``vit_fast::`` operators (``kernel_op``), whether the
+Triton interpreter is on, input checks, device policy, dropout seeds, architecture lookup for the config tables
+and how many programs fill a GPU. Nothing here touches a device at import time.
 """
 from __future__ import annotations
 
 import math
 import os
 import threading
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-from vit_fast._compat import custom_op_function
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The values Triton's own getenv_bool (triton/_C, read by triton.knobs.runtime.interpret) takes as
@@ -70,6 +69,59 @@ _ENV_KEYS: dict = {}
 _ENV_MEANINGS: dict = {}  # (name, raw value, parse, default) -> meaning (a few in a process)
 
 
+# ------------------------------------------------------------------------------------------------ operators
+_LIBRARIES: dict = {}  # namespace -> its torch.library.Library fragment
+
+
+class KernelOp:
+    """A ``vit_fast::`` operator: a kernel launcher registered with the dispatcher (``torch.library.Library``:
+    its schema inferred from ``function``'s annotations, ``function`` its one backend kernel, its fake kernel from
+    ``register_fake``), what torch.compile's graphs, fake tensors, dispatch modes and profilers call. The autograd
+    Functions own the gradients, so no autograd kernel is registered: a dispatched call then costs 2-3 us above
+    ``function`` where a ``torch.library.custom_op``'s Python autograd and aliasing checks made it 6-9 us (CPU
+    check, docs/internals.md). Plain tensors with nothing tracing skip the dispatcher (``run_op``)."""
+
+    def __init__(self, qualname: str, function: Callable):
+        namespace, self.name = qualname.split("::")
+        self.qualname, self.function = qualname, function
+        library = _LIBRARIES.get(namespace)
+        if library is None:
+            library = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+        library.define(self.name + torch.library.infer_schema(function, mutates_args=()),
+                       tags=(torch.Tag.pt2_compliant_tag,))
+        library.impl(self.name, function, "CompositeExplicitAutograd")
+        self._library = library
+        self.default = getattr(getattr(torch.ops, namespace), self.name).default  # the OpOverload (opcheck's)
+        self.__doc__, self.__name__ = function.__doc__, function.__name__
+        _KERNEL_OPS[qualname] = self
+
+    def register_fake(self, fake: Callable) -> Callable:
+        """The shapes and dtypes of ``function``'s outputs without running it (a decorator, as custom_op's)."""
+        torch.library.register_fake(self.qualname, fake, lib=self._library)
+        return fake
+
+    def __call__(self, *args):
+        return self.default(*args)
+
+    def __repr__(self) -> str:
+        return f"KernelOp({self.qualname})"
+
+
+_KERNEL_OPS: dict = {}  # qualified name -> KernelOp
+
+
+def kernel_op_of(func) -> "KernelOp | None":
+    """The KernelOp behind a dispatcher operator (``torch.ops.vit_fast.name.default``, as a dispatch mode sees
+    it); None for any other operator."""
+    return _KERNEL_OPS.get(f"{getattr(func, 'namespace', '')}::{getattr(func, '_opname', '')}")
+
+
+def kernel_op(qualname: str) -> Callable[[Callable], KernelOp]:
+    """``@kernel_op("vit_fast::name")`` over a fully annotated launcher function defines the operator (tests define
+    theirs in another namespace)."""
+    return lambda function: KernelOp(qualname, function)
+
+
 class _Direct(threading.local):
     on = False  # set by ``direct_ops`` for this thread
 
@@ -98,16 +150,16 @@ def run_op(op, *args):
     custom op, whose fake implementation and schema they need."""
     tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
     if _direct.on and not tracing and not torch.autograd.profiler._is_profiler_enabled:
-        return custom_op_function(op)(*args)
+        return op.function(*args)
     if tracing:
         return op(*args)
     for a in args:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.device.type not in ("cuda", "cpu")):
             return op(*args)
     if torch.autograd.profiler._is_profiler_enabled:  # profiles (vit-fast host) still see the op by its name
-        with torch.profiler.record_function(f"{op._namespace}::{op._name}"):
-            return custom_op_function(op)(*args)
-    return custom_op_function(op)(*args)
+        with torch.profiler.record_function(op.qualname):
+            return op.function(*args)
+    return op.function(*args)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -124,7 +176,7 @@ def op_caller():
 
 
 def _call_directly(op, *args):
-    return custom_op_function(op)(*args)
+    return op.function(*args)
 
 
 def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:

@@ -73,7 +73,7 @@ from ._rows import (
     sum_partials_spec,
 )
 from ._tuning import KernelLaunch, bucket
-from ._utils import cdiv, check_kernel_device, next_power_of_2, run_op, unit_stride
+from ._utils import cdiv, check_kernel_device, kernel_op, next_power_of_2, run_op, unit_stride
 
 
 # -------------------------------------------------------------------------------------- jit kernels
@@ -233,7 +233,7 @@ def _gelu_fwd_plan(x: torch.Tensor, has_bias: bool, approximate: str) -> _tuning
 _GELU_FWD_PLANS = _tuning.LaunchPlans(_gelu_fwd_plan)
 
 
-@torch.library.custom_op("vit_fast::bias_gelu_fwd", mutates_args=())
+@kernel_op("vit_fast::bias_gelu_fwd")
 def bias_gelu_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str) -> torch.Tensor:
     """x: (M, N) with contiguous columns. Returns GELU(x + bias) (M, N) in x.dtype."""
     m, n = x.shape
@@ -281,7 +281,7 @@ def _gelu_bwd_plan(dy: torch.Tensor, x: torch.Tensor, bias_dtype: Optional[torch
 _GELU_BWD_PLANS = _tuning.LaunchPlans(_gelu_bwd_plan)
 
 
-@torch.library.custom_op("vit_fast::bias_gelu_bwd", mutates_args=())
+@kernel_op("vit_fast::bias_gelu_bwd")
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
                   approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     """dy, x: (M, N). Returns dx (M, N) in x.dtype and dbias (N,) in bias.dtype (empty without bias)."""
@@ -337,7 +337,7 @@ def _add_fwd_plan(x, residual, bias, gamma, sample_scale, p: float) -> _tuning.L
 _ADD_FWD_PLANS = _tuning.LaunchPlans(_add_fwd_plan)
 
 
-@torch.library.custom_op("vit_fast::bias_dropout_add_fwd", mutates_args=())
+@kernel_op("vit_fast::bias_dropout_add_fwd")
 def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                          gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor],
                          p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
@@ -395,7 +395,7 @@ def _add_bwd_plan(dout, x, bias, gamma, sample_scale, p: float, store_dx: bool) 
 _ADD_BWD_PLANS = _tuning.LaunchPlans(_add_bwd_plan)
 
 
-@torch.library.custom_op("vit_fast::bias_dropout_add_bwd", mutates_args=())
+@kernel_op("vit_fast::bias_dropout_add_bwd")
 def bias_dropout_add_bwd(dout: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
                          gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor],
                          p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,7 @@ from ._rows import (
     param_grad_dtype,
 )
 from ._tuning import KernelLaunch, bucket
-from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, next_power_of_2, run_op, unit_stride
+from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, kernel_op, next_power_of_2, run_op, unit_stride
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref, join_param_grads
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
@@ -255,7 +255,7 @@ def _fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype) -> _F
 _FWD_PLANS = _tuning.LaunchPlans(_fwd_plan)
 
 
-@torch.library.custom_op("vit_fast::add_layer_norm_fwd", mutates_args=())
+@kernel_op("vit_fast::add_layer_norm_fwd")
 def add_layer_norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
                        branch_bias: Optional[torch.Tensor], gamma: Optional[torch.Tensor],
                        sample_scale: Optional[torch.Tensor], eps: float, p: float,
@@ -338,7 +338,7 @@ def _bwd_plan(dy, dh_out, h, x, weight, bias, branch_bias, gamma, sample_scale, 
 _BWD_PLANS = _tuning.LaunchPlans(_bwd_plan)
 
 
-@torch.library.custom_op("vit_fast::add_layer_norm_bwd", mutates_args=())
+@kernel_op("vit_fast::add_layer_norm_bwd")
 def add_layer_norm_bwd(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor, x: torch.Tensor,
                        weight: torch.Tensor, bias: torch.Tensor, branch_bias: Optional[torch.Tensor],
                        gamma: Optional[torch.Tensor], sample_scale: Optional[torch.Tensor], mean: torch.Tensor,

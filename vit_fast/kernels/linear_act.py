@@ -64,7 +64,17 @@ from ._gemm import GROUP_M, GemmTile, column_halves, grouped_tile
 from ._math import ACTIVATIONS, act_fwd_bwd
 from ._rows import as_rows, bind_sum_partials, sum_partials_block_n, sum_partials_spec
 from ._tuning import KernelLaunch
-from ._utils import cdiv, check_float, check_kernel_device, check_ndim, gpu_arch, input_precision, run_op, unit_stride
+from ._utils import (
+    cdiv,
+    check_float,
+    check_kernel_device,
+    check_ndim,
+    gpu_arch,
+    input_precision,
+    kernel_op,
+    run_op,
+    unit_stride,
+)
 from .linear_act_tma import TmaTile, tma_compatible
 
 OP = "linear_act"
@@ -214,7 +224,7 @@ def linear_act_config(dtype: torch.dtype, arch: int, precision: str | None = Non
 
 
 # --------------------------------------------------------------------------- launchers
-@torch.library.custom_op("vit_fast::linear_act_fwd", mutates_args=())
+@kernel_op("vit_fast::linear_act_fwd")
 def linear_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
                    store_dact: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K), weight (N, K) in x's dtype, both with contiguous columns; bias (N,) or None. Returns
@@ -305,7 +315,7 @@ def _(x, weight, bias, activation, store_dact):
     return x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], n) if store_dact else (0, n))
 
 
-@torch.library.custom_op("vit_fast::linear_act_bwd", mutates_args=())
+@kernel_op("vit_fast::linear_act_bwd")
 def linear_act_bwd(dy: torch.Tensor, dact: torch.Tensor, weight: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """dy (M, N), dact = act'(u) (M, K), weight = w2 (N, K), all x's dtype with contiguous columns.

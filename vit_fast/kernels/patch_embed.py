@@ -80,6 +80,7 @@ from ._utils import (
     check_shape,
     compute_dtype_for,
     gpu_arch,
+    kernel_op,
     next_power_of_2,
     run_op,
 )
@@ -585,7 +586,7 @@ def _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_em
     return prefix + num_patches
 
 
-@torch.library.custom_op("vit_fast::patch_embed_fwd", mutates_args=())
+@kernel_op("vit_fast::patch_embed_fwd")
 def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
                     pos_embed_covers_prefix: bool, compute_dtype: torch.dtype,
@@ -645,7 +646,7 @@ def _grad_shapes(images, weight, bias, pos_embed, cls_token, reg_tokens, needs_d
             like(reg_tokens), like(images, needs_dimages)]
 
 
-@torch.library.custom_op("vit_fast::patch_embed_bwd", mutates_args=())
+@kernel_op("vit_fast::patch_embed_bwd")
 def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     pos_embed: torch.Tensor, cls_token: Optional[torch.Tensor], reg_tokens: Optional[torch.Tensor],
                     pos_embed_covers_prefix: bool, needs_dimages: bool, needs_proj_grads: bool = True,

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ._rows import RowTile
 from ._tuning import KernelLaunch, LaunchPlans
-from ._utils import cdiv, check_float, check_kernel_device, next_power_of_2, run_op
+from ._utils import cdiv, check_float, check_kernel_device, kernel_op, next_power_of_2, run_op
 
 
 @triton.jit
@@ -93,7 +93,7 @@ _FWD_LAUNCHES = LaunchPlans(lambda m, f: _bound_launch(_swiglu_fwd_kernel, m, f)
 _BWD_LAUNCHES = LaunchPlans(lambda m, f: _bound_launch(_swiglu_bwd_kernel, m, f))
 
 
-@torch.library.custom_op("vit_fast::swiglu_fwd", mutates_args=())
+@kernel_op("vit_fast::swiglu_fwd")
 def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a, b: (M, F) with unit column stride. Returns SiLU(a) * b, (M, F) contiguous in a.dtype."""
     m, f = a.shape
@@ -110,7 +110,7 @@ def _(a, b):
     return a.new_empty(a.shape)
 
 
-@torch.library.custom_op("vit_fast::swiglu_bwd", mutates_args=())
+@kernel_op("vit_fast::swiglu_bwd")
 def swiglu_bwd(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, packed: int) -> torch.Tensor:
     """dy, a, b: (M, F). Returns (M, 2F) = [da | db] (packed=1), [db | da] (packed=2, gate last) or
     (2, M, F) = stack(da, db) (packed=0: separate gate and value tensors)."""

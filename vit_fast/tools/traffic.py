@@ -190,12 +190,10 @@ class StepCounter(TorchDispatchMode):
 
     @staticmethod
     def _vit_fast_custom_op(func):
-        if not func.namespace.startswith("vit_fast"):
-            return None
-        from torch._library.custom_ops import _maybe_get_opdef
+        from vit_fast.kernels._utils import kernel_op_of
 
-        opdef = _maybe_get_opdef(func._name)
-        return None if opdef is None else opdef._init_fn
+        op = kernel_op_of(func)
+        return None if op is None else op.function
 
     # -- Triton interpreter --------------------------------------------------------------------
     def __enter__(self):

@@ -23,6 +23,7 @@ from .._utils import (
     dropout_rate,
     dropout_threshold,
     gpu_arch,
+    kernel_op,
     next_power_of_2,
     next_seed,
     run_op,
@@ -496,14 +497,14 @@ def _packed_bwd_fake(grad_out, qkv, qkv_bias, out, lse, num_heads, scale, dropou
     return torch.empty_like(qkv), qkv.new_empty(0) if qkv_bias is None else torch.empty_like(qkv_bias)
 
 
-@torch.library.custom_op("vit_fast::attention_fwd", mutates_args=())
+@kernel_op("vit_fast::attention_fwd")
 def attention_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor], query_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The flash family's packed forward (``_packed_fwd``)."""
     return _packed_fwd(_launch_packed_fwd, qkv, num_heads, scale, dropout_p, seed, query_rows)
 
 
-@torch.library.custom_op("vit_fast::attention_bwd", mutates_args=())
+@kernel_op("vit_fast::attention_bwd")
 def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor], out: torch.Tensor,
                   lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                   seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -512,14 +513,14 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[
                        dropout_p, seed)
 
 
-@torch.library.custom_op("vit_fast::attention_short_fwd", mutates_args=())
+@kernel_op("vit_fast::attention_short_fwd")
 def attention_short_fwd(qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                         seed: Optional[torch.Tensor], query_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The short-sequence family's packed forward (``_packed_fwd``)."""
     return _packed_fwd(_launch_short_packed_fwd, qkv, num_heads, scale, dropout_p, seed, query_rows)
 
 
-@torch.library.custom_op("vit_fast::attention_short_bwd", mutates_args=())
+@kernel_op("vit_fast::attention_short_bwd")
 def attention_short_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor],
                         out: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
                         seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -537,7 +538,7 @@ FAMILY_OPS = {"flash": (attention_fwd, attention_bwd), "short": (attention_short
 KERNELS = tuple(FAMILY_OPS)
 
 
-@torch.library.custom_op("vit_fast::attention_qkv_fwd", mutates_args=())
+@kernel_op("vit_fast::attention_qkv_fwd")
 def attention_qkv_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float,
                       seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Separate (B, H, N, D) q, k, v of any strides -> (out (B, H, N, D) contiguous, lse (B, H, N)).
@@ -554,7 +555,7 @@ def _(q, k, v, scale, dropout_p, seed):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("vit_fast::attention_qkv_bwd", mutates_args=())
+@kernel_op("vit_fast::attention_qkv_bwd")
 def attention_qkv_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, scale: float, dropout_p: float,
                       seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -49,6 +49,9 @@ step host 75 bash -c 'for p in vit_fast timm_eager; do python3 bench/gpu_probe.p
 # attention from packed qkv to its gradient per shape (issue 32): vit_fast's flash kernels, the stored-dS backward
 # (an autotuning candidate never timed on a GPU), the short family, SDPA's backends; CUDA-graph ms
 step attn 60 python3 bench/gpu_probe.py attn --dump-after 40
+# issue 30's batch-64 target where host work weighs most: ViT-S/16 b64 under torch.compile, timm's and vit_fast's
+# (the quick campaign measures batch 256 only), each row in its own process with the campaign's hang diagnosis
+step b64 120 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" bench --campaign --stages throughput --models vit_small_patch16_224 --batches 64 --paths timm_compile vit_fast_compile --budget 230 --out "$R/b64"
 # every part's candidates timed on ViT-B/16 b256, as JSON
 step tune 100 python3 -c "import sys; from vit_fast.tools.cli import main; sys.exit(main())" tune --model vit_base_patch16_224 --batch 256 --json "$R/tune_b16_b256.json"
 # the fused ops alone, kernel time (CUDA-graph replays) beside host-included calls: the full campaign's micro stage

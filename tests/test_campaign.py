@@ -214,3 +214,21 @@ def test_a_record_lists_the_files_it_holds(tmp_path, monkeypatch):
                                        "check.txt, tests.log, throughput.csv\n")
     assert sorted(p.name for p in record.with_suffix("").iterdir()) == ["campaign.json", "check.txt", "tests.log",
                                                                         "throughput.csv"]
+
+
+def test_the_throughput_stage_measures_the_cases_it_is_given(tmp_path, capsys):
+    """`--stages throughput --paths ... --batches ...`: the stage's cases from the command line (the GPU session's
+    batch-64 rows of issue 30); the dry run keeps its tiny model and batch but the paths given."""
+    parser = bench.build_parser()
+    args = parser.parse_args(["--campaign", "--stages", "throughput", "--models", "vit_small_patch16_224",
+                              "--batches", "64", "--paths", "timm_compile", "vit_fast_compile", "--out", "x"])
+    assert (args.models, args.batches, args.paths) == (["vit_small_patch16_224"], [64], ["timm_compile",
+                                                                                        "vit_fast_compile"])
+    assert campaign.THROUGHPUT_BATCHES == [64, 256]
+    out = tmp_path / "b64"
+    assert bench.main(["--campaign", "--stages", "throughput", "--dry-run", "--paths", "timm_eager", "vit_fast",
+                       "--budget", "600", "--out", str(out)]) == 0
+    with open(out / "throughput.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["path"] for r in rows) == ["timm_eager", "vit_fast"]
+    assert all(float(r["images_per_s"]) > 0 for r in rows)

@@ -35,6 +35,7 @@ PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_sdpa", "vit_fast_sh
 ROUTE_PATHS = {"vit_fast_sdpa": dict(attention="sdpa"), "vit_fast_short": dict(attention="short")}
 # Paths whose whole training step is captured in a CUDA graph (vit_fast.training.graphs.CudaGraphStep).
 GRAPH_PATHS = ("timm_graph", "vit_fast_graph")
+DEFAULT_MODELS, DEFAULT_BATCHES = ("vit_base_patch16_224",), (128,)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense tensor-core peaks (datasheet, SXM) for MFU; fp32 runs as TF32 at half the rate.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -204,11 +205,11 @@ def run(args) -> list[dict]:
     device = torch.cuda.get_device_name()
     meta = environment()
     rows = []
-    for preset in args.models:
+    for preset in args.models or DEFAULT_MODELS:
         for dtype_name in args.dtypes:
             peak = peak_tflops(device, DTYPES[dtype_name], args.peak_tflops)
-            for batch in args.batches:
-                for path in args.paths:
+            for batch in args.batches or DEFAULT_BATCHES:
+                for path in args.paths or PATHS:
                     row = measure(meta, preset, dtype_name, batch, path, args.steps, args.warmup, peak)
                     rows.append(row)
                     print(format_row(row), flush=True)
@@ -294,10 +295,16 @@ def plot(rows: list[dict], path: str, paths: tuple = PATHS, note: str = "") -> s
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="vit-fast bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["vit_base_patch16_224"], help="presets")
-    parser.add_argument("--batches", nargs="+", type=int, default=[128])
+    parser.add_argument("--models", nargs="+", default=None,
+                        help=f"presets (default {' '.join(DEFAULT_MODELS)}; with --campaign: the throughput stage's, "
+                             "default ViT-B/16, S/16 and L/16)")
+    parser.add_argument("--batches", nargs="+", type=int, default=None,
+                        help=f"(default {' '.join(map(str, DEFAULT_BATCHES))}; with --campaign: the throughput "
+                             "stage's, default 64 and 256)")
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS) + ["timm_graph"])
+    parser.add_argument("--paths", nargs="+", default=None, choices=list(PATHS) + ["timm_graph"],
+                        help="(default all but timm_graph; with --campaign: the throughput stage's, default the "
+                             "headline's paths, then the route candidates)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense peak for MFU if the GPU is not known")
@@ -307,7 +314,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     campaign.add_argument("--campaign", action="store_true",
                           help="the whole GPU campaign in <= 9 minutes: compiled-kernel tests, `vit-fast check` at "
                                "ViT-B/16 bf16, per-kernel micro-benchmarks, training throughput of S/B/L-16, all "
-                               "written under --out (CSV, JSON, PNG, summary.md); the other options are ignored")
+                               "written under --out (CSV, JSON, PNG, summary.md); of the other options only "
+                               "--models, --batches and --paths are read (the throughput stage's cases)")
     campaign.add_argument("--quick", action="store_true",
                           help="with --campaign: the headline only, in <= 5 minutes: env, then ViT-B/16 and ViT-S/16 "
                                "at batch 256 on every path (timm eager and compiled, vit_fast eager, compiled and "

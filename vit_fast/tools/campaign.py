@@ -16,7 +16,7 @@ work when its budget is spent and says what it skipped), a progress line each:
   tune        `vit-fast tune`'s table: every implementation of each part (vit_fast/route.py), each kernel's config
   check       ``vit-fast check --dtype bf16`` at full ViT-B/16 size (every kernel and the model vs float64)
   tests       the test suite on the compiled kernels (TRITON_INTERPRET unset), the kernel/model subset that fits
-  throughput  the remaining throughput cases (ViT-L/16; batch 128)
+  throughput  the remaining throughput cases (ViT-L/16; batch 64)
   report      DIR/campaign.json (everything), DIR/<stage>.csv, DIR/throughput.png, DIR/micro.png, DIR/summary.md,
               rewritten after every row (a killed campaign keeps what it measured); a real campaign from a
               checkout also writes docs/measured/<gpu>-<date>.md and its CSVs, ready to commit
@@ -56,7 +56,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -78,7 +78,7 @@ MICRO_SHAPES = [("B/16", "vit_base_patch16_224", 256, None), ("L/16", "vit_large
                 ("L/14", "vit_large_patch14_clip_224", 128, ("attention", "attention_short")),
                 ("B/16@384", "vit_base_patch16_384", 64, ("attention", "attention_short"))]
 THROUGHPUT_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224"]
-THROUGHPUT_BATCHES = [128, 256]
+THROUGHPUT_BATCHES = [64, 256]  # issue 30's batches: 64 is where host work shows, 256 the headline's
 # the issue's headline paths first; the route candidates (vit_fast/route.py) last, where a short budget cuts first
 THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_graph", "vit_fast_sdpa",
                     "vit_fast_short")
@@ -121,6 +121,10 @@ class Campaign:
     stages: dict = field(default_factory=dict)  # stage name -> status dict
     start: float = field(default_factory=time.perf_counter)
     stage_deadline: float = math.inf
+    # the throughput stage's cases where `--models`, `--batches`, `--paths` name them (None: its defaults)
+    models: Optional[list] = None
+    batches: Optional[list] = None
+    paths: Optional[list] = None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -578,7 +582,8 @@ def stage_headline(c: Campaign) -> dict:
 
 
 def stage_throughput(c: Campaign) -> dict:
-    """The other throughput cases (ViT-L/16, batch 128), after every other stage."""
+    """The other throughput cases (ViT-L/16, batch 64; or those --models, --batches, --paths name), after every
+    other stage."""
     return _throughput(c, headline=False)
 
 
@@ -594,9 +599,10 @@ def _throughput(c: Campaign, headline: bool) -> dict:
     elif headline:
         models, batches = QUICK_MODELS, QUICK_BATCHES
     else:
-        models, batches = THROUGHPUT_MODELS, THROUGHPUT_BATCHES
+        models, batches = c.models or THROUGHPUT_MODELS, c.batches or THROUGHPUT_BATCHES
+    paths = HEADLINE_PATHS if headline else (c.paths or THROUGHPUT_PATHS)
     # a CUDA graph needs a GPU: the dry run measures the other paths
-    paths = [p for p in (HEADLINE_PATHS if headline else THROUGHPUT_PATHS) if not (c.dry_run and p.endswith("graph"))]
+    paths = [p for p in paths if not (c.dry_run and p.endswith("graph"))]
     measured = {(r.get("model"), r.get("batch"), r.get("path")) for r in c.results.get("throughput", [])}
     # the uncompiled paths of every case first (seconds each), then the compiled ones while the budget lasts
     order = [(m, b, p) for p in paths if not p.endswith("compile") for m in models for b in batches]
@@ -923,6 +929,8 @@ def main(args) -> int:
             argv = ["--campaign", "--dry-run", "--out", args.out]
             argv += (["--budget", str(args.budget)] if args.budget else []) + (["--quick"] if quick else [])
             argv += ["--stages", *args.stages] if getattr(args, "stages", None) else []
+            for option in ("models", "batches", "paths"):
+                argv += [f"--{option}", *map(str, getattr(args, option))] if getattr(args, option, None) else []
             env = dict(os.environ, TRITON_INTERPRET="1")
             return subprocess.run([sys.executable, "-m", "vit_fast.tools.cli", "bench", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
@@ -938,7 +946,9 @@ def main(args) -> int:
         return 2
     total = sum(s.budget_s for s in stages)
     scale = (args.budget or total) / total
-    c = Campaign(out=args.out, dry_run=args.dry_run, scale=scale, device="cuda" if cuda else "cpu", quick=quick)
+    c = Campaign(out=args.out, dry_run=args.dry_run, scale=scale, device="cuda" if cuda else "cpu", quick=quick,
+                 models=getattr(args, "models", None), batches=getattr(args, "batches", None),
+                 paths=getattr(args, "paths", None))
     c.progress(f"vit-fast bench --campaign{' --quick' if quick else ''}{' --dry-run' if args.dry_run else ''}: "
                f"{len(stages)} stages, {total * scale:.0f} s budget, writing to {args.out}")
     for stage in stages:

@@ -89,3 +89,27 @@ def test_vit_b16_joint_graph_lowers_in_bounded_time():
     seconds = time.perf_counter() - start
     assert {r.graph for r in records} == {"forward", "backward"}
     assert seconds < 120, f"lowering ViT-B/16 took {seconds:.0f} s"
+
+
+def test_models_of_other_widths_compile_in_one_process_as_eager():
+    """A second and third model of another width and head dim compiled in the same process (fullgraph): dynamo
+    recompiles the model's forward and makes what changed dynamic, the attention scale included (a symbolic float
+    that a Python-side check must not call math.isfinite on); each matches its eager twin."""
+    torch._dynamo.reset()
+    for embed_dim, num_heads in ((64, 2), (96, 2), (128, 4)):  # head dims 32, 48, 32
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(vit_fast.create_model("vit_tiny_patch16_224", img_size=32, depth=1, num_classes=10,
+                                                embed_dim=embed_dim, num_heads=num_heads,
+                                                backend="triton").to(DEVICE))
+        eager, compiled = models
+        x = torch.randn(2, 3, 32, 32, device=DEVICE)
+        y = torch.tensor([1, 2], device=DEVICE)
+        eager(x[:1])  # the interpreter's first-call set-up happens outside the compiled region
+        F.cross_entropy(eager(x), y).backward()
+        loss = F.cross_entropy(torch.compile(compiled, fullgraph=True, backend="inductor")(x), y)
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), F.cross_entropy(eager(x), y).detach(), rtol=1e-4, atol=1e-5)
+        for (name, pc), pe in zip(compiled.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-5, msg=f"{embed_dim}: {name}")

@@ -38,3 +38,40 @@ def test_every_operator_is_a_kernel_op_with_its_fake_and_no_autograd_kernel():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.qualname, "CompositeExplicitAutograd"), overload
     assert kernel_op_of(torch.ops.aten.add.Tensor) is None
 
+
+
+def test_a_kernel_op_defined_again_replaces_the_first_and_takes_keywords():
+    """A module imported again (importlib.reload, IPython's autoreload) defines its operators again: the second
+    definition replaces the first. Arguments with defaults may be given by keyword, as with any torch operator."""
+    import torch
+
+    from vit_fast.kernels._utils import kernel_op
+
+    def first(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale
+
+    def second(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale + 1
+
+    op = kernel_op("vit_fast_test::redefined")(first)
+    assert torch.equal(op(torch.ones(2), scale=3.0), torch.full((2,), 3.0))
+    op = kernel_op("vit_fast_test::redefined")(second)
+    assert torch.equal(op(torch.ones(2), scale=3.0), torch.full((2,), 4.0))
+    assert torch.equal(torch.ops.vit_fast_test.redefined(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_a_double_backward_through_the_dispatcher_is_refused():
+    """Under a dispatch mode the Functions' backward reaches the operators through the dispatcher; with
+    create_graph=True autograd would have to differentiate them, and torch's fallback for an operator without an
+    autograd kernel only warns and leaves the gradient None: refused with what to do instead."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vit_fast.kernels.swiglu import swiglu
+
+    a, b = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    with FlopCounterMode(display=False):
+        ga, = torch.autograd.grad(swiglu(a, b).sum(), a)  # a first derivative is fine
+        assert ga.shape == a.shape
+        with pytest.raises(RuntimeError, match="vit_fast::swiglu_bwd: .*no second derivative.*backend='torch'"):
+            torch.autograd.grad(swiglu(a, b).sum(), a, create_graph=True)

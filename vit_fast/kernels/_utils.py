@@ -70,27 +70,28 @@ _ENV_MEANINGS: dict = {}  # (name, raw value, parse, default) -> meaning (a few 
 
 
 # ------------------------------------------------------------------------------------------------ operators
-_LIBRARIES: dict = {}  # namespace -> its torch.library.Library fragment
 
 
 class KernelOp:
     """A ``vit_fast::`` operator: a kernel launcher registered with the dispatcher (``torch.library.Library``:
     its schema inferred from ``function``'s annotations, ``function`` its one backend kernel, its fake kernel from
     ``register_fake``), what torch.compile's graphs, fake tensors, dispatch modes and profilers call. The autograd
-    Functions own the gradients, so no autograd kernel is registered: a dispatched call then costs 2-3 us above
-    ``function`` where a ``torch.library.custom_op``'s Python autograd and aliasing checks made it 6-9 us (CPU
-    check, docs/internals.md). Plain tensors with nothing tracing skip the dispatcher (``run_op``)."""
+    Functions own the gradients, so no autograd kernel is registered (``run_op`` refuses a dispatched call that
+    would need one): a dispatched call then costs 2-3 us above ``function`` where a ``torch.library.custom_op``'s
+    Python autograd and aliasing checks made it 6-9 us (CPU check, docs/internals.md). Plain tensors with nothing
+    tracing skip the dispatcher (``run_op``)."""
 
     def __init__(self, qualname: str, function: Callable):
         namespace, self.name = qualname.split("::")
         self.qualname, self.function = qualname, function
-        library = _LIBRARIES.get(namespace)
-        if library is None:
-            library = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+        previous = _KERNEL_OPS.get(qualname)
+        if previous is not None:  # its module imported again (importlib.reload, IPython's autoreload)
+            previous._library._destroy()
+        # one library fragment per operator: destroying it unregisters this operator alone
+        library = self._library = torch.library.Library(namespace, "FRAGMENT")
         library.define(self.name + torch.library.infer_schema(function, mutates_args=()),
                        tags=(torch.Tag.pt2_compliant_tag,))
         library.impl(self.name, function, "CompositeExplicitAutograd")
-        self._library = library
         self.default = getattr(getattr(torch.ops, namespace), self.name).default  # the OpOverload (opcheck's)
         self.__doc__, self.__name__ = function.__doc__, function.__name__
         _KERNEL_OPS[qualname] = self
@@ -100,8 +101,8 @@ class KernelOp:
         torch.library.register_fake(self.qualname, fake, lib=self._library)
         return fake
 
-    def __call__(self, *args):
-        return self.default(*args)
+    def __call__(self, *args, **kwargs):
+        return self.default(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"KernelOp({self.qualname})"
@@ -152,14 +153,26 @@ def run_op(op, *args):
     if _direct.on and not tracing and not torch.autograd.profiler._is_profiler_enabled:
         return op.function(*args)
     if tracing:
-        return op(*args)
+        return op(*args) if torch.compiler.is_compiling() else _dispatched(op, args)
     for a in args:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.device.type not in ("cuda", "cpu")):
-            return op(*args)
+            return _dispatched(op, args)
     if torch.autograd.profiler._is_profiler_enabled:  # profiles (vit-fast host) still see the op by its name
         with torch.profiler.record_function(op.qualname):
             return op.function(*args)
     return op.function(*args)
+
+
+def _dispatched(op, args: tuple):
+    """``op(*args)`` through the dispatcher (a dispatch mode, a tensor subclass), refusing a call that autograd
+    would have to differentiate: the operators have no autograd kernel (their Functions own the gradients), and
+    torch's fallback would only warn and leave the gradients None. It happens with a backward run under
+    ``create_graph=True`` (a double backward)."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        raise RuntimeError(f"{op.qualname}: vit_fast's fused kernels have no second derivative (a backward under "
+                           "create_graph=True, or an operator called with inputs that require grad in grad mode); "
+                           "backend='torch' runs the reference path, which autograd differentiates twice")
+    return op(*args)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

@@ -76,6 +76,11 @@ def _check_head_dim(op: str, head_dim: int) -> None:
 def _check_scale(op: str, scale: float | None) -> None:
     """The kernels mask padded keys with -inf before scaling (the scale rides in the exponent's FFMA), which holds
     for a positive finite scale only."""
+    if scale is not None and torch.compiler.is_compiling():
+        # dynamo may trace the scale as a symbolic float (a recompile for another model's scale makes it dynamic),
+        # which math.isfinite cannot take: the sign is checked when the graph runs
+        torch._check(scale > 0)
+        return
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{op}: expected scale a finite number > 0 or None (head_dim ** -0.5), got {scale!r}")
 

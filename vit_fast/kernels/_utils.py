@@ -70,8 +70,6 @@ _ENV_MEANINGS: dict = {}  # (name, raw value, parse, default) -> meaning (a few 
 
 
 # ------------------------------------------------------------------------------------------------ operators
-
-
 class KernelOp:
     """A ``vit_fast::`` operator: a kernel launcher registered with the dispatcher (``torch.library.Library``:
     its schema inferred from ``function``'s annotations, ``function`` its one backend kernel, its fake kernel from
@@ -144,11 +142,10 @@ class direct_ops:
 
 
 def run_op(op, *args):
-    """Call the custom op ``op`` from an autograd Function. On plain CUDA tensors (or CPU ones under the
-    interpreter) with nothing tracing, its Python function runs directly: the dispatcher's round trip through
-    the custom op (autograd redispatch, backend lookup) costs tens of microseconds per call and buys nothing
-    there. torch.compile, fake or meta tensors and dispatch modes (FakeTensorMode, counting modes) get the
-    custom op, whose fake implementation and schema they need."""
+    """Call the operator ``op`` (a ``KernelOp``) from an autograd Function. On plain CUDA tensors (or CPU ones
+    under the interpreter) with nothing tracing, its Python function runs directly: the dispatcher's round trip
+    buys nothing there. torch.compile, fake or meta tensors, tensor subclasses and dispatch modes (FakeTensorMode,
+    counting modes) get the dispatcher's operator, whose fake kernel and schema they need."""
     tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
     if _direct.on and not tracing and not torch.autograd.profiler._is_profiler_enabled:
         return op.function(*args)

@@ -146,11 +146,12 @@ def run_op(op, *args):
     under the interpreter) with nothing tracing, its Python function runs directly: the dispatcher's round trip
     buys nothing there. torch.compile, fake or meta tensors, tensor subclasses and dispatch modes (FakeTensorMode,
     counting modes) get the dispatcher's operator, whose fake kernel and schema they need."""
-    tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    compiling = torch.compiler.is_compiling()
+    tracing = compiling or _get_current_dispatch_mode() is not None
     if _direct.on and not tracing and not torch.autograd.profiler._is_profiler_enabled:
         return op.function(*args)
     if tracing:
-        return op(*args) if torch.compiler.is_compiling() else _dispatched(op, args)
+        return op(*args) if compiling else _dispatched(op, args)
     for a in args:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.device.type not in ("cuda", "cpu")):
             return _dispatched(op, args)

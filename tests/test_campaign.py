@@ -64,11 +64,19 @@ def test_dry_run_writes_every_file_and_stage(tmp_path, monkeypatch, capsys):
     profile = rows("profile")  # kernel time per op family, one process per path
     assert {r["path"] for r in profile} == set(campaign.PROFILE_PATHS) and {r["family"] for r in profile}
     assert all(float(r["kernel_ms_per_step"]) >= 0 and float(r["step_ms"]) > 0 for r in profile)
+    kernels = rows("profile_kernels")  # each path's slowest kernels by name, ranked
+    assert {r["path"] for r in kernels} == set(campaign.PROFILE_PATHS)
+    for path in campaign.PROFILE_PATHS:
+        mine = [r for r in kernels if r["path"] == path]
+        assert [int(r["rank"]) for r in mine] == list(range(1, len(mine) + 1))
+        assert len(mine) <= campaign.PROFILE_TOP_KERNELS and all(r["kernel"] and r["family"] for r in mine)
+        times = [float(r["kernel_ms_per_step"]) for r in mine]
+        assert times == sorted(times, reverse=True)
     for png in ("throughput.png", "micro.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     summary = (out / "summary.md").read_text()
     assert "DRY RUN" in summary and "vit_fast / timm eager" in summary and "x compiled" in summary
-    assert "Kernel time per op family" in summary
+    assert "Kernel time per op family" in summary and "Slowest kernels per path" in summary
     assert "| tune | ok |" in summary
 
 

@@ -9,7 +9,8 @@ work when its budget is spent and says what it skipped), a progress line each:
               (images/s, median step time and 10-90% spread, MFU, peak memory); uncompiled paths first, then
               compiled ones while the budget lasts
   profile     where the step's kernel time goes: torch.profiler per op family (GEMM, attention, norm, elementwise,
-              embed, other) for ViT-B/16 b256, timm eager, vit_fast, vit_fast on the SDPA route, timm compile
+              embed, other) and each path's slowest kernels by name, for ViT-B/16 b256: timm eager, vit_fast,
+              vit_fast on the SDPA route and on the short-sequence attention, timm compile
   micro       every fused op against the eager ops it replaces and torch.compile of those, forward and
               forward+backward, ViT-B/16 and ViT-L/16 shapes (batch 256), plain calls (host included) and CUDA-graph
               replays (kernel time), GB/s or TFLOP/s next to the measured peaks
@@ -96,6 +97,10 @@ FIRST_KERNELS_ALLOWANCE_S = 75.0
 MICRO_CASE_TIMEOUT_S = 60.0  # each micro case (fused op, eager, torch.compile of eager), before --budget scaling
 # compiled last: the longest
 PROFILE_PATHS = ("timm_eager", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "timm_compile")
+# Each profiled path's slowest kernels by name (DIR/profile_kernels.csv; the summary lists the first
+# PROFILE_KERNELS_SHOWN): a family total does not say which kernel or pass of it is slow.
+PROFILE_TOP_KERNELS = 25
+PROFILE_KERNELS_SHOWN = 10
 SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
 DRY_RUN_NOTE = "DRY RUN: CPU, tiny shapes, figures meaningless"
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
@@ -633,7 +638,8 @@ def _throughput(c: Campaign, headline: bool) -> dict:
 
 
 def profile_child(spec: dict) -> None:
-    """The child of stage_profile: one path's kernel time per op family ('ROW {json}' per family)."""
+    """The child of stage_profile: one path's kernel time per op family ('ROW {json}' per family), then its
+    slowest kernels by name ('KERNEL {json}', PROFILE_TOP_KERNELS of them)."""
     import faulthandler
 
     from vit_fast.tools.predict import profile_families
@@ -644,13 +650,19 @@ def profile_child(spec: dict) -> None:
         from vit_fast.tools.interpreter import install_bf16_shims
 
         install_bf16_shims()
+    from vit_fast.tools.predict import classify_kernel
+
     result = profile_families(spec["path"], spec["preset"], spec["batch"], torch.bfloat16, steps=spec["steps"],
                               warmup=spec["warmup"], device=spec["device"], compile_backend=spec["compile_backend"],
-                              **spec["overrides"])
+                              by_kernel=True, **spec["overrides"])
+    case = dict(model=spec["preset"], batch=spec["batch"], path=spec["path"])
     for family, f in result["families"].items():
-        print("ROW " + json.dumps(dict(model=spec["preset"], batch=spec["batch"], path=spec["path"], family=family,
-                                       kernel_ms_per_step=f["seconds"] * 1e3, launches_per_step=f["launches"],
-                                       step_ms=result["step_s"] * 1e3)), flush=True)
+        print("ROW " + json.dumps(dict(case, family=family, kernel_ms_per_step=f["seconds"] * 1e3,
+                                       launches_per_step=f["launches"], step_ms=result["step_s"] * 1e3)), flush=True)
+    for rank, (name, k) in enumerate(list(result["kernels"].items())[:PROFILE_TOP_KERNELS], 1):
+        print("KERNEL " + json.dumps(dict(case, rank=rank, kernel=name, family=classify_kernel(name),
+                                          kernel_ms_per_step=k["seconds"] * 1e3, launches_per_step=k["launches"])),
+              flush=True)
 
 
 def stage_profile(c: Campaign) -> dict:
@@ -658,6 +670,7 @@ def stage_profile(c: Campaign) -> dict:
     other) of ViT-B/16 at batch 256 for each of PROFILE_PATHS, each path in its own process."""
     preset, batch = (THROUGHPUT_MODELS[0], 2) if c.dry_run else (QUICK_MODELS[0], QUICK_BATCHES[0])
     rows = c.results.setdefault("profile", [])
+    kernel_rows = c.results.setdefault("profile_kernels", [])
     hung, failed, skipped = [], [], []
     for path in PROFILE_PATHS:
         timeout = _row_timeout(c, path)
@@ -672,6 +685,8 @@ def stage_profile(c: Campaign) -> dict:
             if line.startswith("ROW "):
                 rows.append(c.tagged(json.loads(line[4:])))
                 write_outputs(c)
+            elif line.startswith("KERNEL "):
+                kernel_rows.append(c.tagged(json.loads(line[len("KERNEL "):])))
 
         rc, stderr = stream_child(c, "profile", spec, timeout, on_line)
         if rc == "hung":
@@ -874,6 +889,19 @@ def summary(c: Campaign) -> str:
         steps = [next(r["step_ms"] for r in profile if r["path"] == p) for p in paths]
         lines += ["| kernels, total | " + " | ".join(f"{t:.2f}" for t in totals) + " |",
                   "| step (CUDA events) | " + " | ".join(f"{t:.2f}" for t in steps) + " |"]
+    kernels = c.results.get("profile_kernels", [])
+    if kernels:
+        lines += ["", f"## Slowest kernels per path, {kernels[0]['model']} b{kernels[0]['batch']} (torch.profiler, "
+                  f"ms per training step; first {PROFILE_KERNELS_SHOWN} of each, all "
+                  f"{PROFILE_TOP_KERNELS} in profile_kernels.csv)", "",
+                  "| path | kernel | family | ms per step | launches | ms per launch |", "|---|---|---|---|---|---|"]
+        for r in kernels:
+            if r["rank"] <= PROFILE_KERNELS_SHOWN:
+                name = r["kernel"] if len(r["kernel"]) <= 70 else r["kernel"][:67] + "..."
+                per_launch = r["kernel_ms_per_step"] / r["launches_per_step"] if r["launches_per_step"] else math.nan
+                lines.append(f"| {r['path']} | `{name.replace('|', '/')}` | {r['family']} | "
+                             f"{r['kernel_ms_per_step']:.3f} | {r['launches_per_step']:.0f} | "
+                             f"{_f(per_launch, '{:.4f}')} |")
     micro = c.results.get("micro", [])
     if micro:
         lines += ["", "## Fused kernels vs the eager ops they replace (median ms; speedup = baseline / vit_fast)", "",

@@ -113,3 +113,20 @@ def test_models_of_other_widths_compile_in_one_process_as_eager():
         torch.testing.assert_close(loss.detach(), F.cross_entropy(eager(x), y).detach(), rtol=1e-4, atol=1e-5)
         for (name, pc), pe in zip(compiled.named_parameters(), eager.parameters()):
             torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-5, msg=f"{embed_dim}: {name}")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the Triton interpreter's case: kernels on CPU tensors")
+def test_compiling_before_any_eager_call_runs_under_the_interpreter():
+    """A fresh process whose first call is the compiled model: dynamo traces the device check before any kernel ran,
+    which must not try to patch the interpreter (triton 3.6's fix for numpy >= 2.4) while tracing (torch 2.11
+    failed on the patch's setattr); the op's call at run time patches it."""
+    code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "import torch, vit_fast\n"
+            "m = vit_fast.create_model('vit_tiny_patch16_224', img_size=32, depth=1, num_classes=10, "
+            "backend='triton')\n"
+            "out = torch.compile(m, backend='eager', fullgraph=True)(torch.randn(2, 3, 32, 32))\n"
+            "out.sum().backward()\n"
+            "print(tuple(out.shape), all(p.grad is not None for p in m.parameters() if p.requires_grad))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "(2, 10) True"

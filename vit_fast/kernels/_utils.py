@@ -200,7 +200,8 @@ def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
     if device.type == "cuda":
         return device
     if device.type == "cpu" and interpreter_active():
-        if not _interpreter_fixed:
+        # not while dynamo traces (it cannot trace the patching); the op's call at run time installs it
+        if not _interpreter_fixed and not torch.compiler.is_compiling():
             _fix_interpreter()
         return device
     raise RuntimeError(

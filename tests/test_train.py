@@ -440,3 +440,20 @@ def test_checkpoint_without_manifest_is_checked_for_readable_files(reference, tm
     state.write_bytes(state.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=f"{state}: truncated or damaged torch.save file"):
         ckpt.verify_checkpoint(tmp_path / "old")
+
+
+def test_the_loop_copies_nothing_from_the_host_per_step(tmp_path, monkeypatch):
+    """torch.tensor(..., device=...) in the step loop is a host-to-device copy from pageable memory: on a GPU a
+    synchronisation per step, which stalls a CUDA-graph run's replays behind the data loading. The loop builds its
+    metrics on the device; only the logging steps read them back."""
+    real, made = torch.tensor, []
+
+    def spy(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if kwargs.get("device") is not None and caller.endswith(os.path.join("training", "train.py")):
+            made.append(sys._getframe(1).f_lineno)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", spy)
+    summary = run(tmp_path, "--epochs", "1", "--stop-at-step", "6", "--log-every", "3", "--ckpt-every", "1000")
+    assert summary["steps"] == 6 and made == []

@@ -109,6 +109,9 @@ def time_training(model, batch: int, dtype: torch.dtype, img_size: int, num_clas
     if graph:
         from vit_fast.training.graphs import CudaGraphStep
 
+        if cuda:  # the peak is this path's: its warm-up and capture, not what ran before in the process
+            torch.cuda.reset_peak_memory_stats()
+
         captured = CudaGraphStep(model, opt, loss_fn, inputs[0], labels[0],
                                  amp_dtype=None if dtype == torch.float32 else dtype, warmup_steps=max(warmup, 1))
         warmup = 0

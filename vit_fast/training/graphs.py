@@ -13,18 +13,24 @@ graph gains 0.6%.
 The rules a captured step must follow, checked before capture with a clear error:
   - model, batches and optimizer state on one CUDA device; every batch the shape and dtype of the example
     (a graph replays fixed addresses: the last, smaller batch of an epoch must be dropped or padded);
-  - an optimizer whose step is capturable: ``capturable=True`` (Adam, AdamW, SGD's foreach/fused paths honour it);
+  - an optimizer whose step is capturable and whose fresh state is all zeros (``ZERO_STATE_OPTIMIZERS``: Adam,
+    AdamW, Adamax, RAdam, RMSprop, built with ``capturable=True``; torch's SGD has no capturable step), its
+    learning rate a float (fixed in the graph) or a tensor on the model's device (what a schedule fills in place);
   - no host synchronisation inside the step: gradient clipping through ``clip_grad_norm_`` (device-side, no
     ``.item()``) is fine, a GradScaler (fp16) is not supported here (its inf checks sync): use bf16;
   - dropout is graph-safe: the fused kernels read their Philox seed from a tensor drawn on the device inside
     the step (``kernels/_utils.next_seed``), so each replay draws fresh masks, as stochastic depth and torch's
     own dropout do; ``torch.manual_seed`` before construction still reproduces a run.
 
-The warm-up steps (kernel compilation, optimizer state) run on the example batch; the weights and optimizer state
-are put back afterwards, so the first call is the first step and the run trains as the eager loop would. Replays
-share the captured tensors: the returned loss, ``outputs`` (the logits) and every gradient are overwritten by the
-next call. A learning-rate schedule reaches a captured step only through a tensor learning rate
-(``AdamW(params, lr=torch.tensor(lr, device=...), capturable=True)``; schedulers fill it in place).
+The warm-up steps (kernel compilation, optimizer state) run on the example batch; the weights, the optimizer state
+and the random generators are put back afterwards, so the first call is the first step and the run trains as the
+eager loop would, dropout masks included. Replays share the captured tensors: the returned loss, ``outputs`` (the
+logits) and every gradient are overwritten by the next call. A learning-rate schedule reaches a captured step only
+through a tensor learning rate on the device (``AdamW(params, lr=torch.tensor(lr, device=...), capturable=True)``;
+schedulers fill it in place). The graph holds the addresses of the optimizer's tensors: load a checkpoint's
+optimizer state before building the step, then ``restore_capturable`` (``load_state_dict`` installs the
+checkpoint's groups, its learning rate and capturable flag included); loading it into a captured step's optimizer
+afterwards replaces tensors the graph no longer sees.
 """
 from __future__ import annotations
 
@@ -34,6 +40,12 @@ import torch
 import torch.nn as nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# Capturable optimizers whose fresh state is all zeros, which is what the warm-up's state is reset to (NAdam's
+# mu_product starts at 1, ASGD's eta and Rprop's step sizes at the learning rate: refused, not silently reset wrong).
+ZERO_STATE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.RAdam,
+                         torch.optim.RMSprop)
 
 
 def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer, *tensors: torch.Tensor) -> torch.device:
@@ -49,12 +61,36 @@ def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer, *tensor
             where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"CudaGraphStep: expected every batch tensor on {device} (the model's device), "
                              f"got {where}")
+    if not isinstance(optimizer, ZERO_STATE_OPTIMIZERS):
+        names = ", ".join(cls.__name__ for cls in ZERO_STATE_OPTIMIZERS)
+        raise ValueError(f"CudaGraphStep: expected one of {names} (a capturable step whose fresh state is all zeros, "
+                         f"which the warm-up's state is reset to), got {type(optimizer).__name__}")
     for group in optimizer.param_groups:
         if group.get("capturable") is not True:
             raise ValueError(f"CudaGraphStep: expected an optimizer built with capturable=True (e.g. "
                              f"torch.optim.AdamW(params, fused=True, capturable=True)), got {type(optimizer).__name__} "
                              f"with capturable={group.get('capturable')}")
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor) and lr.device != device:
+            raise ValueError(f"CudaGraphStep: expected the learning rate as a float or a tensor on {device}, got a "
+                             f"tensor on {lr.device}: the graph would read it once, at capture, and no schedule "
+                             f"would reach the replays (after optimizer.load_state_dict, call restore_capturable)")
     return device
+
+
+def restore_capturable(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """After ``optimizer.load_state_dict`` (or torch.distributed.checkpoint's ``set_optimizer_state_dict``), which
+    installs the checkpoint's param groups: every group capturable again, its learning rate a tensor on ``device``
+    holding the loaded value (a schedule fills it in place; a checkpoint brings a float, or a CPU tensor), and the
+    step counters float32 on their parameters' device, as a capturable optimizer keeps them. Call it before
+    building the ``CudaGraphStep``."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 class CudaGraphStep:
@@ -73,13 +109,20 @@ class CudaGraphStep:
         self.device = check_capturable(model, optimizer, example_inputs, example_targets)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.amp_dtype, self.max_grad_norm = amp_dtype, max_grad_norm
+        with torch.cuda.device(self.device):  # the model's device, whichever is current
+            self._capture(example_inputs, example_targets, warmup_steps)
+
+    def _capture(self, example_inputs: torch.Tensor, example_targets: torch.Tensor, warmup_steps: int) -> None:
+        model, optimizer = self.model, self.optimizer
         self.inputs = example_inputs.clone()
         self.targets = example_targets.clone()
-        # The warm-up steps update the weights; put them and the optimizer state back after capture (which runs
-        # nothing), so the first replay is the first step and a captured run trains exactly as an eager one.
+        # The warm-up steps update the weights and draw random numbers; put the weights, the optimizer state and
+        # the generators back after capture (which runs nothing), so the first replay is the first step and a
+        # captured run trains exactly as an eager one, dropout masks included.
         weights = [p.detach().clone() for p in model.parameters()]
         state_before = {id(t): t.detach().clone() for st in optimizer.state.values() for t in st.values()
                         if isinstance(t, torch.Tensor)}
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.device)
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -91,8 +134,13 @@ class CudaGraphStep:
 
         self.graph = torch.cuda.CUDAGraph()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are allocated inside the graph's pool
-        with torch.cuda.graph(self.graph):
+        # the warm-up's freed activations go back to the device: blocks cached now stay out of the graph's pool
+        torch.cuda.empty_cache()
+        # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread) do not invalidate the capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.loss = self._step()
+        torch.set_rng_state(rng[0])
+        torch.cuda.set_rng_state(rng[1], self.device)
         with torch.no_grad():
             for p, w in zip(model.parameters(), weights):
                 p.copy_(w)
@@ -124,5 +172,6 @@ class CudaGraphStep:
                                  f"pad the last batch (DataLoader(drop_last=True))")
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
-        self.graph.replay()
+        with torch.cuda.device(self.device):  # replays on the current stream of the graph's device
+            self.graph.replay()
         return self.loss

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from ..interop.convert import load_state_dict
 from . import checkpoint as ckpt
 from .data import DATASETS, DataInfo, build_datasets, build_loaders
-from .graphs import CudaGraphStep
+from .graphs import CudaGraphStep, restore_capturable
 from .metrics import MetricsLog, plot_curves
 
 log = logging.getLogger("vit_fast.training.train")
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cuda-graph", action="store_true",
                    help="capture the whole training step (forward, loss, backward, clipping, AdamW) in a CUDA graph "
                         "and replay it: no per-step host work (one CUDA process, --accum-steps 1, --amp bf16 or off; "
-                        "fused dropout must be 0; vit_fast.training.graphs)")
+                        "dropout and drop-path draw fresh masks every step; vit_fast.training.graphs)")
     m.add_argument("--grad-checkpointing", action="store_true", help="recompute block activations in backward")
     m.add_argument("--init-from", metavar="timm:NAME|hf:NAME|file:PATH",
                    help="start from converted weights (hub names must already be in the local cache)")
@@ -190,7 +190,8 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.cuda_graph:
         wrong = [f"--accum-steps {args.accum_steps} (expected 1)"] * (args.accum_steps != 1) + \
             ["--amp fp16 (its GradScaler synchronises the host; use bf16)"] * (args.amp == "fp16") + \
-            ["--compile (torch.compile(mode='reduce-overhead') is the compiled way to graphs)"] * args.compile + \
+            ["--compile (--cuda-graph captures the uncompiled step; in your own loop torch.compile(mode="
+             "'reduce-overhead') is the compiled way to graphs)"] * args.compile + \
             ["--fsdp"] * args.fsdp
         if wrong:
             parser.error(f"argument --cuda-graph: not with {', '.join(wrong)}")
@@ -486,6 +487,8 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     if state is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
+        if args.cuda_graph:  # the checkpoint's groups replaced the run's: capturable, lr a device tensor again
+            restore_capturable(optimizer, world.device)
         if scaler.is_enabled() and state["scaler"]:   # empty when the checkpoint ran without fp16
             scaler.load_state_dict(state["scaler"])
         step, last_eval_epoch, best_acc = state["step"], state["last_eval_epoch"], state["best_acc"]
@@ -578,7 +581,7 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                             loss = criterion(logits.float(), labels)
                             scaler.scale(loss / accum).backward()
                     window += torch.stack([loss.detach() * len(labels), (logits.argmax(-1) == labels).sum(),
-                                           torch.tensor(len(labels), device=world.device)])
+                                           torch.full((), len(labels), device=world.device)])  # no H2D copy
                 if not args.cuda_graph:
                     if args.clip_grad > 0:
                         scaler.unscale_(optimizer)

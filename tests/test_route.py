@@ -129,7 +129,9 @@ def test_measured_table_names_its_sources_and_follows_its_rule():
 def test_rule_ignores_noise_and_never_defaults_to_a_nondeterministic_route():
     assert choice_from_times("mlp", {"fused": 1.0, "eager": 0.98}, 0.03) == "fused"
     assert choice_from_times("mlp", {"fused": 1.0, "eager": 0.90, "bias_gelu": 0.80}, 0.03) == "bias_gelu"
-    assert choice_from_times("attention", {"fused": 1.0, "sdpa": 0.5, "eager": 0.9}, 0.03) == "eager"
+    # both SDPA routes (its backward is not bitwise repeatable on CUDA) are left out, however fast
+    assert choice_from_times("attention", {"fused": 1.0, "sdpa": 0.5, "eager": 0.9}, 0.03) == "fused"
+    assert choice_from_times("attention", {"fused": 1.0, "short": 0.8, "sdpa": 0.5, "eager": 0.6}, 0.03) == "short"
 
 
 def test_deterministic_mode_keeps_tuning_off_the_nondeterministic_route():
@@ -139,7 +141,7 @@ def test_deterministic_mode_keeps_tuning_off_the_nondeterministic_route():
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert tuning.candidates_for("attention") == ("fused", "short", "eager")
+        assert tuning.candidates_for("attention") == ("fused", "short")
     finally:
         torch.use_deterministic_algorithms(was)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import multiprocessing
+import os
 import warnings
 
 import pytest
@@ -890,7 +891,7 @@ def test_a_forcing_switch_holds_in_other_threads_too():
 def test_a_launch_plan_keeps_a_settled_choice_and_forgets_it_with_the_state(cpu_tuning, monkeypatch, tmp_path):
     """``LaunchPlan.choose`` (the launchers' hot path) gives what ``choose`` gives: once decided it no longer asks,
     and a new tuning state (``overridden``), ``set_autotune``, ``install_decisions`` or the switch's environment
-    variable make it ask again; an unsettled static fallback (nothing may be timed) is not kept."""
+    variable make it ask again; a rank of a distributed job keeps its answer until rank 0's broadcast."""
     built = []
     plan = _tuning.LaunchPlan("op_plan", ("key",), CANDIDATES, lambda cfg: built.append(cfg) or (lambda: cfg))
     assert plan.bind(("wide", 128))() == plan.bind(("wide", 128))() == ("wide", 128) and built == [("wide", 128)]
@@ -920,7 +921,77 @@ def test_a_launch_plan_keeps_a_settled_choice_and_forgets_it_with_the_state(cpu_
         monkeypatch.setattr(_tuning, "distributed_world", lambda: 2)  # a rank that must not decide alone
         assert plan.choose(CPU, launch) == ("static", 64)
         calls = len(asked)
-        assert plan.choose(CPU, launch) == ("static", 64) and len(asked) == calls + 1  # not kept
+        # kept: a rank's answer changes only with rank 0's broadcast, which bumps the version
+        assert plan.choose(CPU, launch) == ("static", 64) and len(asked) == calls
+        _tuning.install_decisions({_tuning.entry_key("op_plan", ("key",)): _tuning.describe(("wide", 128))})
+        assert plan.choose(CPU, launch) == ("wide", 128) and len(asked) == calls + 1
+        assert plan.choose(CPU, launch) == ("wide", 128) and len(asked) == calls + 1
     forced = []
     monkeypatch.setattr(_tuning, "choose", lambda *a, **k: forced.append(a[0]) or ("narrow", 32))
     assert plan.choose(CPU, launch) == ("narrow", 32) and forced == ["op_plan"]  # a replaced choose is asked
+
+
+class _CallingTimer:
+    """Calls fn ``reps`` times (as do_bench's repetitions vary with the measured time) and reports 1 ms."""
+
+    def __init__(self, reps):
+        self.reps = reps
+
+    def __call__(self, fn, label):
+        for _ in range(self.reps):
+            fn()
+        return 1.0
+
+
+def test_measuring_the_parts_leaves_the_random_generators_as_they_were(cpu_tuning, tmp_path):
+    """The timed runs draw dropout seeds and drop-path masks, as many as the timer repeats them: tuning leaves the
+    caller's generator where it was, so a run that measured trains with the masks of a run that read the cache."""
+    for reps in (2, 3):
+        model = tiny_model(drop_path_rate=0.1, proj_drop_rate=0.1, attn_drop_rate=0.1)
+        torch.manual_seed(123)
+        before = torch.get_rng_state()
+        with cpu_tuning(_CallingTimer(reps), cache_dir=tmp_path / f"reps{reps}"):
+            tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+        assert torch.equal(torch.get_rng_state(), before), reps
+
+
+def test_a_choice_timed_out_of_device_memory_is_not_cached(cpu_tuning, tmp_path):
+    """An out-of-memory while timing (the step's peak plus the timer's flush buffer) says nothing lasting about the
+    candidates: the static fallback is used in this process and nothing is written to the disk cache."""
+    def out_of_memory(fn, label):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with cpu_tuning(out_of_memory, cache_dir=tmp_path / "oom"):
+        assert _tuning.choose("op_oom", 1, CANDIDATES, lambda c: None, CPU, module=__name__) == CANDIDATES[0]
+        assert _tuning.entry_key("op_oom", 1) not in _tuning.cache_for(CPU).entries()
+
+
+@pytest.mark.parametrize("failure", ["ptxas", "mlir"])
+def test_a_candidate_that_fails_to_build_is_skipped(cpu_tuning, failure):
+    """ptxas rejecting a candidate (PTXASError) or an MLIR pass failing on it: that candidate is timed as infinitely
+    slow, the others still compete (it was fatal to the first training step)."""
+    from triton.runtime import errors
+
+    if failure == "ptxas" and not hasattr(errors, "PTXASError"):
+        pytest.skip("this triton has no PTXASError")
+
+    def timer(fn, label):
+        if "narrow" in label:
+            raise (errors.PTXASError("ptxas fatal (simulated)") if failure == "ptxas"
+                   else RuntimeError("PassManager::run failed (simulated)"))
+        return 2.0 if "static" in label else 1.0
+
+    with cpu_tuning(timer):
+        assert _tuning.choose(f"op_{failure}", 1, CANDIDATES, lambda c: None, CPU, module=__name__) == ("wide", 128)
+
+
+def test_the_cache_file_is_readable_as_the_umask_allows(cpu_tuning, tmp_path):
+    """A cache folder shared between users: the file is created as open() would (mkstemp's is 0600)."""
+    umask = os.umask(0o022)
+    try:
+        with cpu_tuning(FakeTimer(static=1.0, wide=2.0, narrow=3.0), cache_dir=tmp_path / "shared"):
+            _tuning.choose("op_mode", 1, CANDIDATES, lambda c: None, CPU, module=__name__)
+            path = _tuning.cache_for(CPU).path
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o644

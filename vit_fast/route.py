@@ -11,7 +11,8 @@ least one library path with the same numerics contract (tests/test_route.py comp
                sdpa       qkv GEMM + torch's SDPA (cuDNN / flash) on strided views of the packed qkv, the three
                           gradients written into one packed d(qkv) (vit_fast/sdpa.py); not bitwise repeatable
                           on CUDA (the library backward may use atomics)
-               eager      qkv GEMM + SDPA as timm writes it (split, permute, SDPA; autograd's copies back)
+               eager      qkv GEMM + SDPA as timm writes it (split, permute, SDPA; autograd's copies back); the
+                          same SDPA backward, so not bitwise repeatable on CUDA either
   mlp          fused      ``linear_act`` (fc1 as a Triton GEMM with bias + GELU epilogue, fc2 on cuBLAS)
                bias_gelu  fc1 on cuBLAS, then the ``bias_gelu`` kernel, fc2 on cuBLAS
                eager      fc1 on cuBLAS with its bias, torch's GELU, fc2
@@ -47,8 +48,9 @@ PART_IMPLS: dict[str, tuple[str, ...]] = {  # the first implementation is the st
     "join": ("fused", "eager"),
 }
 # implementations that are not bitwise repeatable on CUDA: never a default, skipped by tuning while
-# torch.use_deterministic_algorithms is on
-NONDETERMINISTIC = {("attention", "sdpa")}
+# torch.use_deterministic_algorithms is on. Both attention routes through torch's SDPA: its backward measured not
+# bitwise repeatable at 257+ tokens (H200, docs/measured/nvidia-h200-2026-11-27-2156.md)
+NONDETERMINISTIC = {("attention", "sdpa"), ("attention", "eager")}
 
 
 @dataclasses.dataclass(frozen=True)

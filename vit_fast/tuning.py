@@ -195,20 +195,23 @@ def measure_fusions(model: nn.Module, batch_size: int, dtype: torch.dtype,
     if not _tuning.can_time(device):
         return [FusionRow(op, None, before.choices()[op], candidates_for(op)) for op in names]
     rows = []
-    builders = _benchmarks(vit, batch_size, dtype)
-    try:
-        for op in names:
-            candidates = candidates_for(op)
-            times = []
-            for candidate in candidates:
-                set_fusion_choices(vit, {op: candidate})
-                run = builders[op]()
-                run()  # warm-up outside the timer: compiles and picks the kernels' configs
-                times.append(float(_tuning._state.timer(run, f"fusion:{op}:{candidate}")))
-            best = min(range(len(times)), key=lambda i: (times[i], i))  # ties: the earlier (static first)
-            rows.append(FusionRow(op, tuple(times), candidates[best], candidates))
-    finally:
-        apply_route(vit, before, explicit=was_explicit)
+    # the timed runs draw dropout seeds and masks, as many as the timer repeats them: the caller's generators are
+    # left as they were, so a run that measured trains as one that read the cache
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        builders = _benchmarks(vit, batch_size, dtype)
+        try:
+            for op in names:
+                candidates = candidates_for(op)
+                times = []
+                for candidate in candidates:
+                    set_fusion_choices(vit, {op: candidate})
+                    run = builders[op]()
+                    run()  # warm-up outside the timer: compiles and picks the kernels' configs
+                    times.append(float(_tuning._state.timer(run, f"fusion:{op}:{candidate}")))
+                best = min(range(len(times)), key=lambda i: (times[i], i))  # ties: the earlier (static first)
+                rows.append(FusionRow(op, tuple(times), candidates[best], candidates))
+        finally:
+            apply_route(vit, before, explicit=was_explicit)
     return rows
 
 

@@ -301,6 +301,9 @@ class TuningCache:
                 data = {"format": CACHE_FORMAT, "env": self.env, "entries": entries}
                 fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
                 try:
+                    umask = os.umask(0)
+                    os.umask(umask)
+                    os.fchmod(fd, 0o666 & ~umask)  # as open() would create it (mkstemp's is 0600)
                     with os.fdopen(fd, "w") as f:
                         json.dump(data, f, indent=1, sort_keys=True)
                         f.flush()
@@ -549,9 +552,16 @@ class LaunchPlan:
         if state is _state and version == _version and was_enabled == enabled and chooser is choose:
             return cfg
         cfg = choose(self.op, self.key, self.candidates, launch, device)
-        if len(self.candidates) == 1 or not enabled or (self.op, self.key, device.type) in _state.fast:
+        if (len(self.candidates) == 1 or not enabled or (self.op, self.key, device.type) in _state.fast
+                or _settled_in_distributed(self.op, self.key, device)):
             self.memo = (_state, _version, enabled, choose, cfg)
         return cfg
+
+
+def _settled_in_distributed(op: str, key: Any, device: torch.device) -> bool:
+    """Under torch.distributed a rank never times alone: what it launches is rank 0's broadcast choice or the static
+    config, and a broadcast (``install_decisions``) bumps the version, which makes every plan ask again."""
+    return device.type in _state.device_types and not _state.local_in_distributed and distributed_world() > 1
 
 
 # ---------------------------------------------------------------------------------------- choose
@@ -561,12 +571,15 @@ def describe(candidate: Any) -> str:
 
 
 def _failed(e: BaseException) -> bool:
-    """A candidate that cannot run on this GPU (too much shared memory, a compile error, or, for one that allocates
-    a workspace, no device memory left for it) is skipped."""
+    """A candidate that cannot run on this GPU (too much shared memory, a compile error: Triton's front end, ptxas,
+    or an MLIR pass, or, for one that allocates a workspace, no device memory left for it) is skipped."""
     from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
+    from triton.runtime import errors
 
-    return isinstance(e, (OutOfResources, CompilationError, torch.cuda.OutOfMemoryError))
+    build_errors = tuple(getattr(errors, name) for name in ("OutOfResources", "PTXASError") if hasattr(errors, name))
+    if isinstance(e, (CompilationError, torch.cuda.OutOfMemoryError, *build_errors)):
+        return True
+    return isinstance(e, RuntimeError) and "PassManager::run failed" in str(e)  # an MLIR lowering failure
 
 
 def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any],
@@ -607,13 +620,14 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
     if not can_time(device):
         return candidates[0]
     _compile_ahead(candidates, launch, device)
-    times = []
+    times, out_of_memory = [], False
     for c, name in zip(candidates, names):
         try:
             times.append(float(_state.timer(lambda c=c: launch(c), f"{op}:{name}")))
         except Exception as e:  # noqa: BLE001  (re-raised unless the candidate just cannot run here)
             if not _failed(e):
                 raise
+            out_of_memory |= isinstance(e, torch.cuda.OutOfMemoryError)
             times.append(float("inf"))
     best = min(range(len(times)), key=lambda i: (times[i], i))  # ties: the earlier (static first)
     record = TuneRecord(op, ekey, tuple(names), tuple(times), best)
@@ -621,8 +635,9 @@ def choose(op: str, key: Any, candidates: Sequence[C], launch: Callable[[C], Any
         _state.decisions[ekey] = names[best]
         _state.fast[(op, key, device.type)] = best
         _state.log.append(record)
-    cache.put({ekey: {"source": source, "choice": names[best], "candidates": names,
-                      "times_ms": [t if math.isfinite(t) else None for t in times]}})
+    if not out_of_memory:  # memory is the moment's (the step's peak, the timer's flush buffer): not kept on disk
+        cache.put({ekey: {"source": source, "choice": names[best], "candidates": names,
+                          "times_ms": [t if math.isfinite(t) else None for t in times]}})
     return candidates[best]
 
 

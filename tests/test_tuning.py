@@ -995,3 +995,26 @@ def test_the_cache_file_is_readable_as_the_umask_allows(cpu_tuning, tmp_path):
     finally:
         os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_launcher_rank_before_its_process_group_neither_times_nor_tunes_alone(cpu_tuning, monkeypatch):
+    """torchrun sets WORLD_SIZE before the script runs: a rank that launches kernels (or tunes) before
+    init_process_group would time on its own GPU and keep its own choices for the whole job. It launches the static
+    configs, and tune_model names what to do."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with cpu_tuning(NoTimer()):
+        assert _tuning.choose("op_before_init", 1, CANDIDATES, lambda c: None, CPU, module=__name__) == CANDIDATES[0]
+        with pytest.raises(ValueError, match="WORLD_SIZE is 2 but no process group exists"):
+            tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with cpu_tuning(FakeTimer(static=2.0, wide=1.0, narrow=3.0)):
+        assert _tuning.choose("op_before_init", 1, CANDIDATES, lambda c: None, CPU, module=__name__) == ("wide", 128)
+
+
+def test_broadcast_choices_replace_a_ranks_own(cpu_tuning):
+    """install_decisions (rank 0's broadcast) replaces what a rank chose before, so every rank runs rank 0's."""
+    with cpu_tuning(FakeTimer(static=2.0, wide=1.0, narrow=3.0)):
+        _tuning.choose("op_own", 1, CANDIDATES, lambda c: None, CPU, module=__name__)
+        assert _tuning.decisions() == {_tuning.entry_key("op_own", 1): _tuning.describe(("wide", 128))}
+        _tuning.install_decisions({_tuning.entry_key("op_other", 1): _tuning.describe(("narrow", 32))})
+        assert _tuning.decisions() == {_tuning.entry_key("op_other", 1): _tuning.describe(("narrow", 32))}

@@ -229,6 +229,10 @@ def tune_model(model: nn.Module, batch_size: Optional[int] = None, dtype: Option
     vit = _vit(model)
     device = vit.patch_embed.proj.weight.device
     world = _tuning.distributed_world()
+    if world > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError(f"tune_model: WORLD_SIZE is {world} but no process group exists; call it after "
+                         f"torch.distributed.init_process_group (rank 0 measures and broadcasts its choices to every "
+                         f"rank), or use optimize(model, tune=False) until then")
     if world > 1:
         result = None
         if torch.distributed.get_rank() == 0:

@@ -125,8 +125,15 @@ def set_autotune(enabled: Optional[bool]) -> None:
 
 
 def distributed_world() -> int:
+    """The job's world size: the process group's, else a launcher's WORLD_SIZE (torchrun sets it before the script
+    runs: a rank that runs or tunes before init_process_group must not decide alone either)."""
     dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _capturing() -> bool:
@@ -648,8 +655,9 @@ def decisions() -> dict[str, str]:
 
 
 def install_decisions(chosen: dict[str, str]) -> None:
-    """Adopt choices made elsewhere (rank 0's, after a broadcast)."""
+    """Adopt choices made elsewhere (rank 0's, after a broadcast) in place of this process's own."""
     with _lock:
+        _state.decisions.clear()
         _state.decisions.update(chosen)
         _state.fast.clear()
         _bump()

@@ -1018,3 +1018,22 @@ def test_broadcast_choices_replace_a_ranks_own(cpu_tuning):
         assert _tuning.decisions() == {_tuning.entry_key("op_own", 1): _tuning.describe(("wide", 128))}
         _tuning.install_decisions({_tuning.entry_key("op_other", 1): _tuning.describe(("narrow", 32))})
         assert _tuning.decisions() == {_tuning.entry_key("op_other", 1): _tuning.describe(("narrow", 32))}
+
+
+def test_rank_0_with_a_cached_route_broadcasts_the_cached_kernel_choices(cpu_tuning, monkeypatch):
+    """A distributed job's second run finds the parts' route in the cache and times nothing: rank 0 still broadcasts
+    the cached kernel choices of the current kernel sources, so every rank runs the configs the first run did
+    (it broadcast none, and every rank fell back to the static configs)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(_tuning, "distributed_world", lambda: 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    sent = []
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda payload, src=0: sent.append(payload[0]))
+    with cpu_tuning(FakeTimer(narrow=0.1)):
+        first = tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32)
+    with cpu_tuning(NoTimer()):  # the next job: a fresh state, the same cache folder
+        second = tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32)
+    assert not first.cached and second.cached
+    assert sent[0][1] and sent[1][1] == sent[0][1]

@@ -235,10 +235,13 @@ def tune_model(model: nn.Module, batch_size: Optional[int] = None, dtype: Option
                          f"rank), or use optimize(model, tune=False) until then")
     if world > 1:
         result = None
+        chosen = None
         if torch.distributed.get_rank() == 0:
             with _tuning.overridden(local_in_distributed=True, fresh=False):
                 result = _tune_local(vit, device, batch_size, dtype, refresh)
-        payload = [None if result is None else (result, _tuning.decisions())]
+                # a cached route times nothing: the cached kernel choices go out with this process's own
+                chosen = {**_tuning.cached_decisions(device), **_tuning.decisions()}
+        payload = [None if result is None else (result, chosen)]
         torch.distributed.broadcast_object_list(payload, src=0)
         result, chosen = payload[0]
         _tuning.install_decisions(chosen)

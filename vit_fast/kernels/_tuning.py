@@ -654,6 +654,19 @@ def decisions() -> dict[str, str]:
         return dict(_state.decisions)
 
 
+def cached_decisions(device: torch.device) -> dict[str, str]:
+    """The disk cache's kernel choices made with the kernel sources loaded now (an entry's source hash is a loaded
+    vit_fast.kernels module's): what rank 0 broadcasts beside this process's own, so a job whose parts' route comes
+    from the cache (nothing timed, nothing launched yet) still runs the cached configs on every rank, as its first
+    run did. Empty where the cache may not be used."""
+    if not may_use_cache() or device.type not in _state.device_types:
+        return {}
+    sources = {source_hash(name) for name, module in list(sys.modules.items())
+               if module is not None and name.startswith("vit_fast.kernels")}
+    return {key: entry["choice"] for key, entry in cache_for(device).entries().items()
+            if isinstance(entry, dict) and entry.get("source") in sources and isinstance(entry.get("choice"), str)}
+
+
 def install_decisions(chosen: dict[str, str]) -> None:
     """Adopt choices made elsewhere (rank 0's, after a broadcast) in place of this process's own."""
     with _lock:

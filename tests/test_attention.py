@@ -841,6 +841,16 @@ def test_stored_ds_backward_matches_float64(monkeypatch, dtype, N, rows, p, D, a
     assert all(torch.equal(a, b) for a, b in zip(mine[1], again[1])), "not bitwise repeatable"
 
 
+def test_a_batch_1_call_is_tuned_apart_from_the_training_batch():
+    """The flash launches' tuning key holds batch x heads (bucketed): a sanity pass at batch 1 fills a few SMs and
+    must not decide, and cache, the tile of the training batch's launches."""
+    def key(op, B, H=12, N=197):
+        q = torch.empty(B, H, N, 64, dtype=torch.bfloat16, device="meta")
+        return AI._flash_plan(op, (q,) * 8, N, 0.0, "ieee", 90).launch.key
+    for op in ("attention_fwd", "attention_bwd"):
+        assert key(op, 1) != key(op, 256) and key(op, 200) == key(op, 256)
+
+
 def test_stored_ds_offered_at_vit_lengths_only():
     """The autotuner gets the stored-dS backward as one more candidate (in its key) up to 640 tokens and a 512 MiB
     workspace; past either, for the forward and under ``one_launch_only``, the candidate lists stay the flash

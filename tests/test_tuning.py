@@ -1037,3 +1037,13 @@ def test_rank_0_with_a_cached_route_broadcasts_the_cached_kernel_choices(cpu_tun
         second = tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32)
     assert not first.cached and second.cached
     assert sent[0][1] and sent[1][1] == sent[0][1]
+
+
+def test_a_cached_route_serves_only_models_of_the_same_form(cpu_tuning):
+    """The parts' route is cached per model form: dropout and drop-path rates (other kernels, another join), the MLP
+    layer and a distillation token (another N) are part of it, so a model that differs in them is measured."""
+    with cpu_tuning(FakeTimer()):
+        assert not tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32).cached
+        assert tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32).cached
+        for other in (dict(drop_path_rate=0.1), dict(proj_drop_rate=0.1), dict(mlp_layer="swiglu_packed")):
+            assert not tuning.tune_model(tiny_model(**other), batch_size=2, dtype=torch.float32).cached, other

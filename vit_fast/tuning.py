@@ -114,7 +114,8 @@ def set_static_route(model: nn.Module) -> None:
 def _signature(vit: nn.Module, batch_size: int, dtype: torch.dtype) -> str:
     c = vit.config
     fields = ("img_size", "patch_size", "in_chans", "embed_dim", "num_heads", "mlp_ratio", "qkv_bias", "qk_norm",
-              "init_values", "class_token", "reg_tokens", "no_embed_class", "act", "residual_in_fp32")
+              "init_values", "class_token", "reg_tokens", "no_embed_class", "act", "residual_in_fp32", "mlp_layer",
+              "distilled", "pre_norm", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
     shape = ",".join(f"{f}={getattr(c, f, None)!r}" for f in fields)
     param_dtype = vit.patch_embed.proj.weight.dtype
     return f"{shape},params={param_dtype},dtype={dtype},training={vit.training}|batch={batch_size}"

@@ -196,8 +196,9 @@ def _flash_plan(op: str, tensors: tuple, q_len: int, dropout_p: float, precision
     B, H, N, D = q.shape
     dropout, threshold, inv_keep = _dropout_args(dropout_p)
     static = attention_config(N, D, q.dtype, arch, precision, dropout)
-    # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches'
-    key = (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N)
+    # q_len < N (the last block's class-token query) is its own tuning entry: it must not pick the full launches';
+    # batch x heads too: a batch-1 call (a sanity pass) fills a few SMs, where the best tile is another one
+    key = (bucket(N), D, str(q.dtype), arch, precision, dropout, q_len == N, bucket(B * H))
     if op == "attention_fwd":
         candidates = _fwd_candidates(static.fwd, D)
     elif stored_ds_only.on:

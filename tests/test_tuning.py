@@ -1047,3 +1047,28 @@ def test_a_cached_route_serves_only_models_of_the_same_form(cpu_tuning):
         assert tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32).cached
         for other in (dict(drop_path_rate=0.1), dict(proj_drop_rate=0.1), dict(mlp_layer="swiglu_packed")):
             assert not tuning.tune_model(tiny_model(**other), batch_size=2, dtype=torch.float32).cached, other
+
+
+def test_a_failure_on_rank_0_reaches_every_rank(cpu_tuning, monkeypatch):
+    """rank 0 measures for everyone: if that raises, the broadcast carries the error and every rank raises it (the
+    others were left waiting in the broadcast, or paired it with rank 0's next collective)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(_tuning, "distributed_world", lambda: 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    sent = []
+
+    def broadcast(payload, src=0):
+        if sent:  # a peer receives what rank 0 sent
+            payload[0] = sent[0]
+        else:
+            sent.append(payload[0])
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+
+    def broken(fn, label):
+        raise ValueError("a part's implementation failed (simulated)")
+
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        with cpu_tuning(broken), pytest.raises(RuntimeError, match="rank 0 failed.*simulated"):
+            tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32)

@@ -236,14 +236,19 @@ def tune_model(model: nn.Module, batch_size: Optional[int] = None, dtype: Option
                          f"rank), or use optimize(model, tune=False) until then")
     if world > 1:
         result = None
-        chosen = None
+        chosen, failure = None, None
         if torch.distributed.get_rank() == 0:
-            with _tuning.overridden(local_in_distributed=True, fresh=False):
-                result = _tune_local(vit, device, batch_size, dtype, refresh)
-                # a cached route times nothing: the cached kernel choices go out with this process's own
-                chosen = {**_tuning.cached_decisions(device), **_tuning.decisions()}
-        payload = [None if result is None else (result, chosen)]
+            try:
+                with _tuning.overridden(local_in_distributed=True, fresh=False):
+                    result = _tune_local(vit, device, batch_size, dtype, refresh)
+                    # a cached route times nothing: the cached kernel choices go out with this process's own
+                    chosen = {**_tuning.cached_decisions(device), **_tuning.decisions()}
+            except Exception as e:  # noqa: BLE001  (every rank raises it: none is left waiting in the broadcast)
+                failure = f"{type(e).__name__}: {e}"
+        payload = [("error", failure) if failure is not None else None if result is None else (result, chosen)]
         torch.distributed.broadcast_object_list(payload, src=0)
+        if payload[0][0] == "error":
+            raise RuntimeError(f"tune_model: rank 0 failed while measuring, so no rank tunes: {payload[0][1]}")
         result, chosen = payload[0]
         _tuning.install_decisions(chosen)
     else:

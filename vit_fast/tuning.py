@@ -235,8 +235,7 @@ def tune_model(model: nn.Module, batch_size: Optional[int] = None, dtype: Option
                          f"torch.distributed.init_process_group (rank 0 measures and broadcasts its choices to every "
                          f"rank), or use optimize(model, tune=False) until then")
     if world > 1:
-        result = None
-        chosen, failure = None, None
+        result, chosen, failure = None, None, None
         if torch.distributed.get_rank() == 0:
             try:
                 with _tuning.overridden(local_in_distributed=True, fresh=False):
@@ -245,11 +244,11 @@ def tune_model(model: nn.Module, batch_size: Optional[int] = None, dtype: Option
                     chosen = {**_tuning.cached_decisions(device), **_tuning.decisions()}
             except Exception as e:  # noqa: BLE001  (every rank raises it: none is left waiting in the broadcast)
                 failure = f"{type(e).__name__}: {e}"
-        payload = [("error", failure) if failure is not None else None if result is None else (result, chosen)]
+        payload = [(result, chosen, failure)]
         torch.distributed.broadcast_object_list(payload, src=0)
-        if payload[0][0] == "error":
-            raise RuntimeError(f"tune_model: rank 0 failed while measuring, so no rank tunes: {payload[0][1]}")
-        result, chosen = payload[0]
+        result, chosen, failure = payload[0]
+        if failure is not None:
+            raise RuntimeError(f"tune_model: rank 0 failed while measuring, so no rank tunes: {failure}")
         _tuning.install_decisions(chosen)
     else:
         result = _tune_local(vit, device, batch_size, dtype, refresh)

@@ -124,6 +124,15 @@ def set_autotune(enabled: Optional[bool]) -> None:
         _state.fast.clear()
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once: reading it means setting it, which other threads would see
+
+
 def distributed_world() -> int:
     """The job's world size: the process group's, else a launcher's WORLD_SIZE (torchrun sets it before the script
     runs: a rank that runs or tunes before init_process_group must not decide alone either)."""
@@ -308,9 +317,7 @@ class TuningCache:
                 data = {"format": CACHE_FORMAT, "env": self.env, "entries": entries}
                 fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
                 try:
-                    umask = os.umask(0)
-                    os.umask(umask)
-                    os.fchmod(fd, 0o666 & ~umask)  # as open() would create it (mkstemp's is 0600)
+                    os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would create it (mkstemp's is 0600)
                     with os.fdopen(fd, "w") as f:
                         json.dump(data, f, indent=1, sort_keys=True)
                         f.flush()

@@ -642,7 +642,7 @@ def profile_child(spec: dict) -> None:
     slowest kernels by name ('KERNEL {json}', PROFILE_TOP_KERNELS of them)."""
     import faulthandler
 
-    from vit_fast.tools.predict import profile_families
+    from vit_fast.tools.predict import classify_kernel, profile_families
 
     faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
     _simulated_hang(f"profile:{spec['path']}")
@@ -650,8 +650,6 @@ def profile_child(spec: dict) -> None:
         from vit_fast.tools.interpreter import install_bf16_shims
 
         install_bf16_shims()
-    from vit_fast.tools.predict import classify_kernel
-
     result = profile_families(spec["path"], spec["preset"], spec["batch"], torch.bfloat16, steps=spec["steps"],
                               warmup=spec["warmup"], device=spec["device"], compile_backend=spec["compile_backend"],
                               by_kernel=True, **spec["overrides"])

@@ -378,6 +378,23 @@ def test_fp32_dot_precision_follows_the_conv_tf32_flag(monkeypatch):
     assert pe.input_precision(torch.bfloat16) == "ieee"  # ignored for 16-bit dots
 
 
+def test_the_tuning_keys_follow_the_tf32_flag(monkeypatch):
+    """A tile timed with TF32 dots is not the choice for IEEE ones: the flag is part of each tuning key."""
+    from vit_fast.kernels import _tuning
+
+    keys = []
+    real = _tuning.choose
+    monkeypatch.setattr(_tuning, "choose", lambda op, key, *a, **k: keys.append((op, key)) or real(op, key, *a, **k))
+    inputs = make_inputs(2, 3, 16, 16, 8, 32, seed=11)
+    for tf32 in (False, True):
+        monkeypatch_setting(monkeypatch, torch.backends.cudnn, "allow_tf32", tf32)
+        call(patch_embed, inputs, True).sum().backward()
+    by_op = {}
+    for op, key in keys:
+        by_op.setdefault(op, set()).add(key)
+    assert "patch_embed_fwd" in by_op and all(len(k) == 2 for k in by_op.values()), by_op
+
+
 def test_custom_ops_trace_under_compile():
     inputs = make_inputs(2, 3, 16, 32, 8, 32, cls=True, regs=1, seed=10)
     eager = call(patch_embed, inputs, True)

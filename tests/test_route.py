@@ -159,17 +159,21 @@ def test_sdpa_route_compiles_fullgraph():
     assert_close(out, eager(x), bound(torch.float32, "dot"), "logits")
 
 
-def test_a_fresh_model_compiles_fullgraph_without_reading_the_table(monkeypatch):
-    """The default route is decided in eager code: under torch.compile the model keeps the route it has (the
-    measured table is file I/O dynamo does not trace; here a CUDA-like default that reads it is forced)."""
+def test_a_model_takes_its_devices_route_when_moved_so_a_first_compiled_forward_runs_it(monkeypatch):
+    """The default route is decided in eager code, when the model moves to a device (and at an eager forward on a
+    device it has not settled): a model compiled before it ever ran eagerly runs the measured route as an eager one
+    does, and the compiled region reads no table (file I/O dynamo does not trace; a CUDA-like default forced)."""
     torch._dynamo.reset()
     monkeypatch.setattr("vit_fast.model.default_route", lambda device: route_for_arch(90))
     model = tiny_model().to(DEVICE)
+    assert vit_fast.route_of(model).source.startswith("measured on sm_90") and not model.route_explicit
+    monkeypatch.setattr("vit_fast.model.default_route", lambda device: pytest.fail("the table read while tracing"))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     compiled(torch.randn(2, 3, 32, 32, device=DEVICE)).sum().backward()
-    assert vit_fast.route_of(model) == route_module.STATIC_ROUTE
-    model(torch.randn(2, 3, 32, 32, device=DEVICE))  # eager: the device's default now
     assert vit_fast.route_of(model).source.startswith("measured on sm_90")
+    vit_fast.apply_route(model, route_module.STATIC_ROUTE)  # an explicit route survives a move
+    model.to(torch.float64)
+    assert vit_fast.route_of(model) == route_module.STATIC_ROUTE and model.route_explicit
 
 
 def test_packed_sdpa_refuses_a_second_backward_clearly_and_yields_to_saved_tensor_hooks(monkeypatch):

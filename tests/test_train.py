@@ -108,13 +108,22 @@ def test_incomplete_checkpoints_are_ignored(reference, tmp_path):
         ckpt.resolve_checkpoint(tmp_path / "nothing")
 
 
+def free_port() -> int:
+    """A port no other process holds now (a fixed one collides with a concurrent or lingering run)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_ddp_two_processes_match_single_and_resume_in_one_process(reference, tmp_path):
     """torchrun, 2 gloo ranks x 2 accumulated micro-batches of 8 (no_sync on the first) == 1 process with
     batch 32; the DDP checkpoint then resumes in one process without accumulation."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "vit_fast.training.train", *TINY, "--output-dir", str(tmp_path), "--stop-at-step", "30",
            "--ckpt-every", "1000", "--accum-steps", "2"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout and proc.stdout.count("stopped at step 30") == 1   # rank 0 prints
     ddp_state = ckpt.read_state(ckpt.resolve_checkpoint(tmp_path))
@@ -135,10 +144,10 @@ def test_fsdp2_resumes_a_single_process_checkpoint_and_matches(reference, tmp_pa
            "--resume", str(plain[0]), "--stop-at-step", "45", "--ckpt-every", "1000"]
     # the two ranks are started with torchrun's environment directly (the DDP test goes through torchrun):
     # one Python start-up less
-    env = {**subprocess_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519"}
+    env = {**subprocess_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outputs = [p.communicate(timeout=120) for p in procs]
+    outputs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, out[-2000:] + err[-3000:]
     out = outputs[0][0]

@@ -1072,3 +1072,27 @@ def test_a_failure_on_rank_0_reaches_every_rank(cpu_tuning, monkeypatch):
         monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
         with cpu_tuning(broken), pytest.raises(RuntimeError, match="rank 0 failed.*simulated"):
             tuning.tune_model(tiny_model(), batch_size=2, dtype=torch.float32)
+
+
+def test_the_join_is_timed_on_the_block_with_the_heaviest_drop_path():
+    """timm's linear drop-path schedule leaves block 0 without drop-path: the join's timing must see the per-sample
+    scale most blocks apply, so it runs on the block where the rate is highest."""
+    model = tiny_model(drop_path_rate=0.2)
+    rates = [getattr(b.drop_path1, "drop_prob", 0.0) for b in model.blocks]
+    assert rates[0] == 0.0 and rates[-1] == max(rates) > 0
+    joined = []
+    for index, block in enumerate(model.blocks):
+        def spy(*args, _index=index, _join=block._join):
+            joined.append(_index)
+            return _join(*args)
+        block._join = spy
+    tuning._benchmarks(model.train(), 2, torch.float32)["join"]()()
+    assert joined and set(joined) == {len(model.blocks) - 1}
+
+
+def test_tuning_where_nothing_can_be_timed_leaves_the_model_following_its_devices_route():
+    """optimize(cpu_model, tune=True) measures nothing: the model must not be pinned to the route it had on the
+    CPU, but take the measured default of the GPU it is moved to."""
+    model = tiny_model()
+    result = tuning.tune_model(model, batch_size=2, dtype=torch.float32)
+    assert not result.timed and not result.cached and not model.route_explicit

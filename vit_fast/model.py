@@ -49,7 +49,7 @@ from .route import STATIC_ROUTE, apply_route, default_route
 
 
 class VisionTransformer(nn.Module):
-    # the route (vit_fast/route.py): until one is set, the measured default of the device it first runs on
+    # the route (vit_fast/route.py): until one is set, the measured default of the device it is on
     route, route_explicit, _route_device = STATIC_ROUTE, False, None
 
     def __init__(self, config: Optional[ViTConfig] = None, **overrides):
@@ -153,6 +153,21 @@ class VisionTransformer(nn.Module):
         if self.dist_token is None:
             raise ValueError("set_distilled_training: the model has no distillation token (distilled=False)")
         self.distilled_training = bool(enable)
+
+    def _apply(self, fn, recurse=True):
+        # the route of the device the weights move to, decided here and not at the first forward, which may be
+        # traced: a model compiled before it ever ran eagerly runs the same route as one that did
+        result = super()._apply(fn, recurse)
+        weight = next(self.parameters(), None)
+        if weight is not None:
+            self._settle_route(weight.device)
+        return result
+
+    def _settle_route(self, device: torch.device) -> None:
+        """Unless a route was set explicitly, the measured default of ``device`` (once per device)."""
+        if not self.route_explicit and device != self._route_device:
+            apply_route(self, default_route(device), explicit=False)
+            self._route_device = device
 
     def set_backend(self, backend: str) -> "VisionTransformer":
         """Route every module to 'torch' (reference), 'triton' (fused kernels) or 'auto'."""
@@ -270,10 +285,9 @@ class VisionTransformer(nn.Module):
         in place of the model's; any image size divisible by the patch is then accepted."""
         grid = self.patch_embed.check_input(x, any_size=pos_embed is not None)
         # decided once per device, in eager code (a compiled region keeps the route it finds: reading the
-        # measured table is file I/O that dynamo does not trace)
-        if not self.route_explicit and x.device != self._route_device and not torch.compiler.is_compiling():
-            apply_route(self, default_route(x.device), explicit=False)
-            self._route_device = x.device
+        # measured table is file I/O that dynamo does not trace); moving the model settles it before that
+        if not torch.compiler.is_compiling():
+            self._settle_route(x.device)
         if pos_embed is not None:
             self._check_pos_embed(pos_embed, grid)
         residual_dtype = self._autocast_residual_dtype(x)

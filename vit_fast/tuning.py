@@ -154,6 +154,8 @@ def _benchmarks(vit: nn.Module, batch_size: int, dtype: torch.dtype) -> dict[str
     param_dtype = vit.patch_embed.proj.weight.dtype
     amp = dtype if dtype != param_dtype else None
     blk = vit.blocks[0]
+    # the join is timed where drop-path is heaviest (timm's schedule leaves the first block without it)
+    join_blk = max(vit.blocks, key=lambda b: getattr(b.drop_path1, "drop_prob", 0.0))
     tokens = vit.patch_embed.num_patches + vit.num_prefix_tokens
     width = vit.embed_dim
     residual_dtype = torch.float32 if amp is not None and vit.residual_in_fp32 else dtype
@@ -169,11 +171,12 @@ def _benchmarks(vit: nn.Module, batch_size: int, dtype: torch.dtype) -> dict[str
     def params(m):
         return [p for p in m.parameters() if p.requires_grad]
 
-    bias = blk.attn.join_terms()[0]
-    join_params = params(blk.norm2) + params(blk.ls1) + ([bias] if bias is not None and bias.requires_grad else [])
+    bias = join_blk.attn.join_terms()[0]
+    join_params = (params(join_blk.norm2) + params(join_blk.ls1)
+                   + ([bias] if bias is not None and bias.requires_grad else []))
 
     def join():  # the block's first join (attention branch + residual, then norm2), as forward_pair runs it
-        return blk._join(branch, residual, blk.attn, blk.ls1, blk.drop_path1, blk.norm2)
+        return join_blk._join(branch, residual, join_blk.attn, join_blk.ls1, join_blk.drop_path1, join_blk.norm2)
 
     return {
         "patch_embed": lambda: _fwd_bwd(lambda: vit.embed(images), [], [vit.patch_embed.proj.weight,
@@ -252,7 +255,8 @@ def tune_model(model: nn.Module, batch_size: Optional[int] = None, dtype: Option
         _tuning.install_decisions(chosen)
     else:
         result = _tune_local(vit, device, batch_size, dtype, refresh)
-    set_fusion_choices(vit, result.choices, source="vit-fast tune" + (" (cached)" if result.cached else ""))
+    if result.timed or result.cached:  # else nothing was decided: the model still follows its device's default
+        set_fusion_choices(vit, result.choices, source="vit-fast tune" + (" (cached)" if result.cached else ""))
     return result
 
 

@@ -247,7 +247,8 @@ def _fwd_plan(x, residual, branch_bias, gamma, sample_scale, p, out_dtype) -> _F
             kernel(y, h, mean, rstd, x, residual, weight, bias, branch_bias, gamma, sample_scale, *strides, m, n,
                    tokens, eps, seed, p)
         return launch
-    key = (bucket(m), n, str(x.dtype), str(h_dtype), str(y_dtype), *flags.values())
+    # the arch too: the in-process choices are shared by every GPU of the process
+    key = (bucket(m), n, str(x.dtype), str(h_dtype), str(y_dtype), gpu_arch(x.device), *flags.values())
     return _FwdPlan(y_dtype, (m, n) if has_res else (0,), h_dtype,
                     _tuning.LaunchPlan("layer_norm_fwd", key, _tuning.row_candidates(ln_config(n)), bind))
 

@@ -621,7 +621,9 @@ def patch_embed_fwd(images: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             HAS_BIAS=bias is not None, HAS_CLS=int(cls_token is not None), HAS_REG=reg_tokens is not None,
             POS_PREFIX=pos_embed_covers_prefix and prefix > 0, **consts, **opts)
     aligned = images_aligned(images.stride())
-    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), str(tokens_dtype), arch, T - Np, aligned)
+    # the fp32 dot precision too (cudnn.allow_tf32): tf32 and IEEE dots favour other tiles
+    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), input_precision(compute_dtype), str(tokens_dtype),
+           arch, T - Np, aligned)
     tiles = _candidates(patch_embed_config(arch, compute_dtype, aligned, tokens_dtype).fwd)
     launch(_tuning.choose("patch_embed_fwd", key, tiles, launch, device))
     return out
@@ -676,7 +678,8 @@ def patch_embed_bwd(dtokens: torch.Tensor, images: torch.Tensor, weight: torch.T
     dy = dtokens.to(compute_dtype)  # the GEMMs' operand (a no-op without autocast)
     aligned = images_aligned(images.stride())  # dW gathers from the images, dimages scatters to its own strides
     cfg = patch_embed_config(arch, compute_dtype, aligned)
-    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), arch, prefix, bias is not None, aligned)
+    key = (bucket(M), D, C, P, str(images.dtype), str(compute_dtype), input_precision(compute_dtype), arch, prefix,
+           bias is not None, aligned)
 
     splits, partials = 0, dpos  # a frozen projection (e.g. MoCo v3) skips the dW GEMM
     if needs_proj_grads:

@@ -4,7 +4,9 @@ A part is one of the four places where vit_fast replaces PyTorch ops; each has i
 least one library path with the same numerics contract (tests/test_route.py compares each with float64):
 
   patch_embed  fused      the ``patch_embed`` kernel (conv as GEMM + class token + position add)
-               eager      cuDNN's convolution, cat, position add
+               eager      cuDNN's convolution, cat, position add (cuDNN may pick a weight-gradient algorithm that is
+                          not bitwise repeatable unless torch.use_deterministic_algorithms or cudnn.deterministic
+                          is set; the measured table never chose it)
   attention    fused      qkv GEMM (cuBLAS) + vit_fast's flash attention kernels, bias gradient a column sum
                short      the same with the short-sequence kernels (one program per head, S and dP once per tile
                           pair) up to 640 tokens (fp16/bf16, ``kernels.attention.short_supported``), else flash

@@ -382,3 +382,18 @@ def test_torch_compile_with_dropout_fullgraph(monkeypatch):
     out = blk(x)
     torch.manual_seed(2)
     assert torch.equal(out_c, out) and not torch.equal(blk(x), out)
+
+
+@pytest.mark.parametrize("fused_blocks", [True, False], ids=["one_function_blocks", "per_part"])
+def test_a_gradient_penalty_through_the_fused_model_raises_instead_of_being_dropped(fused_blocks):
+    """A gradient taken with create_graph=True (a gradient penalty, a Hessian-vector product) cannot be
+    differentiated through the fused kernels: it raises, where it used to be a constant (the penalty silently zero)."""
+    from vit_fast.tools.bench import _block_function
+
+    fused, _ = make_pair(**TINY)
+    x = torch.randn(2, 3, 32, 32, device=fused.pos_embed.device, requires_grad=True)
+    with _block_function(fused_blocks):
+        grad, = torch.autograd.grad(loss_of(fused(x)), x, create_graph=True)
+    assert grad.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.pow(2).sum().backward()

@@ -1,4 +1,6 @@
 """vit_fast.kernels._utils: the one parser of TRITON_INTERPRET agrees with Triton's own."""
+import contextlib
+
 import pytest
 
 from vit_fast.kernels._utils import interpreter_active
@@ -60,18 +62,25 @@ def test_a_kernel_op_defined_again_replaces_the_first_and_takes_keywords():
     assert torch.equal(torch.ops.vit_fast_test.redefined(torch.ones(2)), torch.full((2,), 2.0))
 
 
-def test_a_double_backward_through_the_dispatcher_is_refused():
-    """Under a dispatch mode the Functions' backward reaches the operators through the dispatcher; with
-    create_graph=True autograd would have to differentiate them, and torch's fallback for an operator without an
-    autograd kernel only warns and leaves the gradient None: refused with what to do instead."""
+def test_a_double_backward_raises_instead_of_returning_zeros():
+    """The fused kernels have one derivative: a gradient taken with create_graph=True still requires grad, and
+    differentiating it raises (it used to be a constant, so a gradient penalty was dropped without a word), with and
+    without a dispatch mode; an operator called directly on inputs that require grad is refused, naming the fix."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vit_fast.kernels.swiglu import swiglu
+    from vit_fast.kernels._utils import run_op
+    from vit_fast.kernels.swiglu import swiglu, swiglu_fwd
 
     a, b = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    for context in (contextlib.nullcontext, lambda: FlopCounterMode(display=False)):
+        with context():
+            ga, = torch.autograd.grad(swiglu(a, b).sum(), a)  # a first derivative is fine
+            assert ga.shape == a.shape
+            ga, = torch.autograd.grad(swiglu(a, b).pow(3).sum(), a, create_graph=True)
+            assert ga.requires_grad
+            with pytest.raises(RuntimeError, match="differentiate twice"):
+                ga.sum().backward()
     with FlopCounterMode(display=False):
-        ga, = torch.autograd.grad(swiglu(a, b).sum(), a)  # a first derivative is fine
-        assert ga.shape == a.shape
-        with pytest.raises(RuntimeError, match="vit_fast::swiglu_bwd: .*no second derivative.*backend='torch'"):
-            torch.autograd.grad(swiglu(a, b).sum(), a, create_graph=True)
+        with pytest.raises(RuntimeError, match="vit_fast::swiglu_fwd: .*no second derivative.*backend='torch'"):
+            run_op(swiglu_fwd, a, b)

@@ -428,6 +428,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         return y.view(shape), h.view(shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
     def backward(ctx, dy, dh_out=None):
         h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, seed = ctx.saved_tensors
         n = h.shape[1]

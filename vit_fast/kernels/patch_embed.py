@@ -742,6 +742,7 @@ class PatchEmbedFunction(torch.autograd.Function):
                       pos_embed_covers_prefix, compute_dtype, tokens_dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
     def backward(ctx, dtokens):
         images, weight, bias, pos_embed, cls_token, reg_tokens = ctx.saved_tensors
         needs = ctx.needs_input_grad

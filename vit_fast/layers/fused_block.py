@@ -355,6 +355,7 @@ class FusedBlockFunction(torch.autograd.Function):
         return normed_out, stream_out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
     def backward(ctx, d_normed, d_stream):
         saved = ctx.saved_tensors  # unpacked first: a checkpointed region recomputes here, with every check on
         if torch.compiler.is_compiling():  # compiled autograd traces the parts' custom ops

@@ -397,3 +397,22 @@ def test_a_gradient_penalty_through_the_fused_model_raises_instead_of_being_drop
     assert grad.requires_grad
     with pytest.raises(RuntimeError, match="differentiate twice"):
         grad.pow(2).sum().backward()
+
+
+def test_drop_path_rate_one_drops_every_branch_as_timm_does():
+    """keep = 0: every sample's branch is dropped (timm skips the 1/keep scale there); no NaN on either backend."""
+    fused, ref = make_pair(**dict(TINY, drop_path_rate=1.0))
+    x = torch.randn(2, 3, 32, 32, device=fused.pos_embed.device)
+    for model in (fused.train(), ref.train()):
+        out = model(x)
+        assert torch.isfinite(out).all()
+        loss_of(out).backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_an_unknown_pool_type_is_refused():
+    fused, _ = make_pair(**TINY)
+    tokens = torch.randn(2, 17, 64, device=fused.pos_embed.device)
+    with pytest.raises(ValueError, match="expected pool_type in .*'avgmax'.* got 'foo'"):
+        fused.pool(tokens, "foo")
+    assert torch.equal(fused.pool(tokens, "avgmax"), 0.5 * (tokens[:, 1:].amax(1) + tokens[:, 1:].mean(1)))

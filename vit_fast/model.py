@@ -435,7 +435,9 @@ class VisionTransformer(nn.Module):
             return x.mean(dim=1)
         if pool_type == "max":
             return x.amax(dim=1)
-        return 0.5 * (x.amax(dim=1) + x.mean(dim=1))  # avgmax
+        if pool_type == "avgmax":
+            return 0.5 * (x.amax(dim=1) + x.mean(dim=1))
+        raise ValueError(f"pool: expected pool_type in {list(GLOBAL_POOLS)} or None, got {pool_type!r}")
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
         if self.dist_token is not None:  # timm's VisionTransformerDistilled

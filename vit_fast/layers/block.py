@@ -35,7 +35,7 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -
         return x
     keep = 1.0 - drop_prob
     mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
-    return x * mask.div_(keep)
+    return x * (mask.div_(keep) if keep > 0.0 else mask)  # rate 1: every sample dropped, zeros (as timm), not NaN
 
 
 class DropPath(nn.Module):
@@ -53,7 +53,8 @@ class DropPath(nn.Module):
         if self.drop_prob == 0.0 or not self.training:
             return None
         keep = 1.0 - self.drop_prob
-        return branch.new_empty((branch.shape[0],)).bernoulli_(keep).div_(keep).float()
+        mask = branch.new_empty((branch.shape[0],)).bernoulli_(keep)
+        return (mask.div_(keep) if keep > 0.0 else mask).float()
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob:.3f}"

@@ -473,3 +473,14 @@ def test_bad_tokens_dtype_is_named():
     inputs = make_inputs(2, 3, 32, 32, 8, 32, cls=True, seed=11)
     with pytest.raises(ValueError, match=r"expected a tokens_dtype in \(float32, float16, bfloat16\), got torch.int32"):
         call(patch_embed, inputs, True, tokens_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("on_meta", ["weight", "pos_embed", "cls_token"])
+def test_a_parameter_on_another_device_is_refused(on_meta):
+    """One tensor on another device (a meta parameter left by load_state_dict(..., assign=True, strict=False)) was
+    read as uninitialised memory: refused, naming both devices."""
+    inputs = make_inputs(2, 3, 16, 16, 8, 32, seed=12)
+    inputs = {n: None if t is None else t.detach() for n, t in inputs.items()}
+    inputs[on_meta] = torch.empty_like(inputs[on_meta], device="meta")
+    with pytest.raises(ValueError, match="patch_embed: expected all tensors on one device"):
+        call(patch_embed, inputs, True)

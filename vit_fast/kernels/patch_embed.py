@@ -763,6 +763,7 @@ def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     residual stream (its fp32 pos_embed add promotes the convolution's output, which still rounds to the compute
     dtype first)."""
     _check_inputs(images, weight, bias, pos_embed, cls_token, reg_tokens, pos_embed_covers_prefix)
+    check_kernel_device(OP, images, weight, bias, pos_embed, cls_token, reg_tokens)
     compute_dtype = compute_dtype_for(images)
     _check_float_dtype(compute_dtype)
     if tokens_dtype is not None:

@@ -523,6 +523,12 @@ def test_bad_input_dropout_and_separate_shapes():
     with pytest.raises(ValueError, match="rows"):
         qkv = make_qkv(1, 4, 1, 32, torch.float32)
         A.attention_probs(qkv, A.attention_with_lse(qkv, 1)[1], 1, rows=[4])
+    lse = A.attention_with_lse(qkv, 1)[1]
+    for rows in (torch.tensor([True, False, True, False]), [0.7]):  # a mask, a float: not silently indices
+        with pytest.raises(ValueError, match="expected rows as integer indices"):
+            A.attention_probs(qkv, lse, 1, rows=rows)
+    with pytest.raises(ValueError, match="expected scale a finite number > 0"):
+        A.attention_probs(qkv, lse, 1, scale=-1.0)
 
 
 def test_device_without_kernels_raises(monkeypatch):

@@ -58,6 +58,19 @@ def test_layer_norm_non_float_input_names_the_dtypes(dtype, n):
         layer_norm(x, torch.ones(n), torch.zeros(n))
 
 
+def test_row_kernels_refuse_zero_width_naming_it():
+    """A zero-width input (N = 0) failed inside torch's reshape; each row kernel names N >= 1."""
+    from vit_fast.kernels.bias_gelu import bias_gelu
+    from vit_fast.kernels.swiglu import swiglu, swiglu_packed
+
+    x = torch.randn(2, 0)
+    for op, call in (("layer_norm", lambda: layer_norm(x, torch.ones(0), torch.zeros(0))),
+                     ("bias_gelu", lambda: bias_gelu(x, torch.zeros(0))), ("swiglu", lambda: swiglu(x, x)),
+                     ("swiglu_packed", lambda: swiglu_packed(x))):
+        with pytest.raises(ValueError, match=rf"{op}: expected .* >= 1, got shape \(2, 0\)"):
+            call()
+
+
 @FAST
 @given(num_heads=st.sampled_from([0, -1, 2.5, True, "2", None]))
 def test_attention_bad_num_heads(num_heads):

@@ -109,10 +109,10 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def check_rows_input(op: str, x: torch.Tensor) -> int:
-    """x: a float tensor (..., N) with at least 2 dims; returns N."""
+    """x: a float tensor (..., N) with at least 2 dims and N >= 1; returns N."""
     check_float(op, "x", x)
-    if x.dim() < 2:
-        raise ValueError(f"{op}: expected x with at least 2 dims (..., N), got shape {tuple(x.shape)}")
+    if x.dim() < 2 or x.shape[-1] < 1:
+        raise ValueError(f"{op}: expected x with at least 2 dims (..., N) and N >= 1, got shape {tuple(x.shape)}")
     return x.shape[-1]
 
 

@@ -183,8 +183,9 @@ class SwiGLUPackedFunction(torch.autograd.Function):
 def _check(op: str, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         check_float(op, name, t)
-        if t.dim() < 1:
-            raise ValueError(f"{op}: expected {name} with at least 1 dim (..., F), got a 0-d tensor")
+        if t.dim() < 1 or t.shape[-1] < 1:
+            raise ValueError(f"{op}: expected {name} with at least 1 dim (..., F) and F >= 1, got shape "
+                             f"{tuple(t.shape)}")
     check_kernel_device(op, *tensors.values())
 
 

@@ -1,6 +1,8 @@
 """vit_fast.optimize(): random-weight timm, transformers and torchvision ViTs become vit_fast models with the
 same outputs (reference backend, and the Triton kernels through the interpreter), the same forward
 signatures, device, dtype, mode and frozen parameters; unsupported features are a clear error."""
+import functools
+
 import pytest
 import timm
 import torch
@@ -268,3 +270,10 @@ def test_converter_gives_its_problems_as_a_list():
     problems = timm_unsupported(timm_vit(patch_drop_rate=0.1, global_pool="avg", pool_include_prefix=True))
     assert "patch dropout (patch_drop_rate > 0)" in problems and "pool_include_prefix=True" in problems
     assert timm_unsupported(timm_vit(pre_norm=True)) == []  # CLIP's pre-norm converts (tests/test_families.py)
+    # what the kernels cannot take is refused at conversion, not at the first fused forward
+    assert timm_unsupported(timm_vit(patch_size=(8, 4))) == [
+        "a rectangular patch (8, 4) (the patch-embedding kernel takes square patches)"]
+    assert timm_unsupported(timm_vit(embed_dim=256, num_heads=1)) == [
+        "head_dim 256 (the fused attention kernels take 1..128)"]
+    assert timm_unsupported(timm_vit(norm_layer=functools.partial(torch.nn.LayerNorm, eps=0.0))) == [
+        "LayerNorm eps <= 0 (the LayerNorm kernels need eps > 0)"]

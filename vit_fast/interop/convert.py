@@ -129,7 +129,17 @@ def timm_unsupported(model: nn.Module) -> list[str]:
         problems += _family_problems(model)
         if getattr(blk.attn.proj, "bias", None) is None or getattr(getattr(blk.mlp, "fc2", None), "bias", 1) is None:
             problems.append("projections without bias (proj_bias=False)")
+        from ..kernels.attention.common import MAX_HEAD_DIM
+
+        head_dim = getattr(blk.attn, "head_dim", 0)
+        if head_dim > MAX_HEAD_DIM:
+            problems.append(f"head_dim {head_dim} (the fused attention kernels take 1..{MAX_HEAD_DIM})")
+    patch = tuple(getattr(patch_embed, "patch_size", ()) or ())
+    if len(set(patch)) > 1:
+        problems.append(f"a rectangular patch {patch} (the patch-embedding kernel takes square patches)")
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    if any(m.eps <= 0 for m in norms):
+        problems.append("LayerNorm eps <= 0 (the LayerNorm kernels need eps > 0)")
     if len({m.eps for m in norms}) > 1:
         problems.append(f"LayerNorms with different eps {sorted({m.eps for m in norms})}")
     if any(not m.elementwise_affine or m.bias is None for m in norms):

@@ -22,7 +22,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)) if "PYTEST_XDIST_WORKE
 
 
 # The interpreter's bf16 gaps (tl.dot on bf16 bits, truncating fp32 -> bf16 casts) are fixed by the
-# package's shims, which `vit-fast check` uses too; see vit_fast/interpreter.py for the upstream issues.
+# package's shims, which the kernels install at their first interpreted run; installed here before any test, so
+# every test runs under them; see vit_fast/tools/interpreter.py for the upstream issues.
 from vit_fast._compat import wrap_interpreted_run  # noqa: E402
 from vit_fast.kernels._utils import interpreter_active  # noqa: E402 (after TRITON_INTERPRET is set)
 

@@ -84,3 +84,18 @@ def test_a_double_backward_raises_instead_of_returning_zeros():
     with FlopCounterMode(display=False):
         with pytest.raises(RuntimeError, match="vit_fast::swiglu_fwd: .*no second derivative.*backend='torch'"):
             run_op(swiglu_fwd, a, b)
+
+
+def test_a_users_bf16_kernel_run_in_the_interpreter_is_right_without_asking():
+    """The interpreter multiplies bf16 bit patterns in tl.dot (error ~1e9): the kernels install the shims at their
+    first interpreted run, so a process that never imported the test suite's conftest gets bf16 rounding errors."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "import torch\n"
+            "from vit_fast.kernels.attention import attention, attention_ref\n"
+            "torch.manual_seed(0); qkv = torch.randn(1, 9, 48).bfloat16()\n"
+            "print(float((attention(qkv, 2).float() - attention_ref(qkv, 2).float()).abs().max()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert float(out.strip().splitlines()[-1]) < 0.05

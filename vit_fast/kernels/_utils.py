@@ -214,11 +214,12 @@ _interpreter_fixed = False
 
 
 def _fix_interpreter() -> None:
-    """triton <= 3.6's interpreter with numpy >= 2.4 (``install_interpreter_numpy_fix``), once."""
+    """The interpreter's gaps (vit_fast/tools/interpreter.py), once: its bf16 dot and fp32 -> bf16 cast, without
+    which a bf16 kernel run on CPU is silently wrong, and triton <= 3.6 with numpy >= 2.4."""
     global _interpreter_fixed
-    from vit_fast._compat import install_interpreter_numpy_fix
+    from vit_fast.tools.interpreter import install_bf16_shims
 
-    _interpreter_fixed = install_interpreter_numpy_fix()
+    _interpreter_fixed = install_bf16_shims()
 
 
 def check_float(op: str, name: str, t: torch.Tensor, dtypes=FLOAT_DTYPES) -> None:

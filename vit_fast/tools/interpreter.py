@@ -1,7 +1,8 @@
 """Fixes for two Triton-interpreter bf16 gaps, so CPU runs of the kernels compute what the GPU computes.
 
-Installed by the test suite (tests/conftest.py) and by ``vit-fast check`` when it runs the kernels in
-the interpreter; never used on a GPU, and a no-op unless TRITON_INTERPRET=1.
+Installed by the kernels themselves the first time one runs in the interpreter (``_utils.check_kernel_device``),
+so a user's CPU run of a bf16 kernel is right without asking; never used on a GPU, and a no-op unless
+TRITON_INTERPRET=1.
 
 1. tl.dot on bf16 operands: the interpreter holds bf16 values as uint16 bit patterns and multiplies the
    bits (triton-lang/triton#4972, #10945; maintainers: bf16 "not supported yet"). The GPU runs the dot on

@@ -58,6 +58,18 @@ def test_layer_norm_non_float_input_names_the_dtypes(dtype, n):
         layer_norm(x, torch.ones(n), torch.zeros(n))
 
 
+@pytest.mark.parametrize("override, message", [
+    (dict(num_heads=0), "num_heads must be an integer >= 1"), (dict(num_heads=2.0), "num_heads must be an integer"),
+    (dict(patch_size=0), "patch_size must be an integer >= 1"), (dict(embed_dim=0), "embed_dim must be an integer"),
+    (dict(img_size=0), "img_size must be an integer >= 1"), (dict(depth=1.5), "depth must be an integer >= 0"),
+    (dict(mlp_ratio=0), "mlp_ratio must be a finite number > 0"), (dict(norm_eps=0.0), "norm_eps must be a finite"),
+    (dict(norm_eps=-1), "norm_eps must be a finite number > 0")])
+def test_config_sizes_and_rates_are_checked_at_build(override, message):
+    """Each was a ZeroDivisionError, a torch error, or a model that built and failed at its first forward."""
+    with pytest.raises(ValueError, match=f"ViTConfig: {message}"):
+        vit_fast.create_model("vit_tiny_patch16_224", **{"img_size": 32, **override})
+
+
 def test_row_kernels_refuse_zero_width_naming_it():
     """A zero-width input (N = 0) failed inside torch's reshape; each row kernel names N >= 1."""
     from vit_fast.kernels.bias_gelu import bias_gelu

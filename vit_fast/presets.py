@@ -6,6 +6,8 @@ of it, with the exact values of the timm model of the same name (the tests compa
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -61,6 +63,7 @@ class ViTConfig:
         self.img_size = to_2tuple(self.img_size)
         self.patch_size = to_2tuple(self.patch_size)
         check_backend(self.backend)
+        self._check_sizes()
         checks = [
             (self.global_pool in GLOBAL_POOLS, f"global_pool must be one of {GLOBAL_POOLS}"),
             (self.pos_embed in POS_EMBEDS, f"pos_embed must be one of {POS_EMBEDS}"),
@@ -80,6 +83,28 @@ class ViTConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"ViTConfig: {message}; got {self}")
+
+    def _check_sizes(self) -> None:
+        """Integer sizes and positive rates before anything divides by them: a clear error, not a ZeroDivisionError
+        or a build that fails at the first forward."""
+        def is_int(v):
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_number(v):
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+        positive = {"embed_dim": self.embed_dim, "num_heads": self.num_heads, "in_chans": self.in_chans,
+                    "img_size": self.img_size, "patch_size": self.patch_size}
+        for name, value in positive.items():
+            if not all(is_int(v) and v >= 1 for v in (value if isinstance(value, (tuple, list)) else (value,))):
+                pair = " (or a pair of them)" if name in ("img_size", "patch_size") else ""
+                raise ValueError(f"ViTConfig: {name} must be an integer >= 1{pair}, got {value!r}")
+        for name in ("depth", "num_classes", "reg_tokens"):
+            if not (is_int(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"ViTConfig: {name} must be an integer >= 0, got {getattr(self, name)!r}")
+        for name in ("mlp_ratio", "norm_eps"):
+            if not (is_number(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"ViTConfig: {name} must be a finite number > 0, got {getattr(self, name)!r}")
 
     @property
     def grid_size(self) -> tuple[int, int]:

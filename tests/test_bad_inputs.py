@@ -437,3 +437,14 @@ def test_join_ops_refuse_a_drop_path_scale_that_does_not_divide_the_rows():
     with pytest.raises(ValueError, match="one entry per sample"):
         torch.ops.vit_fast.add_layer_norm_bwd(x, None, x, x, w, b, None, None, torch.ones(4, device=device), stats,
                                               stats, 0.0, None, True)
+
+
+def test_from_timm_names_what_it_expected_for_something_that_is_no_timm_state_dict():
+    from vit_fast.interop.convert import from_timm
+
+    for bad in ("hello", {"a": 1}):
+        with pytest.raises(ValueError, match="from_timm: expected a timm VisionTransformer or its state dict"):
+            from_timm(bad)
+    for bad in ({}, {"head.weight": torch.zeros(2, 3)}):
+        with pytest.raises(CheckpointError, match="no 'patch_embed.proj.weight'"):
+            from_timm(bad)

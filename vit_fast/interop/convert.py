@@ -207,7 +207,14 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
         sd = model_or_state_dict.state_dict()
         config = _timm_config_from_model(model_or_state_dict)
     else:
+        if not isinstance(model_or_state_dict, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model_or_state_dict.items()):
+            raise ValueError(f"from_timm: expected a timm VisionTransformer or its state dict (str -> Tensor), got "
+                             f"{type(model_or_state_dict).__name__}")
         sd = dict(model_or_state_dict)
+        if "patch_embed.proj.weight" not in sd:
+            raise CheckpointError(f"from_timm: the state dict has no 'patch_embed.proj.weight', so it is not a timm "
+                                  f"ViT's (its first keys: {sorted(sd)[:5]})")
         config = _timm_config_from_state_dict(sd, overrides)
     model = _build(config, sd, overrides)
     source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)

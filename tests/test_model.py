@@ -161,6 +161,11 @@ def test_attention_maps_are_softmax_probabilities():
     assert_close(rebuilt, blk.attn.attend(qkv), rtol=1e-5, name="attn@v")
     with pytest.raises(ValueError, match="out of range"):
         m.get_attention_maps(x, layers=[3])
+    with pytest.raises(ValueError, match="expected layers as an iterable of block indices"):
+        m.get_attention_maps(x, layers=1)
+    with pytest.raises(ValueError, match="expected integer block indices, got 0.5"):
+        m.get_attention_maps(x, layers=[0.5])
+    assert list(m.get_attention_maps(x, layers=torch.tensor([-1]))) == [2]  # index-like values still work
 
 
 @pytest.mark.parametrize("bad, message", [

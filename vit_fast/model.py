@@ -20,6 +20,7 @@ normed output in the branch dtype) where the reference returns fp32; the logits'
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Iterable, Optional
 
 import torch
@@ -469,8 +470,17 @@ class VisionTransformer(nn.Module):
         over keys, token 0 is the class token when the model has one.
         """
         depth = len(self.blocks)
+        if layers is not None and not isinstance(layers, Iterable):
+            raise ValueError(f"get_attention_maps: expected layers as an iterable of block indices (e.g. [-1]) or "
+                             f"None, got {layers!r}")
         chosen = [-1] if layers is None else list(layers)
-        for i in chosen:
+        for n, i in enumerate(chosen):
+            try:
+                if isinstance(i, bool):
+                    raise TypeError
+                chosen[n] = i = operator.index(i)
+            except TypeError:
+                raise ValueError(f"get_attention_maps: expected integer block indices, got {i!r}") from None
             if not -depth <= i < depth:
                 raise ValueError(f"layer index {i} out of range for a model with {depth} blocks")
         wanted = {i % depth for i in chosen}

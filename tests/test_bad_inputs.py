@@ -321,6 +321,7 @@ BAD_OPTIONS = [
     (["--device", "gpu0"], "--device: expected a device such as cpu, cuda or cuda:1, got 'gpu0'"),
     (["--min-lr", "0.1", "--lr", "0.01"], r"--min-lr: expected a value <= --lr \(0.01\), got 0.1"),
     (["--warmup-epochs", "30", "--epochs", "2"], r"--warmup-epochs: expected a value <= --epochs \(2\), got 30.0"),
+    (["--data-dir", "/tmp"], r"--data-dir: only with --dataset imagefolder \(got --dataset digits\)"),
 ]
 
 
@@ -448,3 +449,17 @@ def test_from_timm_names_what_it_expected_for_something_that_is_no_timm_state_di
     for bad in ({}, {"head.weight": torch.zeros(2, 3)}):
         with pytest.raises(CheckpointError, match="no 'patch_embed.proj.weight'"):
             from_timm(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["traffic", "--model", "vit_bogus"], "argument --model: unknown model 'vit_bogus'; available:"),
+    (["traffic", "--batch", "0"], "argument --batch: expected an integer >= 1, got '0'"),
+    (["host", "--model", "vit_bogus"], "argument --model: unknown model 'vit_bogus'"),
+    (["report", "--presets", "vit_bogus"], "argument --presets: unknown model 'vit_bogus'")])
+def test_cli_commands_refuse_a_bad_preset_or_batch_as_argparse_does(capsys, argv, message):
+    """Each was a traceback (an unknown preset deep in the command, a ZeroDivisionError for batch 0)."""
+    from vit_fast.tools import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err

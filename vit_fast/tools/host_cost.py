@@ -33,6 +33,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from vit_fast.tools import preset_name
+
 # Shapes: the preset's depth, heads and head dim at two heads' width, one 32 px image of 16 px patches (5 tokens):
 # the host path is the one the full model takes (same ops, same branches); the aten GEMMs' arithmetic is reported apart.
 HOST_OVERRIDES = dict(img_size=32, num_classes=10)
@@ -230,7 +232,8 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vit-fast host", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="vit_base_patch16_224", help="preset (depth and head dim are kept)")
+    parser.add_argument("--model", default="vit_base_patch16_224", type=preset_name,
+                        help="preset (depth and head dim are kept)")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS + COMPILED_PATHS),
                         help=f"default: {' '.join(PATHS)}; the compiled paths ({' '.join(COMPILED_PATHS)}) compile "
                              "for 10-20 s each here")

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from vit_fast.family_presets import FAMILY_PRESETS
+from vit_fast.tools import preset_name
 
 ARCHS = (80, 90)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -524,7 +525,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help=f"one preset ({QUICK_PRESETS[0]}), one dtype ({QUICK_DTYPES[0]}) under autocast (no pure "
                              "16-bit model), both archs: about 7%% of the full report's compiles; --presets / --dtypes "
                              "still override")
-    parser.add_argument("--presets", nargs="+", help=f"model presets to cover (default: {' '.join(REPORT_PRESETS)})")
+    parser.add_argument("--presets", nargs="+", type=preset_name,
+                        help=f"model presets to cover (default: {' '.join(REPORT_PRESETS)})")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="dtypes to cover (default: all)")
     parser.add_argument("--archs", nargs="+", type=int, default=list(ARCHS), choices=list(ARCHS))
     parser.add_argument("--workers", type=int, default=2, help="compile processes (default 2)")

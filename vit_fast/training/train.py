@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vit-fast train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = p.add_argument_group("data")
-    d.add_argument("--dataset", choices=DATASETS, default="digits")
-    d.add_argument("--data-dir", help="imagefolder root with train/ and val/ sub-folders")
+    d.add_argument("--dataset", choices=DATASETS, default="digits", help="default: digits (the built-in demo)")
+    d.add_argument("--data-dir", help="imagefolder root with train/ and val/ sub-folders (with --dataset imagefolder)")
     d.add_argument("--workers", type=NONNEG_INT, help="DataLoader worker processes per rank")
     m = p.add_argument_group("model (None: the dataset's default, then the preset's value)")
     m.add_argument("--model", help="preset name (vit_fast.list_models())")
@@ -182,6 +182,8 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.workers = 0
     if args.weight_decay is None:
         args.weight_decay = 0.05
+    if args.data_dir and args.dataset != "imagefolder":  # else the folder was silently unused
+        parser.error(f"argument --data-dir: only with --dataset imagefolder (got --dataset {args.dataset})")
     if args.min_lr > args.lr:
         parser.error(f"argument --min-lr: expected a value <= --lr ({args.lr}), got {args.min_lr}")
     if warmup_given and args.warmup_epochs > args.epochs:   # (a dataset default longer than a short run is kept)

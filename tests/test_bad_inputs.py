@@ -463,3 +463,10 @@ def test_cli_commands_refuse_a_bad_preset_or_batch_as_argparse_does(capsys, argv
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_config_error_shows_the_fields_it_is_about_not_the_whole_config():
+    with pytest.raises(ValueError) as info:
+        vit_fast.create_model("vit_base_patch16_224", img_size=100)
+    assert str(info.value) == ("ViTConfig: img_size must be divisible by patch_size; got img_size=(100, 100), "
+                               "patch_size=(16, 16)")

@@ -64,25 +64,28 @@ class ViTConfig:
         self.patch_size = to_2tuple(self.patch_size)
         check_backend(self.backend)
         self._check_sizes()
-        checks = [
-            (self.global_pool in GLOBAL_POOLS, f"global_pool must be one of {GLOBAL_POOLS}"),
-            (self.pos_embed in POS_EMBEDS, f"pos_embed must be one of {POS_EMBEDS}"),
-            (self.weight_init in WEIGHT_INITS, f"weight_init must be one of {WEIGHT_INITS}"),
-            (self.act in ACTS, f"act must be one of {ACTS}"),
-            (self.mlp_layer in MLP_LAYERS, f"mlp_layer must be one of {MLP_LAYERS}"),
-            (self.mlp_layer == "mlp" or self.act == "gelu", "act applies to mlp_layer='mlp' (SwiGLU gates with SiLU)"),
+        checks = [  # (holds, what is expected, the fields the message shows)
+            (self.global_pool in GLOBAL_POOLS, f"global_pool must be one of {GLOBAL_POOLS}", ("global_pool",)),
+            (self.pos_embed in POS_EMBEDS, f"pos_embed must be one of {POS_EMBEDS}", ("pos_embed",)),
+            (self.weight_init in WEIGHT_INITS, f"weight_init must be one of {WEIGHT_INITS}", ("weight_init",)),
+            (self.act in ACTS, f"act must be one of {ACTS}", ("act",)),
+            (self.mlp_layer in MLP_LAYERS, f"mlp_layer must be one of {MLP_LAYERS}", ("mlp_layer",)),
+            (self.mlp_layer == "mlp" or self.act == "gelu", "act applies to mlp_layer='mlp' (SwiGLU gates with SiLU)",
+             ("mlp_layer", "act")),
             (not self.distilled or (self.class_token and self.reg_tokens == 0 and self.global_pool == "token"),
-             "distilled=True needs class_token=True, reg_tokens=0 and global_pool='token' (timm's DeiT)"),
-            (self.class_token or self.global_pool != "token", "global_pool='token' needs class_token=True"),
-            (self.embed_dim % self.num_heads == 0, "embed_dim must be divisible by num_heads"),
+             "distilled=True needs class_token=True, reg_tokens=0 and global_pool='token' (timm's DeiT)",
+             ("distilled", "class_token", "reg_tokens", "global_pool")),
+            (self.class_token or self.global_pool != "token", "global_pool='token' needs class_token=True",
+             ("global_pool", "class_token")),
+            (self.embed_dim % self.num_heads == 0, "embed_dim must be divisible by num_heads",
+             ("embed_dim", "num_heads")),
             (all(s % p == 0 for s, p in zip(self.img_size, self.patch_size)),
-             "img_size must be divisible by patch_size"),
-            (self.depth >= 0 and self.reg_tokens >= 0 and self.num_classes >= 0 and self.in_chans >= 1,
-             "depth, reg_tokens, num_classes must be >= 0 and in_chans >= 1"),
+             "img_size must be divisible by patch_size", ("img_size", "patch_size")),
         ]
-        for ok, message in checks:
+        for ok, message, fields in checks:
             if not ok:
-                raise ValueError(f"ViTConfig: {message}; got {self}")
+                got = ", ".join(f"{f}={getattr(self, f)!r}" for f in fields)
+                raise ValueError(f"ViTConfig: {message}; got {got}")
 
     def _check_sizes(self) -> None:
         """Integer sizes and positive rates before anything divides by them: a clear error, not a ZeroDivisionError

@@ -126,6 +126,8 @@ def test_traffic_predict_stored_prints_calibrated_beside_measured(capsys, monkey
     assert not any("vit_fast " in ln.split("  ")[1] for ln in lines if "  " in ln)
     with pytest.raises(SystemExit, match="batch 256, not 64"):
         traffic.main(["--model", B16, "--paths", "timm_eager", "--batch", "64", "--predict", "--stored"])
+    with pytest.raises(SystemExit, match="no stored counts for vit_tiny_patch16_224 .*stored: .*vit_base_patch16_224"):
+        traffic.main(["--model", "vit_tiny_patch16_224", "--predict", "--stored"])  # was an empty table, exit 0
 
 
 def test_headroom_raises_only_the_slower_vit_fast_kernels():

@@ -655,8 +655,11 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
             stored = stored_counts(model)
             by_model[model] = [stored[p] for p in args.paths if p in stored]
             if not by_model[model]:
-                print(f"{model}: no stored counts (vit_fast/data/counts) for {', '.join(args.paths)}\n")
-            elif stored[next(iter(stored))].batch != args.batch:
+                from vit_fast.tools.calibration import stored_presets
+
+                raise SystemExit(f"vit-fast traffic --stored: no stored counts for {model} ({', '.join(args.paths)});"
+                                 f" stored: {', '.join(stored_presets())}. Count it without --stored")
+            if stored[next(iter(stored))].batch != args.batch:
                 raise SystemExit(f"vit-fast traffic --stored: {model}'s stored counts are at batch "
                                  f"{stored[next(iter(stored))].batch}, not {args.batch}; count it without --stored")
             for r in by_model[model]:

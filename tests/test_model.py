@@ -192,3 +192,16 @@ def test_half_precision_forward_runs():
     out = m(torch.randn(2, 3, 32, 32, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert math.isfinite(m.flops_per_image())
+
+
+def test_timm_methods_not_implemented_say_what_to_use_instead():
+    """The README's table lists them as not implemented: each raises NotImplementedError naming the alternative
+    (an AttributeError, or a TypeError for init_weights('jax'), before)."""
+    m = tiny()
+    for call, hint in ((lambda: m.load_pretrained("x.npz"), "vit_fast.optimize"),
+                       (lambda: m.set_input_size(img_size=64), "dynamic_img_size=True"),
+                       (lambda: m.get_intermediate_layers(torch.randn(1, 3, 32, 32)), "forward_intermediates"),
+                       (lambda: m.init_weights("jax"), "only timm's default mode")):
+        with pytest.raises(NotImplementedError, match=hint):
+            call()
+    m.init_weights("")  # the default mode still works

@@ -127,8 +127,12 @@ class VisionTransformer(nn.Module):
                                    num_classes=cfg.num_classes, first_conv="patch_embed.proj", classifier="head")
 
     # ----------------------------------------------------------------------------------------- setup
-    def init_weights(self) -> None:
-        """timm's default init: pos_embed trunc_normal(.02), cls/reg tokens normal(1e-6), Linear trunc_normal(.02)."""
+    def init_weights(self, mode: str = "") -> None:
+        """timm's default init: pos_embed trunc_normal(.02), cls/reg tokens normal(1e-6), Linear trunc_normal(.02).
+        ``mode``: only timm's default ''."""
+        if mode != "":
+            raise NotImplementedError(f"init_weights: only timm's default mode '' is implemented, got {mode!r}; "
+                                      f"initialise the timm model with that mode, then vit_fast.optimize it")
         if self.pos_embed is not None:
             if self.config.pos_embed == "sincos":
                 with torch.no_grad():
@@ -463,6 +467,19 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     @torch.no_grad()
+    # timm methods the README lists as not implemented: each says what to use instead
+    def load_pretrained(self, checkpoint_path: str, prefix: str = "") -> None:
+        raise NotImplementedError("load_pretrained (timm's .npz big_vision loader) is not implemented: load the .npz "
+                                  "into the timm model, then vit_fast.optimize it")
+
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        raise NotImplementedError("set_input_size is not implemented: create the model with dynamic_img_size=True or "
+                                  "rebuild it with img_size=... (vit_fast.resample_abs_pos_embed resamples pos_embed)")
+
+    def get_intermediate_layers(self, *args, **kwargs):
+        raise NotImplementedError("get_intermediate_layers is not implemented: "
+                                  "forward_intermediates(x, indices, intermediates_only=True) returns the same blocks")
+
     def get_attention_maps(self, x: torch.Tensor, layers: Iterable[int] | None = None) -> dict[int, torch.Tensor]:
         """Softmax attention probabilities {layer: (B, heads, N, N)} of the chosen blocks (default: last one).
 

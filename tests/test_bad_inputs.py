@@ -321,6 +321,7 @@ BAD_OPTIONS = [
     (["--device", "gpu0"], "--device: expected a device such as cpu, cuda or cuda:1, got 'gpu0'"),
     (["--min-lr", "0.1", "--lr", "0.01"], r"--min-lr: expected a value <= --lr \(0.01\), got 0.1"),
     (["--warmup-epochs", "30", "--epochs", "2"], r"--warmup-epochs: expected a value <= --epochs \(2\), got 30.0"),
+    (["--bf16-residual"], r"--bf16-residual: only with --amp bf16 or fp16"),
     (["--data-dir", "/tmp"], r"--data-dir: only with --dataset imagefolder \(got --dataset digits\)"),
 ]
 

@@ -182,6 +182,8 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.workers = 0
     if args.weight_decay is None:
         args.weight_decay = 0.05
+    if not args.residual_in_fp32 and args.amp == "off":  # the stream is the parameters' dtype without autocast
+        parser.error("argument --bf16-residual: only with --amp bf16 or fp16 (without autocast it changes nothing)")
     if args.data_dir and args.dataset != "imagefolder":  # else the folder was silently unused
         parser.error(f"argument --data-dir: only with --dataset imagefolder (got --dataset {args.dataset})")
     if args.min_lr > args.lr:

@@ -529,6 +529,7 @@ def test_bad_input_dropout_and_separate_shapes():
             A.attention_probs(qkv, lse, 1, rows=rows)
     with pytest.raises(ValueError, match="expected scale a finite number > 0"):
         A.attention_probs(qkv, lse, 1, scale=-1.0)
+    assert A.attention_probs(qkv, lse, 1, rows=[]).shape == (1, 1, 0, 4)  # no rows: an empty map
 
 
 def test_device_without_kernels_raises(monkeypatch):

@@ -166,6 +166,7 @@ def test_attention_maps_are_softmax_probabilities():
     with pytest.raises(ValueError, match="expected integer block indices, got 0.5"):
         m.get_attention_maps(x, layers=[0.5])
     assert list(m.get_attention_maps(x, layers=torch.tensor([-1]))) == [2]  # index-like values still work
+    assert not maps[0].requires_grad  # computed under no_grad
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -466,7 +466,6 @@ class VisionTransformer(nn.Module):
             return self.forward_head(self._forward_blocks(self.embed(x), last_keep_rows=keep, chained=True))
         return self.forward_head(self.forward_features(x))
 
-    @torch.no_grad()
     # timm methods the README lists as not implemented: each says what to use instead
     def load_pretrained(self, checkpoint_path: str, prefix: str = "") -> None:
         raise NotImplementedError("load_pretrained (timm's .npz big_vision loader) is not implemented: load the .npz "
@@ -480,6 +479,7 @@ class VisionTransformer(nn.Module):
         raise NotImplementedError("get_intermediate_layers is not implemented: "
                                   "forward_intermediates(x, indices, intermediates_only=True) returns the same blocks")
 
+    @torch.no_grad()
     def get_attention_maps(self, x: torch.Tensor, layers: Iterable[int] | None = None) -> dict[int, torch.Tensor]:
         """Softmax attention probabilities {layer: (B, heads, N, N)} of the chosen blocks (default: last one).
 

@@ -741,12 +741,11 @@ def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale:
         raise ValueError(f"attention_probs: expected lse of shape {(B, num_heads, N)} and dtype float32, "
                          f"got {tuple(lse.shape)} {lse.dtype}")
     _check_scale("attention_probs", scale)
-    if rows is not None:
-        given = torch.as_tensor(rows)
-        if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
-            raise ValueError(f"attention_probs: expected rows as integer indices (a list or an integer tensor), "
-                             f"got {given.dtype}")
-    rows = torch.arange(N) if rows is None else torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+    rows = torch.arange(N) if rows is None else torch.as_tensor(rows)
+    if rows.numel() and (rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool):
+        raise ValueError(f"attention_probs: expected rows as integer indices (a list or an integer tensor), "
+                         f"got {rows.dtype}")
+    rows = rows.to(torch.int64).reshape(-1)
     if rows.numel() and (rows.min() < 0 or rows.max() >= N):
         raise ValueError(f"attention_probs: expected rows in [0, {N}), got {rows.tolist()}")
     rows = rows.to(device=qkv.device, dtype=torch.int64)

@@ -454,7 +454,7 @@ def test_from_timm_names_what_it_expected_for_something_that_is_no_timm_state_di
 
 @pytest.mark.parametrize("argv, message", [
     (["traffic", "--model", "vit_bogus"], "argument --model: unknown model 'vit_bogus'; available:"),
-    (["traffic", "--batch", "0"], "argument --batch: expected an integer >= 1, got '0'"),
+    (["traffic", "--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
     (["host", "--model", "vit_bogus"], "argument --model: unknown model 'vit_bogus'"),
     (["report", "--presets", "vit_bogus"], "argument --presets: unknown model 'vit_bogus'")])
 def test_cli_commands_refuse_a_bad_preset_or_batch_as_argparse_does(capsys, argv, message):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vit_fast.tools import positive_int, preset_name
+from vit_fast.tools import POSITIVE_INT, preset_name
 
 # CONTRIBUTING.md 5: measured H100 figures, A100 datasheet figures. fp32 GEMMs run as TF32 at half the rate.
 ROOFLINE = {
@@ -591,7 +591,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="vit-fast traffic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["vit_base_patch16_224"], metavar="PRESET", type=preset_name,
                         help="preset name(s); each is counted in turn")
-    parser.add_argument("--batch", type=positive_int, default=256, help="batch the counts are scaled to")
+    parser.add_argument("--batch", type=POSITIVE_INT, default=256, help="batch the counts are scaled to")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--count-batches", type=int, nargs=2, default=(2, 3), metavar=("B1", "B2"),
                         help="the two small batches actually counted "

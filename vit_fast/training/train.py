@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from ..interop.convert import load_state_dict
+from ..tools import FRACTION, NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT
 from . import checkpoint as ckpt
 from .data import DATASETS, DataInfo, build_datasets, build_loaders
 from .graphs import CudaGraphStep, restore_capturable
@@ -56,31 +57,6 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 MODEL_OVERRIDES = ("img_size", "patch_size", "in_chans", "num_classes", "depth", "embed_dim", "num_heads",
                    "mlp_ratio", "drop_path_rate", "global_pool")
-
-
-def _number(kind, low=None, high=None, low_open=False, high_open=False):
-    """argparse type: an int / finite float in [low, high] (open ends with *_open); argparse's own error otherwise."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"{'>' if low_open else '>='} {low}"] if low is not None else [])
-                          + ([f"{'<' if high_open else '<='} {high}"] if high is not None else []))
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
-        if (not math.isfinite(value) or (low is not None and (value < low or low_open and value == low))
-                or (high is not None and (value > high or high_open and value == high))):
-            raise argparse.ArgumentTypeError(f"expected {name} {bounds}, got {text}")
-        return value
-
-    parse.__name__ = f"{kind.__name__} {bounds}"   # argparse names the type in 'invalid <type> value' errors
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = _number(int, 1), _number(int, 0)
-POSITIVE_FLOAT, NONNEG_FLOAT = _number(float, 0, low_open=True), _number(float, 0)
-FRACTION = _number(float, 0, 1, high_open=True)   # probabilities / rates in [0, 1)
 
 
 def check_device(text: str) -> str:

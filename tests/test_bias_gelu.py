@@ -167,6 +167,27 @@ def test_dropout_rate_seeds_and_eval_mode():
     assert torch.equal(bias_dropout_add(x, bias, res, 1.0, True), res), "p=1 drops everything"
 
 
+def test_dropout_keeps_non_finite_values_where_it_drops_like_torch():
+    """A dropped NaN or inf is multiplied by 0 (NaN), as torch's dropout does: a NaN in the branch is not hidden
+    by the mask, forward or backward."""
+    b, n, d, p, seed = 2, 3, 256, 0.5, 3
+    keep = kernel_keep_mask((b, n, d), p, seed)
+    x = randn(b, n, d, grad=False)
+    x[..., ::7] = float("nan")
+    x[..., 3::7] = float("inf")
+    x.requires_grad_(True)
+    res = randn(b, n, d, grad=False)
+    torch.manual_seed(seed)
+    out = bias_dropout_add(x, None, res, p, True)
+    expected = res.double() + x.detach().double() * keep.double() / (1 - p)
+    assert (~keep[..., ::7]).any() and (~keep[..., 3::7]).any()
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+    g = torch.ones_like(out)
+    g[..., 1::7] = float("nan")
+    out.backward(g)
+    assert torch.equal(x.grad.isnan(), (g.double() * keep.double()).isnan())
+
+
 def test_bias_dropout_add_autocast_dtypes_and_plain_backward():
     """bf16 branch into an fp32 residual stream: fp32 output, bf16 dx, fp32 param grads; and the
     plain join (no dropout/gamma/scale) returns dout itself as dx (no dx write)."""

@@ -19,9 +19,10 @@ from ._utils import check_float, check_kernel_device, check_shape, dropout_keep_
 def dropout(v, SEED, offsets, p, HAS_DROPOUT: tl.constexpr):
     """Inverted dropout of v; also its backward (the same mask and scale). SEED points at the Philox seed, drawn
     on the device (kernels/_utils.next_seed: a CUDA graph's replays each read the seed drawn in them); it is
-    loaded where the mask is drawn, a cached load, so no register holds it across the kernels' row loops."""
+    loaded where the mask is drawn, a cached load, so no register holds it across the kernels' row loops. A
+    dropped element is multiplied by 0, as torch's dropout does, so a NaN or inf in it stays NaN."""
     if HAS_DROPOUT:
-        v = tl.where(dropout_keep_mask(tl.load(SEED), offsets, p), v / (1.0 - p), 0.0)
+        v = tl.where(dropout_keep_mask(tl.load(SEED), offsets, p), v / (1.0 - p), v * 0.0)
     return v
 
 

@@ -425,6 +425,36 @@ def test_hf_family_through_optimize(kind, backend):
         fast(x, output_hidden_states=True)
 
 
+@pytest.mark.parametrize("kind,backend", [("clip", "triton"), ("clip_projection", "torch"), ("siglip", "torch"),
+                                          ("siglip_classifier", "triton"), ("dinov2", "triton")])
+def test_hf_family_other_image_sizes_as_transformers(kind, backend):
+    """Images of another size: resized position tables as transformers makes them (interpolate_pos_encoding=True
+    for CLIP and SigLIP, always for DINOv2), the same outputs and gradients (the table's included); without the
+    argument CLIP and SigLIP refuse, naming it; the model's own size changes nothing."""
+    import vit_fast
+
+    torch.manual_seed(0)
+    source = _perturbed(_hf_models()[kind]()).eval()
+    fast = vit_fast.optimize(source, backend=backend)
+    kwargs = {} if kind == "dinov2" else {"interpolate_pos_encoding": True}
+    for size in [(48, 40), (24, 24), (32, 32)]:
+        x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+        out, expected = fast(x, **kwargs), source(pixel_values=x, **kwargs)
+        for k in [k for k, v in expected.items() if v is not None]:
+            assert_close(out[k], expected[k], FP32, f"{k} {size}")
+        if size == (48, 40):
+            for o in (out, expected):
+                sum(v.square().sum() for v in o.values() if v is not None).backward()
+            grads, ref_grads = (_qkv_bias_grads_joined(m) for m in (fast, source))
+            assert grads.keys() == ref_grads.keys()
+            assert any("position" in name for name in grads)
+            for name, g in grads.items():
+                assert_close(g, ref_grads[name], FP32, f"grad {name}")
+    if kind != "dinov2":
+        with pytest.raises(ValueError, match=r"\(48\*40\) doesn't match model \(32\*32\); pass interpolate_pos_enc"):
+            fast(torch.randn(2, 3, 48, 40))
+
+
 def _qkv_bias_grads_joined(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gradient, a layer's q, k and v bias gradients joined as one: the key bias's own is
     zero up to rounding (softmax ignores a shift per query row), so only the joined one has a scale."""

@@ -15,12 +15,10 @@ As in Liger-Kernel, the layers stay transformers'; only the forward is vit_fast'
 from __future__ import annotations
 
 import copy
-import math
 from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import transformers
 from transformers import PreTrainedModel, ViTConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
@@ -66,6 +64,28 @@ class HFLinked:
         if model.training != self.training:
             model.train(self.training)
         return model
+
+    def position_embedding_for(self, pixel_values: torch.Tensor, resize: bool) -> Optional[torch.Tensor]:
+        """The position embedding of these images' size: None at the model's own size (its table); at another
+        size with ``resize`` (transformers' interpolate_pos_encoding=True; DINOv2 always resizes) the table as
+        the source's own embeddings resize it (their ``interpolate_pos_encoding``: transformers' numerics by
+        construction, gradients reaching the table); without it, transformers' error naming the argument."""
+        model = self.vit_fast_model
+        if pixel_values.dim() != 4:
+            return None  # the model's input check says what it expected
+        height, width = pixel_values.shape[-2:]
+        size = tuple(model.patch_embed.img_size)
+        if (height, width) == size:
+            return None
+        if not resize:
+            raise ValueError(f"Input image size ({height}*{width}) doesn't match model ({size[0]}*{size[1]}); "
+                             "pass interpolate_pos_encoding=True to resize the position embedding, as transformers "
+                             "does")
+        grid = model.patch_embed.check_input(pixel_values, any_size=True)
+        prefix = model.pos_embed.shape[1] - model.patch_embed.num_patches  # class token's row, where it has one
+        # transformers reads only the embeddings' shape from its first argument
+        tokens = torch.empty((1, prefix + grid[0] * grid[1], model.embed_dim), device="meta")
+        return self.vit_fast_layout.encoder(self).embeddings.interpolate_pos_encoding(tokens, height, width)
 
     @classmethod
     def stock_class(cls) -> type:
@@ -160,20 +180,6 @@ class HFViT(HFLinked):
         source = source_class.from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
         return optimize(source, backend=backend, residual_in_fp32=residual_in_fp32)
 
-    def _interpolated_pos_embed(self, height: int, width: int) -> Optional[torch.Tensor]:
-        """transformers' ViTEmbeddings.interpolate_pos_encoding: the patch grid's position embedding
-        resized bicubic (align_corners=False, no antialias, in the parameter's dtype) to this image's
-        grid; None (the model's own) where transformers keeps it (same token count, square image)."""
-        pos = self.vit_fast_model.pos_embed
-        patch_size = self.vit_fast_model.patch_embed.patch_size
-        grid = (height // patch_size[0], width // patch_size[1])
-        side = math.isqrt(pos.shape[1] - 1)
-        if grid[0] * grid[1] == side * side and height == width:
-            return None
-        patches = pos[:, 1:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
-        patches = F.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
-        return torch.cat([pos[:, :1], patches.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1)], dim=1)
-
     def _forward(self, pixel_values: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
                  interpolate_pos_encoding: Optional[bool] = None, attention_mask: Optional[torch.Tensor] = None,
                  bool_masked_pos: Optional[torch.Tensor] = None, return_dict: Optional[bool] = None,
@@ -192,7 +198,7 @@ class HFViT(HFLinked):
             raise ValueError("labels: a ViTModel has no classifier (use ViTForImageClassification)")
         model = self.linked_in_mode()
         pixel_values = pixel_values.to(model.patch_embed.proj.weight.dtype)  # as transformers does
-        pos_embed = self._interpolated_pos_embed(*pixel_values.shape[-2:]) if interpolate_pos_encoding else None
+        pos_embed = self.position_embedding_for(pixel_values, bool(interpolate_pos_encoding))
         want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         want_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         if want_attentions and self.training and any(blk.attn.attn_drop.p > 0 for blk in model.blocks):

@@ -13,7 +13,9 @@ Same forward signature and output type as the source:
   SiglipForImageClassification  ImageClassifierOutput(loss with labels, logits = classifier(mean of tokens))
   Dinov2Model                   BaseModelOutputWithPooling(last_hidden_state = layernorm(encoder output),
                                 pooler_output = its class token)
-Hidden states, attention maps, masked-image inputs and interpolate_pos_encoding=True raise a clear error.
+Images of another size than the config's: the position table resized by the source's own embeddings, with
+interpolate_pos_encoding=True (CLIP, SigLIP) or always (DINOv2), as transformers does. Hidden states, attention
+maps and masked-image inputs raise a clear error.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
+from ..backend import check_model_input
 from .families import hf_config
 from .hf import HFLinked
 from .linked import CLIPLayout, Dinov2Layout, SiglipLayout
@@ -42,7 +45,7 @@ class HFVisionFamily(HFLinked):
         classifier = source_class == "SiglipForImageClassification"
         unsupported = [name for name, bad in [
             ("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions),
-            ("interpolate_pos_encoding", interpolate_pos_encoding), ("bool_masked_pos", bool_masked_pos is not None),
+            ("bool_masked_pos", bool_masked_pos is not None),
             (f"keyword arguments {sorted(kwargs)}", kwargs),
             ("labels (only SiglipForImageClassification takes them)", labels is not None and not classifier),
         ] if bad]
@@ -52,11 +55,14 @@ class HFVisionFamily(HFLinked):
             raise ValueError(f"{source_class} (vit_fast): not supported: {', '.join(unsupported)}")
         m = self.linked_in_mode()
         pixel_values = pixel_values.to(m.patch_embed.proj.weight.dtype)  # as transformers does
+        pos_embed = self.position_embedding_for(pixel_values,
+                                                resize=bool(interpolate_pos_encoding) or source_class == "Dinov2Model")
         if source_class.startswith("CLIP"):
             # last_hidden_state is the stream before post_layernorm; pooled = post_layernorm(class token)
-            final, [(patches, prefix)] = m.forward_intermediates(pixel_values, indices=1, output_fmt="NLC",
-                                                                 return_prefix_tokens=True)
-            sequence, pooled = torch.cat([prefix, patches], dim=1), final[:, 0]
+            check_model_input(pixel_values, m.patch_embed.proj.weight, m.patch_embed.in_chans)
+            streams: list[torch.Tensor] = []
+            final = m._forward_blocks(m.embed(pixel_values, pos_embed), outputs=streams)
+            sequence, pooled = streams[-1], final[:, 0]
             if source_class == "CLIPVisionModelWithProjection":
                 from transformers.models.clip.modeling_clip import CLIPVisionModelOutput
 
@@ -64,11 +70,12 @@ class HFVisionFamily(HFLinked):
             else:
                 out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled)
         elif classifier:
-            logits = m(pixel_values)  # global_pool='avg' over the post-layernorm tokens, then the classifier
+            # global_pool='avg' over the post-layernorm tokens, then the classifier
+            logits = m.forward_head(m.forward_features(pixel_values, pos_embed))
             loss = self.loss_function(labels, logits, self.config) if labels is not None else None
             out = ImageClassifierOutput(loss=loss, logits=logits)
         else:
-            sequence = m.forward_features(pixel_values)
+            sequence = m.forward_features(pixel_values, pos_embed)
             pooled = m.attn_pool(sequence) if m.attn_pool is not None else (
                 sequence[:, 0] if source_class == "Dinov2Model" else None)
             out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled)

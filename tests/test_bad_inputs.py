@@ -257,6 +257,14 @@ def test_missing_checkpoint_is_both_checkpoint_and_file_not_found_error(files):
     assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, CheckpointError)
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_saving_into_a_missing_folder_names_it(files, suffix):
+    root, model = files
+    with pytest.raises(FileNotFoundError, match="its folder '.*no_such_dir' does not exist"):
+        save_checkpoint(model, root / "no_such_dir" / f"w{suffix}")
+    assert not (root / "no_such_dir").exists()
+
+
 def test_swapped_suffixes_load_by_content(files):
     root, model = files
     shutil.copy(root / "good.pt", root / "torch_file.safetensors")

@@ -486,6 +486,10 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, metadata: Optiona
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if not path.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"checkpoint {path!r}: expected a .safetensors, .pt or .pth file name")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"checkpoint {path!r}: its folder {folder!r} does not exist; create it first "
+                                "(os.makedirs)")
     tmp = path + ".tmp"   # written next to the target and renamed: a crash never leaves a half-written file
     try:
         if path.endswith(".safetensors"):

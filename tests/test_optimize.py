@@ -232,6 +232,8 @@ def test_unsupported_features_are_listed():
         vit_fast.optimize(glu)
     with pytest.raises(ValueError, match="expected a timm VisionTransformer"):
         vit_fast.optimize(torch.nn.Linear(3, 3))
+    with pytest.raises(ValueError, match=r"blocks without their LayerNorms \(norm_layer=nn.Identity\)"):
+        vit_fast.optimize(timm_vit(norm_layer=torch.nn.Identity))
     with pytest.raises(ValueError, match="backend must be one of"):
         vit_fast.optimize(timm_vit(), backend="cuda")
     with pytest.raises(ValueError, match="bool_masked_pos"):

@@ -126,6 +126,9 @@ def timm_unsupported(model: nn.Module) -> list[str]:
             problems.append("attention output norm (scale_attn_norm=True), blocks.0.attn.norm")
         if not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
             problems.append("MLP hidden norm (scale_mlp_norm=True), blocks.0.mlp.norm")
+        if isinstance(getattr(blk, "norm1", None), nn.Identity) or isinstance(getattr(blk, "norm2", None), nn.Identity):
+            problems.append("blocks without their LayerNorms (norm_layer=nn.Identity): vit_fast's blocks are "
+                            "pre-norm, each branch joined with the next LayerNorm")
         problems += _family_problems(model)
         if getattr(blk.attn.proj, "bias", None) is None or getattr(getattr(blk.mlp, "fc2", None), "bias", 1) is None:
             problems.append("projections without bias (proj_bias=False)")

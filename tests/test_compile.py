@@ -130,3 +130,23 @@ def test_compiling_before_any_eager_call_runs_under_the_interpreter():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "(2, 10) True"
+
+
+def test_torch_export_of_an_inference_model_with_a_dynamic_batch(tmp_path):
+    """torch.export of the fused model (eval): the custom ops' fake kernels trace it with a symbolic batch, the
+    program gives eager's logits at another batch, and it survives torch.export.save / load."""
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=5, backend="triton")
+    model = model.eval().to(DEVICE)
+    program = torch.export.export(model, (torch.randn(2, 3, 32, 32, device=DEVICE),),
+                                  dynamic_shapes={"x": {0: Dim("batch", min=1, max=64)}})
+    fused = {str(n.target) for n in program.graph.nodes if n.op == "call_function" and "vit_fast" in str(n.target)}
+    assert {"vit_fast.attention_fwd.default", "vit_fast.add_layer_norm_fwd.default"} <= fused
+    torch.export.save(program, tmp_path / "vit.pt2")
+    x = torch.randn(5, 3, 32, 32, device=DEVICE)
+    with torch.no_grad():
+        want = model(x)
+        for exported in (program, torch.export.load(tmp_path / "vit.pt2")):
+            assert torch.equal(exported.module()(x), want)

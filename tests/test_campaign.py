@@ -135,7 +135,7 @@ def test_a_hanging_path_loses_only_its_own_row_and_leaves_its_stack(tmp_path, mo
     assert "timed out" in rows["vit_fast_compile"]["error"]
     assert all(float(rows[p]["images_per_s"]) > 0 for p in eager_paths)
     hangs = (out / "hangs.log").read_text()
-    assert "vit_fast_compile" in hangs and "row_main" in hangs and "most recent call first" in hangs
+    assert "vit_fast_compile" in hangs and "throughput_child" in hangs and "most recent call first" in hangs
     assert "micro B/16 bias_gelu" in hangs and "micro_child" in hangs
     summary = (out / "summary.md").read_text()
     assert "DRY RUN" in summary and "timed out" in summary

@@ -22,13 +22,17 @@ work when its budget is spent and says what it skipped), a progress line each:
               rewritten after every row (a killed campaign keeps what it measured); a real campaign from a
               checkout also writes docs/measured/<gpu>-<date>.md and its CSVs, ready to commit
 
-Nothing measured is lost to a hang: every throughput row and every profile path runs in its own process under
-its own timeout (ROW_TIMEOUT_S), the micro cases in a process per model shape with a timeout per case
-(MICRO_CASE_TIMEOUT_S, the shape going on from the next case in a new process); each child arms
-faulthandler, so a hang leaves its Python stack in DIR/hangs.log, and the rows stream back as measured.
+Nothing measured is lost to a hang: the throughput rows run one after another in a child process, each under its
+own timeout (ROW_TIMEOUT_S; a row that hangs is killed with its process and the next row goes on in a new one, a
+row that fails after others in the same process is measured again in a fresh one), every profile path in a
+process of its own, the micro cases in a process per model shape with a timeout per case (MICRO_CASE_TIMEOUT_S,
+the shape going on from the next case in a new process); each child arms faulthandler, so a hang leaves its
+Python stack in DIR/hangs.log, and the rows stream back as measured.
 
-``--quick`` runs env, headline and profile: the headline in <= 5 minutes (on the H200 of 2026-11-27 ViT-B/16's
-five rows took 192 s and the profile 14 s a path; S/16's two compiled rows are PREDICTED to fit the rest).
+``--quick`` runs env, headline and profile: the headline in <= 5 minutes (on the H200 of 2026-11-27, each row then
+in a process of its own, the headline's first eight rows took 192 s, of which about 9 s a row went to the process's
+start, imports and CUDA context (estimated from the rows' step counts); S/16's two compiled rows did not fit. The
+rows now share a process: PREDICTED to leave them room).
 ``--stages NAME ...`` runs env and the named stages alone, in the campaign's order, each on its full budget (e.g.
 ``micro`` after a quick campaign, or a stage a killed run did not reach).
 
@@ -87,13 +91,16 @@ THROUGHPUT_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile"
 HEADLINE_PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_compile", "vit_fast_graph")
 QUICK_MODELS = ["vit_base_patch16_224", "vit_small_patch16_224"]
 QUICK_BATCHES = [256]
-# Each throughput row runs in its own process under this timeout (seconds, before --budget scaling): a path that
-# hangs (torch.compile of the fused model did on the first GPU run) loses its own row only, and leaves its stack
-# (faulthandler, dumped at two thirds of the timeout) in DIR/hangs.log.
+# Each throughput row runs under this timeout (seconds, before --budget scaling): a path that hangs (torch.compile
+# of the fused model did on the first GPU run) loses its own row only, and leaves its stack (faulthandler, dumped
+# at two thirds of the timeout) in DIR/hangs.log.
 ROW_TIMEOUT_S = {"eager": 60.0, "graph": 60.0, "compile": 150.0}
 # The first row of vit_fast's kernels in a campaign compiles them and times the tuning candidates (measured on the
 # H200: ~50 s in one process, most of it the attention backward's); later rows read Triton's and the tuning cache.
 FIRST_KERNELS_ALLOWANCE_S = 75.0
+# The throughput rows share a process while they succeed (throughput_child): a process's start and imports, and
+# the gap between two rows (freeing the last one's memory), must come within this many seconds
+ROW_GAP_TIMEOUT_S = 60.0
 MICRO_CASE_TIMEOUT_S = 60.0  # each micro case (fused op, eager, torch.compile of eager), before --budget scaling
 # compiled last: the longest
 PROFILE_PATHS = ("timm_eager", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "timm_compile")
@@ -438,11 +445,12 @@ def micro_child(spec: dict) -> None:
             print("ROW " + json.dumps(dict(row, model=spec["shape"]), default=str), flush=True)
 
 
-def stream_child(c: Campaign, kind: str, spec: dict, idle_timeout: float, on_line: Callable[[str], None]):
+def stream_child(c: Campaign, kind: str, spec: dict, idle_timeout: float,
+                 on_line: Callable[[str], Optional[float]]):
     """Run ``python -m vit_fast.tools.campaign KIND SPEC_JSON``, handing each stdout line to ``on_line`` as it
     comes (rows reach the disk as measured). Killed when ``idle_timeout`` seconds pass without a line ('hung')
     or the stage's budget runs out ('budget'): returns (exit code, or that reason; its stderr, faulthandler
-    stacks included)."""
+    stacks included). ``on_line`` may return a new idle timeout (a row with a timeout of its own starting)."""
     import queue
     import threading
 
@@ -464,7 +472,7 @@ def stream_child(c: Campaign, kind: str, spec: dict, idle_timeout: float, on_lin
             rc = proc.wait()
             break
         if line:
-            on_line(line.rstrip("\n"))
+            idle_timeout = on_line(line.rstrip("\n")) or idle_timeout
             deadline = time.perf_counter() + idle_timeout
         elif time.perf_counter() >= min(deadline, c.stage_deadline):
             proc.kill()
@@ -542,43 +550,40 @@ def _row_timeout(c: Campaign, path: str) -> float:
     return ROW_TIMEOUT_S[kind] * max(c.scale, 0.25)
 
 
-def measure_isolated(c: Campaign, spec: dict, timeout: float) -> dict:
-    """One throughput row measured by ``python -m vit_fast.tools.campaign row JSON`` in its own process: a crash
-    or a hang costs this row only. A row that runs out of time comes back as an error row, its stack appended
-    to DIR/hangs.log."""
-    cmd = [sys.executable, "-m", "vit_fast.tools.campaign", "row", json.dumps(dict(spec, spawned_at=time.time()))]
-    out, rc = _run(c, cmd, timeout)
-    for line in reversed(out.splitlines()):
-        if line.startswith("ROW "):
-            return json.loads(line[4:])
-    head = dict(c.meta, model=spec["preset"], dtype="bf16", batch=spec["batch"], path=spec["path"])
-    if rc is None:
-        with open(os.path.join(c.out, "hangs.log"), "a") as f:
-            f.write(f"==== {spec['preset']} b{spec['batch']} {spec['path']}: no result after {timeout:.0f} s\n{out}\n")
-        return dict(head, error=f"timed out after {timeout:.0f} s (stack in hangs.log)")
-    tail = " ".join(out.strip().splitlines()[-3:])[-300:]
-    return dict(head, error=f"exit code {rc}: {tail}")
-
-
-def row_main(argv: list[str]) -> int:
-    """The child of measure_isolated: measure one row, print it as 'ROW {json}'."""
+def throughput_child(spec: dict) -> None:
+    """The child of ``_throughput``: the rows of ``spec['rows']`` from ``spec['start']`` one after another in this
+    process (interpreter start, imports, the CUDA context and loaded kernels paid once, not per row; `vit-fast
+    bench` measures its rows in one process too), 'START i' before each and 'ROW {json}' after it; the faulthandler
+    dump is re-armed per row, so a hang shows where that row stuck. A row that failed leaves the process (whatever
+    broke it, e.g. a CUDA error, stays with it): the campaign goes on in a new one."""
     import faulthandler
+    import gc
 
     from vit_fast.tools.bench import measure
 
-    spec = json.loads(argv[0])
-    startup_s = time.time() - spec["spawned_at"]  # interpreter start and imports: paid by every row
-    faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
-    _simulated_hang(spec["path"])
     if spec["device"] == "cpu":
         from vit_fast.tools.interpreter import install_bf16_shims
 
         install_bf16_shims()
-    row = measure(spec["meta"], spec["preset"], "bf16", spec["batch"], spec["path"], spec["steps"], spec["warmup"],
-                  spec["peak"], device=spec["device"], compile_backend=spec["compile_backend"], **spec["overrides"])
-    row["startup_s"] = startup_s
-    print("ROW " + json.dumps(row, default=str), flush=True)
-    return 0
+    ready = time.time()
+    for i, row_spec in enumerate(spec["rows"][spec["start"]:], start=spec["start"]):
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.dump_traceback_later(row_spec["dump_after_s"], repeat=True)
+        print(f"START {i}", flush=True)
+        startup_s = time.time() - (spec["spawned_at"] if i == spec["start"] else ready)
+        _simulated_hang(row_spec["path"])
+        torch._dynamo.reset()  # a compiled row starts from no cached graphs, as in a process of its own
+        row = measure(spec["meta"], row_spec["preset"], "bf16", row_spec["batch"], row_spec["path"], spec["steps"],
+                      spec["warmup"], spec["peak"], device=spec["device"], compile_backend=spec["compile_backend"],
+                      **spec["overrides"])
+        row["startup_s"] = startup_s  # interpreter start and imports for a process's first row, else cleanup
+        print("ROW " + json.dumps(row, default=str), flush=True)
+        if "error" in row:
+            return
+        gc.collect()
+        if spec["device"] == "cuda":
+            torch.cuda.empty_cache()
+        ready = time.time()
 
 
 def stage_headline(c: Campaign) -> dict:
@@ -613,24 +618,66 @@ def _throughput(c: Campaign, headline: bool) -> dict:
     order = [(m, b, p) for p in paths if not p.endswith("compile") for m in models for b in batches]
     order += [(m, b, p) for m in models for b in reversed(batches) for p in paths if p.endswith("compile")]
     order = [key for key in order if key not in measured]
-    rows, skipped = c.results.setdefault("throughput", []), []
+    rows = c.results.setdefault("throughput", [])
+    kernels_ready = any(r["path"].startswith("vit_fast") and "error" not in r for r in rows)
+    specs, timeouts = [], []
     for model, batch, path in order:
-        first = path.startswith("vit_fast") and not any(
-            r["path"].startswith("vit_fast") and "error" not in r for r in rows)
-        timeout = min(_row_timeout(c, path) + (FIRST_KERNELS_ALLOWANCE_S * min(c.scale, 1.0) if first else 0.0),
-                      c.left())
-        if timeout < (20.0 if path.endswith("compile") else 5.0) * min(c.scale, 1.0):
-            skipped.append(f"{model} b{batch} {path}")
+        first = path.startswith("vit_fast") and not kernels_ready
+        kernels_ready = kernels_ready or path.startswith("vit_fast")
+        timeouts.append(_row_timeout(c, path) + (FIRST_KERNELS_ALLOWANCE_S * min(c.scale, 1.0) if first else 0.0))
+        specs.append(dict(preset=model, batch=batch, path=path, dump_after_s=timeouts[-1] * 2 / 3))
+    state = dict(current=None, started=0.0, done=0, retried=set())
+
+    def on_line(line: str) -> Optional[float]:
+        """A row started (its own timeout from now on) or measured (on disk at once: a killed campaign keeps it)."""
+        if line.startswith("START "):
+            state["current"], state["started"] = int(line.split()[1]), time.perf_counter()
+            return timeouts[state["current"]]
+        if line.startswith("ROW "):
+            row = json.loads(line[4:])
+            row["seconds"] = time.perf_counter() - state["started"]
+            row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops",
+                                                                                       float("nan"))
+            if "error" in row and state["current"] > state["start"] and state["current"] not in state["retried"]:
+                # after other rows in the same process: measured again in a fresh one before it counts as failed
+                state["retried"].add(state["current"])
+                c.progress("  " + format_row(row) + " (again in a new process)")
+            else:
+                rows.append(row)
+                write_outputs(c)
+                c.progress("  " + format_row(row))
+                state["done"] = state["current"] + 1
+            state["current"] = None
+            return ROW_GAP_TIMEOUT_S
+        return None
+
+    common = dict(meta=c.meta, steps=steps, warmup=warmup, peak=peak, device=c.device, compile_backend=backend,
+                  overrides=overrides, rows=specs)
+    while state["done"] < len(specs) and c.left() > 1.0:
+        state.update(start=state["done"], current=None)
+        rc, stderr = stream_child(c, "throughput", dict(common, start=state["start"], spawned_at=time.time()),
+                                  ROW_GAP_TIMEOUT_S + (timeouts[state["start"]] if specs else 0.0), on_line)
+        where = state["current"]
+        if rc == "budget":
+            break
+        if where is None:  # the process ended between rows: after an error row (kept, or to measure again)
+            if state["done"] == state["start"]:
+                c.progress(f"  throughput: the process ended ({rc}) before its first row: "
+                           f"{' '.join(stderr.strip().splitlines()[-2:])[-200:]}")
+                break
             continue
-        spec = dict(meta=c.meta, preset=model, batch=batch, path=path, steps=steps, warmup=warmup, peak=peak,
-                    device=c.device, compile_backend=backend, overrides=overrides, dump_after_s=timeout * 2 / 3)
-        start = time.perf_counter()
-        row = measure_isolated(c, spec, timeout)
-        row["seconds"] = time.perf_counter() - start
-        row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops", float("nan"))
-        rows.append(row)
-        write_outputs(c)  # every row on disk as soon as it is measured: a killed campaign keeps it
-        c.progress("  " + format_row(row))
+        spec = specs[where]
+        head = dict(c.meta, model=spec["preset"], dtype="bf16", batch=spec["batch"], path=spec["path"])
+        if rc == "hung":
+            _log_hang(c, f"{spec['preset']} b{spec['batch']} {spec['path']}", timeouts[where], stderr)
+            error = f"timed out after {timeouts[where]:.0f} s (stack in hangs.log)"
+        else:
+            error = f"exit code {rc}: {' '.join(stderr.strip().splitlines()[-3:])[-300:]}"
+        rows.append(dict(head, error=error, seconds=time.perf_counter() - state["started"]))
+        write_outputs(c)
+        c.progress("  " + format_row(rows[-1]))
+        state["done"] = where + 1
+    skipped = [f"{s['preset']} b{s['batch']} {s['path']}" for s in specs[state["done"]:]]
     c.stages["throughput_skipped"] = c.stages.get("throughput_skipped", []) + skipped
     failed = sum("error" in r for r in rows)
     return dict(status="ok" if not skipped and not failed else ("budget spent" if skipped else "errors"),
@@ -998,9 +1045,9 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["row"]:
-        sys.exit(row_main(sys.argv[2:]))
-    if sys.argv[1:2] in (["micro"], ["profile"]):
-        (micro_child if sys.argv[1] == "micro" else profile_child)(json.loads(sys.argv[2]))
+    children = dict(throughput=throughput_child, micro=micro_child, profile=profile_child)
+    if sys.argv[1:2] and sys.argv[1] in children:
+        children[sys.argv[1]](json.loads(sys.argv[2]))
         sys.exit(0)
-    sys.exit("usage: python -m vit_fast.tools.campaign row|micro|profile SPEC_JSON (run by vit-fast bench --campaign)")
+    sys.exit("usage: python -m vit_fast.tools.campaign throughput|micro|profile SPEC_JSON (run by vit-fast bench "
+             "--campaign)")

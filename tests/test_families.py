@@ -455,6 +455,38 @@ def test_hf_family_other_image_sizes_as_transformers(kind, backend):
             fast(torch.randn(2, 3, 48, 40))
 
 
+def test_hf_dropout_and_stochastic_depth_where_transformers_applies_them():
+    """The linked model drops where the transformers source does, at its rates: ViT after the attention output, the
+    MLP and the embeddings (not after the GELU, where timm's Mlp also drops); DINOv2 after the embeddings only, and
+    the same stochastic depth in every layer (timm ramps it from 0: with one layer it would never drop)."""
+    import transformers
+
+    import vit_fast
+
+    vit = transformers.ViTModel(transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                       intermediate_size=128, image_size=32, patch_size=8,
+                                                       hidden_dropout_prob=0.2))
+    linked = vit_fast.optimize(vit, backend="torch").vit_fast_model
+    assert linked.pos_drop.p == 0.2
+    assert [(b.attn.proj_drop.p, b.mlp.drop1.p, b.mlp.drop2.p) for b in linked.blocks] == [(0.2, 0.0, 0.2)] * 2
+    dino = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+    source = transformers.Dinov2Model(transformers.Dinov2Config(**dino, hidden_dropout_prob=0.2, drop_path_rate=0.5))
+    fast = vit_fast.optimize(source, backend="torch").train()
+    linked = fast.vit_fast_model
+    assert linked.pos_drop.p == 0.2
+    for block in linked.blocks:
+        assert (block.attn.proj_drop.p, block.mlp.drop1.p, block.mlp.drop2.p) == (0.0, 0.0, 0.0)
+        assert block.drop_path1.drop_prob == block.drop_path2.drop_prob == 0.5
+    x = torch.randn(4, 3, 32, 32)
+    outputs = []
+    for seed in range(6):  # each image's branches kept or dropped: the outputs vary with the seed, as the source's
+        torch.manual_seed(seed)
+        outputs.append(fast(x).last_hidden_state)
+    assert any(not torch.equal(outputs[0], o) for o in outputs[1:])
+    source_eval, fast_eval = source.eval(), fast.eval()
+    assert_close(fast_eval(x).last_hidden_state, source_eval(pixel_values=x).last_hidden_state, FP32, "eval")
+
+
 def _qkv_bias_grads_joined(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gradient, a layer's q, k and v bias gradients joined as one: the key bias's own is
     zero up to rounding (softmax ignores a shift per query row), so only the joined one has a scale."""

@@ -297,8 +297,10 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
 
     Keeps Hugging Face's LayerNorm eps (1e-12) and GELU flavour. From a state dict, eps defaults to 1e-12
     and num_heads to the standard one for the width (pass num_heads=... otherwise). Eval outputs are
-    identical; in training, hidden_dropout_prob also drops after the GELU here (timm's Mlp), which
-    Hugging Face's ViTIntermediate does not."""
+    identical; in training, the standalone model regularises as timm's blocks do: ViT's hidden_dropout_prob also
+    drops after the GELU (timm's Mlp), which transformers' ViTIntermediate does not, and DINOv2's stochastic
+    depth ramps from 0 over the blocks where transformers gives every layer the same rate. ``vit_fast.optimize``
+    of the transformers model keeps transformers' placement and rates."""
     if isinstance(model_or_state_dict, nn.Module) and type(model_or_state_dict).__name__ in HF_FAMILY_CLASSES:
         from .families import hf_config, hf_to_timm
 

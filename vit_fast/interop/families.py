@@ -301,8 +301,10 @@ def hf_config(model: nn.Module) -> dict:
                     fc_norm=False, num_classes=model.config.num_labels if classifier else 0)
     if cls == "Dinov2Model":
         hidden = int(c.hidden_size * c.mlp_ratio)
+        # transformers 5 drops (hidden_dropout_prob) after the embeddings only; its stochastic depth is the same in
+        # every layer (the linked model's blocks take it: Dinov2Layout), timm's ramps from 0 over the blocks
         cfg = dict(base, init_values=c.layerscale_value, act=_hf_act(c.hidden_act), num_classes=0,
-                   qkv_bias=c.qkv_bias, proj_drop_rate=c.hidden_dropout_prob, drop_path_rate=c.drop_path_rate)
+                   qkv_bias=c.qkv_bias, pos_drop_rate=c.hidden_dropout_prob, drop_path_rate=c.drop_path_rate)
         if c.use_swiglu_ffn:
             hidden = (int(hidden * 2 / 3) + 7) // 8 * 8
             cfg.update(mlp_layer="swiglu_packed", mlp_ratio=2 * hidden / c.hidden_size, act="gelu")  # SiLU gate

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..adapters import PackedLinear
-from ..layers import Attention, Block, LayerScale, Mlp, PatchEmbed, SwiGLUPackedMlp, has_hooks
+from ..layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, SwiGLUPackedMlp, has_hooks
 from ..model import VisionTransformer
 from ..presets import ViTConfig
 
@@ -172,6 +172,7 @@ def linked_model(source: nn.Module, config: dict, layout: "Layout") -> VisionTra
         for ls, scale in zip((block.ls1, block.ls2), layout.layer_scales(layer)):
             if isinstance(ls, LayerScale):
                 _link(ls, LinkedLayerScale, scale, layout)
+    layout.set_regularisation(model, source)
     leftover = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
     if leftover:
         raise RuntimeError(f"vit_fast: the linked model kept tensors of its own: {leftover}")
@@ -196,6 +197,11 @@ class Layout:
 
     def layer_scales(self, layer: nn.Module) -> tuple:
         return (None, None)
+
+    def set_regularisation(self, model: VisionTransformer, source: nn.Module) -> None:
+        """Dropout and stochastic-depth rates where the family applies them elsewhere than timm's blocks do (the
+        config gives timm's placement); the rates are read from the source's modules. Nothing to change by
+        default (CLIP, SigLIP: attention dropout only)."""
 
     # the attention and MLP of transformers' pre-norm layers (CLIP, SigLIP; ViT and DINOv2 override)
     def attn_qkv(self, layer: nn.Module) -> PackedLinear:
@@ -271,6 +277,12 @@ class ViTLayout(Layout):
     def block_norm2(self, layer):
         return layer.layernorm_after
 
+    def set_regularisation(self, model, source):
+        """transformers' ViT drops after the attention output and after the MLP (hidden_dropout_prob), not after
+        the GELU as timm's Mlp also does (drop1)."""
+        for block in model.blocks:
+            block.mlp.drop1.p = 0.0
+
 
 class CLIPLayout(Layout):
     """transformers CLIPVisionModel / CLIPVisionModelWithProjection (class token and position table kept
@@ -344,3 +356,17 @@ class Dinov2Layout(ViTLayout):
 
     def block_norm2(self, layer):
         return layer.norm2
+
+    def set_regularisation(self, model, source):
+        """transformers' DINOv2 drops (hidden_dropout_prob) after the embeddings only, and gives every layer the
+        same stochastic depth (drop_path_rate), where timm ramps it from 0 over the blocks; transformers 4 also
+        dropped after the attention output (its attention.output.dropout)."""
+        model.pos_drop.p = self.encoder(source).embeddings.dropout.p
+        for block, layer in zip(model.blocks, self.layers(source)):
+            output = getattr(layer.attention, "output", None)
+            block.attn.proj_drop.p = output.dropout.p if isinstance(getattr(output, "dropout", None), nn.Dropout) \
+                else 0.0
+            block.mlp.drop1.p = block.mlp.drop2.p = 0.0
+            rate = float(getattr(layer.drop_path, "drop_prob", 0.0))
+            block.drop_path1, block.drop_path2 = ((DropPath(rate), DropPath(rate)) if rate > 0
+                                                  else (nn.Identity(), nn.Identity()))

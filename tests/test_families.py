@@ -352,8 +352,13 @@ def test_family_compiles_fullgraph():
     torch.compile(fullgraph=True) on the fused path: same loss and gradients as eager."""
     import vit_fast
 
-    ref = timm_family("siglip_map", pre_norm=True, mlp_layer="swiglu_packed", act="gelu").eval()
-    fast = vit_fast.optimize(ref, backend="triton")
+    # vit_fast's own config: timm would run this pool's MLP with SiLU (timm_kwargs refuses it)
+    torch.manual_seed(0)
+    fast = vit_fast.VisionTransformer(vit_fast.ViTConfig(**{**TINY, **FAMILIES["siglip_map"], "act": "gelu"},
+                                                         pre_norm=True, mlp_layer="swiglu_packed",
+                                                         backend="triton")).eval()
+    with pytest.raises(ValueError, match="no timm equivalent"):
+        timm_family("siglip_map", pre_norm=True, mlp_layer="swiglu_packed")
     x = _images(TINY)
     compiled = torch.compile(lambda m, t: m(t).square().sum(), backend="aot_eager", fullgraph=True)
     compiled(fast, x).backward()

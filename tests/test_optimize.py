@@ -220,6 +220,44 @@ def test_vit_fast_model_is_switched_in_place():
     assert vit_fast.optimize(model, backend="torch") is model and model.config.backend == "torch"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prefix", [dict(class_token=True), dict(class_token=False, reg_tokens=4),
+                                    dict(class_token=False, qkv_bias=False)])
+def test_attention_pool_reads_the_patch_tokens_as_timm(backend, prefix):
+    """global_pool='map' pools the patch tokens only (timm drops the class and register tokens first), with q and
+    kv biases whatever the blocks' qkv_bias (timm builds its pool so): same logits and gradients."""
+    ref = timm_vit(global_pool="map", patch_size=8, **prefix)
+    model = vit_fast.optimize(ref, backend=backend)
+    x = images()
+    weight = torch.randn(2, 5, generator=torch.Generator().manual_seed(3), device="cpu")
+    out, want = model(x), ref(x)
+    assert_close(out, want, RTOL, name="logits")
+    (out * weight).sum().backward()
+    (want * weight).sum().backward()
+    grads = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert_close(grads[name].grad, p.grad, RTOL, name=f"d {name}")
+
+
+def test_what_one_config_cannot_express_is_refused_by_name():
+    """An attention pool whose MLP runs another activation than vit_fast's pool would (SwiGLU blocks with a SiLU
+    act_layer), a block changed by hand, a hybrid stem: refused, each named; a model without blocks converts."""
+    silu_pool = timm_vit(global_pool="map", class_token=False, mlp_layer=timm.layers.SwiGLUPacked,
+                         act_layer=torch.nn.SiLU)
+    with pytest.raises(ValueError, match="attention pooling: its MLP's activation SiLU"):
+        vit_fast.optimize(silu_pool)
+    edited = timm_vit()
+    edited.blocks[1].mlp.act = torch.nn.GELU(approximate="tanh")
+    with pytest.raises(ValueError, match="blocks.1: MLP mlp, activation gelu_tanh, 2 heads where blocks.0 has mlp, "
+                                         "gelu"):
+        vit_fast.optimize(edited)
+    hybrid = timm.create_model("vit_base_mci_224", pretrained=False, depth=1, num_classes=5)
+    with pytest.raises(ValueError, match="module HybridEmbed"):
+        vit_fast.optimize(hybrid)
+    no_blocks = timm_vit(depth=0)
+    assert_close(vit_fast.optimize(no_blocks, backend="torch")(images()), no_blocks(images()), RTOL, name="depth 0")
+
+
 def test_unsupported_features_are_listed():
     ref = timm_vit(patch_drop_rate=0.1, pool_include_prefix=True, scale_mlp_norm=True, global_pool="avg")
     with pytest.raises(ValueError) as info:

@@ -114,7 +114,8 @@ class VisionTransformer(nn.Module):
         self.fc_norm = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if cfg.final_norm and use_fc_norm \
             else nn.Identity()
         if cfg.global_pool == "map":  # SigLIP: timm's AttentionPoolLatent (vit_fast/layers/attention_pool.py)
-            self.attn_pool = AttentionPoolLatent(D, cfg.num_heads, cfg.mlp_ratio, qkv_bias=cfg.qkv_bias,
+            # q and kv biases whatever the blocks', as timm's AttentionPoolLatent is built in its ViT
+            self.attn_pool = AttentionPoolLatent(D, cfg.num_heads, cfg.mlp_ratio, qkv_bias=True,
                                                  norm_eps=cfg.norm_eps, act=cfg.act if cfg.mlp_layer == "mlp"
                                                  else "gelu", backend=cfg.backend)
         else:
@@ -430,7 +431,7 @@ class VisionTransformer(nn.Module):
         if pool_type == "map":
             if self.attn_pool is None:
                 raise ValueError("pool_type='map' needs the attention-pool head (global_pool='map' at build time)")
-            return self.attn_pool(x)
+            return self.attn_pool(x[:, self.num_prefix_tokens:])  # the patch tokens, as timm's pool
         if pool_type == "token":
             return x[:, 0]
         if not pool_type:

@@ -129,7 +129,8 @@ def timm_unsupported(model: nn.Module) -> list[str]:
         if isinstance(getattr(blk, "norm1", None), nn.Identity) or isinstance(getattr(blk, "norm2", None), nn.Identity):
             problems.append("blocks without their LayerNorms (norm_layer=nn.Identity): vit_fast's blocks are "
                             "pre-norm, each branch joined with the next LayerNorm")
-        problems += _family_problems(model)
+        if not foreign:  # the config of a model with foreign parts (a hybrid stem) is not timm's to read
+            problems += _family_problems(model)
         if getattr(blk.attn.proj, "bias", None) is None or getattr(getattr(blk.mlp, "fc2", None), "bias", 1) is None:
             problems.append("projections without bias (proj_bias=False)")
         from ..kernels.attention.common import MAX_HEAD_DIM

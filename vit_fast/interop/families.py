@@ -120,10 +120,28 @@ def timm_config(m: nn.Module) -> dict:
             drop_path_rate=float(getattr(m.blocks[-1].drop_path1, "drop_prob", 0.0)),
             act="gelu" if mlp_layer != "mlp" else timm_act(blk.mlp.act),
         )
+        for i, other in enumerate(m.blocks):  # one config for every block: a block changed by hand differs
+            other_layer = timm_mlp_layer(other.mlp)
+            other_act = "gelu" if other_layer != "mlp" else timm_act(other.mlp.act)
+            if (other_layer, other_act, other.attn.num_heads) != (mlp_layer, cfg["act"], cfg["num_heads"]):
+                raise ValueError(f"blocks.{i}: MLP {other_layer}, activation {other_act}, {other.attn.num_heads} "
+                                 f"heads where blocks.0 has {mlp_layer}, {cfg['act']}, {cfg['num_heads']}: vit_fast "
+                                 "builds every block alike")
     elif pool == "map":
         cfg["num_heads"] = m.attn_pool.num_heads
+    else:  # no block and no attention pool: nothing reads the head count (ViTConfig's default need not divide D)
+        cfg["num_heads"] = 1
     if pool == "map" and blk is None:
         cfg["act"] = timm_act(m.attn_pool.mlp.act)
+    if pool == "map":
+        built = cfg["act"] if cfg.get("mlp_layer", "mlp") == "mlp" else "gelu"  # what vit_fast's pool MLP runs
+        try:
+            pool_act = timm_act(m.attn_pool.mlp.act)
+        except ValueError:
+            pool_act = type(m.attn_pool.mlp.act).__name__
+        if pool_act != built:
+            raise ValueError(f"attention pooling: its MLP's activation {pool_act} (the model's act_layer) differs "
+                             f"from the {built} vit_fast's pool MLP runs with these blocks")
     return cfg
 
 
@@ -142,6 +160,9 @@ def timm_kwargs(cfg: Mapping) -> dict:
                                 "dynamic_img_size", "drop_rate", "pos_drop_rate", "proj_drop_rate",
                                 "attn_drop_rate", "drop_path_rate", "pre_norm") if k in c}
     kwargs["norm_layer"] = partial(nn.LayerNorm, eps=c.get("norm_eps", 1e-6))
+    if c["mlp_layer"] != "mlp" and c.get("global_pool") == "map":
+        raise ValueError("timm_kwargs: SwiGLU blocks with global_pool='map' have no timm equivalent (timm's pool MLP "
+                         "runs the model's act_layer, SiLU; vit_fast's runs GELU)")
     if c["mlp_layer"] == "swiglu_packed":
         kwargs.update(mlp_layer=SwiGLUPacked, act_layer=nn.SiLU)
     elif c["mlp_layer"] == "swiglu":

@@ -1,6 +1,7 @@
 """Weight interop: timm, Hugging Face and torchvision ViTs with random weights give the same outputs and
 parameter gradients (fp32, relative error < 1e-5) after conversion; checkpoint files load strictly.
 These test the weights on the reference backend; the fused path against the same sources is tests/test_optimize.py."""
+import functools
 import re
 
 import pytest
@@ -113,10 +114,29 @@ def test_forward_intermediates_and_pruning_match_timm(backend):
 def test_from_timm_state_dict_infers_config(kw, overrides):
     torch.manual_seed(0)
     ref = perturb_(timm.create_model("vit_tiny_patch16_224", **kw))
-    ours = from_timm(ref.state_dict(), backend="torch", **overrides).eval()
+    with pytest.warns(UserWarning, match="assumed act='gelu', norm_eps=1e-6, global_pool="):
+        ours = from_timm(ref.state_dict(), backend="torch", **overrides).eval()
     x = torch.randn(2, 3, *ref.patch_embed.img_size)
     with torch.no_grad():
         assert_close(ours(x), ref(x), RTOL)
+
+
+def test_from_timm_state_dict_takes_what_it_cannot_record_from_the_caller():
+    """A state dict does not record the activation, the LayerNorm eps or the pooling (max and avg pool the same
+    tensors): passed, the model is the source's, and nothing is assumed; not passed, the warning names them."""
+    import warnings
+
+    torch.manual_seed(0)
+    ref = perturb_(timm.create_model("vit_tiny_patch16_224", depth=1, global_pool="max", act_layer="quick_gelu",
+                                     norm_layer=functools.partial(torch.nn.LayerNorm, eps=1e-5))).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = from_timm(ref.state_dict(), backend="torch", act="quick_gelu", norm_eps=1e-5, global_pool="max")
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert_close(ours.eval()(x), ref(x), RTOL)
+    with pytest.warns(UserWarning, match="assumed global_pool="):
+        from_timm(ref.state_dict(), backend="torch", act="quick_gelu", norm_eps=1e-5)
 
 
 def hf_model(**kw):

@@ -11,6 +11,7 @@ import copy
 import math
 import os
 import re
+import warnings
 from typing import Mapping, Optional
 
 import torch
@@ -205,8 +206,17 @@ def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor], overrides: Mapp
     return cfg
 
 
+# What a timm ViT's state dict does not record, with what from_timm assumes for it (timm's ViT defaults; the pooling
+# from the tensors present): a source that differs needs them passed, or its model object converted
+STATE_DICT_ASSUMPTIONS = {"act": "'gelu'", "norm_eps": "1e-6",
+                          "global_pool": "'token' with a class token and no fc_norm, else 'avg'"}
+
+
 def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
-    """A vit_fast model with the weights (and, for a model object, the exact config) of a timm ViT."""
+    """A vit_fast model with the weights (and, for a model object, the exact config) of a timm ViT. From a state
+    dict, the shapes give the sizes; what it does not record is assumed (``STATE_DICT_ASSUMPTIONS``: activation,
+    LayerNorm eps, pooling, and num_heads for a non-standard width, img_size for a non-square grid) with a
+    warning naming each one not passed as a keyword argument."""
     if isinstance(model_or_state_dict, nn.Module):
         sd = model_or_state_dict.state_dict()
         config = _timm_config_from_model(model_or_state_dict)
@@ -220,6 +230,12 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
             raise CheckpointError(f"from_timm: the state dict has no 'patch_embed.proj.weight', so it is not a timm "
                                   f"ViT's (its first keys: {sorted(sd)[:5]})")
         config = _timm_config_from_state_dict(sd, overrides)
+        assumed = [f"{k}={v}" for k, v in STATE_DICT_ASSUMPTIONS.items() if k not in overrides]
+        if assumed:
+            warnings.warn(f"from_timm: a state dict does not record the activation, LayerNorm eps or pooling; "
+                          f"assumed {', '.join(assumed)}: pass them as keyword arguments where the source differs "
+                          f"(CLIP: act='quick_gelu' or norm_eps=1e-5), or convert the timm model object",
+                          UserWarning, stacklevel=2)
     model = _build(config, sd, overrides)
     source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)
     if source_cfg:  # the data config (mean, std, crop, interpolation) travels with the weights

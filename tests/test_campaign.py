@@ -224,9 +224,11 @@ def test_a_record_lists_the_files_it_holds(tmp_path, monkeypatch):
                                                                         "throughput.csv"]
 
 
-def test_the_throughput_stage_measures_the_cases_it_is_given(tmp_path, capsys):
+def test_the_throughput_stage_measures_the_cases_it_is_given(tmp_path, capsys, monkeypatch):
     """`--stages throughput --paths ... --batches ...`: the stage's cases from the command line (the GPU session's
-    batch-64 rows of issue 30); the dry run keeps its tiny model and batch but the paths given."""
+    batch-64 rows of issue 30); the dry run keeps its tiny model and batch but the paths given. The rows share a
+    process; one failing after another row in it is measured again in a new process, where it succeeds."""
+    monkeypatch.setenv(campaign.SIMULATE_FAILURE, "vit_fast")
     parser = bench.build_parser()
     args = parser.parse_args(["--campaign", "--stages", "throughput", "--models", "vit_small_patch16_224",
                               "--batches", "64", "--paths", "timm_compile", "vit_fast_compile", "--out", "x"])
@@ -239,4 +241,5 @@ def test_the_throughput_stage_measures_the_cases_it_is_given(tmp_path, capsys):
     with open(out / "throughput.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert sorted(r["path"] for r in rows) == ["timm_eager", "vit_fast"]
-    assert all(float(r["images_per_s"]) > 0 for r in rows)
+    assert all(float(r["images_per_s"]) > 0 and not r.get("error") for r in rows)
+    assert "vit_fast: failed after other items in one process; again in a new one" in capsys.readouterr().out

@@ -22,12 +22,12 @@ work when its budget is spent and says what it skipped), a progress line each:
               rewritten after every row (a killed campaign keeps what it measured); a real campaign from a
               checkout also writes docs/measured/<gpu>-<date>.md and its CSVs, ready to commit
 
-Nothing measured is lost to a hang: the throughput rows run one after another in a child process, each under its
-own timeout (ROW_TIMEOUT_S; a row that hangs is killed with its process and the next row goes on in a new one, a
-row that fails after others in the same process is measured again in a fresh one), every profile path in a
-process of its own, the micro cases in a process per model shape with a timeout per case (MICRO_CASE_TIMEOUT_S,
-the shape going on from the next case in a new process); each child arms faulthandler, so a hang leaves its
-Python stack in DIR/hangs.log, and the rows stream back as measured.
+Nothing measured is lost to a hang: the throughput rows and the profiled paths run one after another in a child
+process (``run_items``), each under its own timeout (ROW_TIMEOUT_S; an item that hangs is killed with its process
+and the next goes on in a new one, an item that fails after others in the same process is run again in a fresh
+one), the micro cases in a process per model shape with a timeout per case (MICRO_CASE_TIMEOUT_S, the shape going
+on from the next case in a new process); each child arms faulthandler, so a hang leaves its Python stack in
+DIR/hangs.log, and the rows stream back as measured.
 
 ``--quick`` runs env, headline and profile: the headline in <= 5 minutes (on the H200 of 2026-11-27, each row then
 in a process of its own, the headline's first eight rows took 192 s, of which about 9 s a row went to the process's
@@ -98,8 +98,8 @@ ROW_TIMEOUT_S = {"eager": 60.0, "graph": 60.0, "compile": 150.0}
 # The first row of vit_fast's kernels in a campaign compiles them and times the tuning candidates (measured on the
 # H200: ~50 s in one process, most of it the attention backward's); later rows read Triton's and the tuning cache.
 FIRST_KERNELS_ALLOWANCE_S = 75.0
-# The throughput rows share a process while they succeed (throughput_child): a process's start and imports, and
-# the gap between two rows (freeing the last one's memory), must come within this many seconds
+# The throughput rows and profiled paths share a process while they succeed (run_items): a process's start and
+# imports, and the gap between two items (freeing the last one's memory), must come within this many seconds
 ROW_GAP_TIMEOUT_S = 60.0
 MICRO_CASE_TIMEOUT_S = 60.0  # each micro case (fused op, eager, torch.compile of eager), before --budget scaling
 # compiled last: the longest
@@ -109,6 +109,8 @@ PROFILE_PATHS = ("timm_eager", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "t
 PROFILE_TOP_KERNELS = 25
 PROFILE_KERNELS_SHOWN = 10
 SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
+# a path name: that row fails where it is not its process's first item (tests: it is measured again in a new one)
+SIMULATE_FAILURE = "VIT_FAST_CAMPAIGN_SIMULATE_FAILURE"
 DRY_RUN_NOTE = "DRY RUN: CPU, tiny shapes, figures meaningless"
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
 
@@ -488,6 +490,100 @@ def _log_hang(c: Campaign, what: str, seconds: float, stderr: str) -> None:
         f.write(f"==== {what}: no result after {seconds:.0f} s\n{stderr}\n")
 
 
+@dataclass
+class ItemsRun:
+    """What ``run_items`` did: items finished (``done``: the index after the last), those that hung or ended their
+    process (index, message), and whether the stage's budget stopped it."""
+    done: int = 0
+    hung: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
+    budget_spent: bool = False
+
+
+def run_items(c: Campaign, kind: str, spec: dict, timeouts: list[float], describe: Callable[[int], str],
+              on_item: Callable[[int, list[str], float, Optional[str]], None]) -> ItemsRun:
+    """Items (throughput rows, profiled paths) measured one after another in child processes
+    (``python -m vit_fast.tools.campaign KIND SPEC_JSON``: the child runs ``spec['items']`` from ``spec['start']``,
+    printing 'START i' before an item and 'DONE i' or 'FAILED i' after it): the interpreter start, imports and CUDA
+    context are paid once per process, not per item. Each item has its own timeout (``timeouts[i]``, from its START
+    line); a hung item is killed with its process (its stack in DIR/hangs.log) and the next item goes on in a new
+    one. An item FAILED after others in the same process is run again in a fresh one (whatever failed may be the
+    process's state); a child leaves after a failure. ``on_item(i, lines, seconds, problem)`` receives each finished
+    item's output lines and time (on disk at once: a killed campaign keeps them); ``problem`` names a hang or a
+    crash (its lines as far as they came), None otherwise."""
+    run = ItemsRun()
+    state = dict(current=None, lines=[], started=0.0, start=0, retried=set())
+
+    def on_line(line: str) -> Optional[float]:
+        if line.startswith("START "):
+            state.update(current=int(line.split()[1]), lines=[], started=time.perf_counter())
+            return timeouts[state["current"]]
+        if line.startswith(("DONE ", "FAILED ")):
+            i = state["current"]
+            if line.startswith("FAILED ") and i > state["start"] and i not in state["retried"]:
+                state["retried"].add(i)
+                c.progress(f"  {describe(i)}: failed after other items in one process; again in a new one")
+            else:
+                on_item(i, state["lines"], time.perf_counter() - state["started"], None)
+                run.done = i + 1
+            state["current"] = None
+            return ROW_GAP_TIMEOUT_S
+        if state["current"] is not None:
+            state["lines"].append(line)
+        return None
+
+    while run.done < len(timeouts) and c.left() > 1.0:
+        state.update(start=run.done, current=None)
+        rc, stderr = stream_child(c, kind, dict(spec, start=run.done, spawned_at=time.time()),
+                                  ROW_GAP_TIMEOUT_S + timeouts[run.done], on_line)
+        where = state["current"]
+        if rc == "budget":
+            run.budget_spent = True
+            break
+        if where is None:  # ended between items: after a failure (kept, or to run again), or at the end
+            if run.done == state["start"]:  # no item started: the next process would end alike
+                run.failed.append((run.done, f"process ended ({rc}) before its first item: "
+                                             f"{' '.join(stderr.strip().splitlines()[-2:])[-200:]}"))
+                break
+            continue
+        if rc == "hung":
+            _log_hang(c, describe(where), timeouts[where], stderr)
+            problem = f"timed out after {timeouts[where]:.0f} s (stack in hangs.log)"
+            run.hung.append((where, problem))
+        else:
+            problem = f"exit code {rc}: {' '.join(stderr.strip().splitlines()[-3:])[-300:]}"
+            run.failed.append((where, problem))
+        on_item(where, state["lines"], time.perf_counter() - state["started"], problem)
+        run.done = where + 1
+    return run
+
+
+def _child_items(spec: dict, dump_after: Callable[[dict], float]):
+    """The items of a run_items child from its start, each announced ('START i') with faulthandler re-armed for
+    it (a hang shows where that item stuck): yields (i, item); the caller prints 'DONE i' or 'FAILED i'."""
+    import faulthandler
+
+    if spec["device"] == "cpu":
+        from vit_fast.tools.interpreter import install_bf16_shims
+
+        install_bf16_shims()
+    for i, item in enumerate(spec["items"][spec["start"]:], start=spec["start"]):
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.dump_traceback_later(dump_after(item), repeat=True)
+        print(f"START {i}", flush=True)
+        yield i, item
+
+
+def _release(device: str) -> None:
+    """Between two items of one child: the last one's memory back, no compiled graph kept."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _simulated_hang(name: str) -> None:
     """Tests: a name listed in $VIT_FAST_CAMPAIGN_SIMULATE_HANG sleeps past any timeout."""
     if name in os.environ.get(SIMULATE_HANG, "").split(","):
@@ -551,38 +647,28 @@ def _row_timeout(c: Campaign, path: str) -> float:
 
 
 def throughput_child(spec: dict) -> None:
-    """The child of ``_throughput``: the rows of ``spec['rows']`` from ``spec['start']`` one after another in this
-    process (interpreter start, imports, the CUDA context and loaded kernels paid once, not per row; `vit-fast
-    bench` measures its rows in one process too), 'START i' before each and 'ROW {json}' after it; the faulthandler
-    dump is re-armed per row, so a hang shows where that row stuck. A row that failed leaves the process (whatever
-    broke it, e.g. a CUDA error, stays with it): the campaign goes on in a new one."""
-    import faulthandler
-    import gc
-
+    """The child of ``_throughput`` (``run_items``): each row 'ROW {json}', then 'DONE i', or 'FAILED i' for a row
+    that failed (out of memory, an error in a path), which ends the process."""
     from vit_fast.tools.bench import measure
 
-    if spec["device"] == "cpu":
-        from vit_fast.tools.interpreter import install_bf16_shims
-
-        install_bf16_shims()
     ready = time.time()
-    for i, row_spec in enumerate(spec["rows"][spec["start"]:], start=spec["start"]):
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.dump_traceback_later(row_spec["dump_after_s"], repeat=True)
-        print(f"START {i}", flush=True)
+    for i, item in _child_items(spec, lambda item: item["dump_after_s"]):
         startup_s = time.time() - (spec["spawned_at"] if i == spec["start"] else ready)
-        _simulated_hang(row_spec["path"])
-        torch._dynamo.reset()  # a compiled row starts from no cached graphs, as in a process of its own
-        row = measure(spec["meta"], row_spec["preset"], "bf16", row_spec["batch"], row_spec["path"], spec["steps"],
-                      spec["warmup"], spec["peak"], device=spec["device"], compile_backend=spec["compile_backend"],
-                      **spec["overrides"])
+        _simulated_hang(item["path"])
+        if i > spec["start"] and item["path"] in os.environ.get(SIMULATE_FAILURE, "").split(","):
+            row = dict(spec["meta"], model=item["preset"], batch=item["batch"], path=item["path"],
+                       error="RuntimeError: simulated failure after other rows")
+        else:
+            row = measure(spec["meta"], item["preset"], "bf16", item["batch"], item["path"], spec["steps"],
+                          spec["warmup"], spec["peak"], device=spec["device"],
+                          compile_backend=spec["compile_backend"], **spec["overrides"])
         row["startup_s"] = startup_s  # interpreter start and imports for a process's first row, else cleanup
         print("ROW " + json.dumps(row, default=str), flush=True)
         if "error" in row:
+            print(f"FAILED {i}", flush=True)
             return
-        gc.collect()
-        if spec["device"] == "cuda":
-            torch.cuda.empty_cache()
+        print(f"DONE {i}", flush=True)
+        _release(spec["device"])
         ready = time.time()
 
 
@@ -626,58 +712,25 @@ def _throughput(c: Campaign, headline: bool) -> dict:
         kernels_ready = kernels_ready or path.startswith("vit_fast")
         timeouts.append(_row_timeout(c, path) + (FIRST_KERNELS_ALLOWANCE_S * min(c.scale, 1.0) if first else 0.0))
         specs.append(dict(preset=model, batch=batch, path=path, dump_after_s=timeouts[-1] * 2 / 3))
-    state = dict(current=None, started=0.0, done=0, retried=set())
 
-    def on_line(line: str) -> Optional[float]:
-        """A row started (its own timeout from now on) or measured (on disk at once: a killed campaign keeps it)."""
-        if line.startswith("START "):
-            state["current"], state["started"] = int(line.split()[1]), time.perf_counter()
-            return timeouts[state["current"]]
-        if line.startswith("ROW "):
-            row = json.loads(line[4:])
-            row["seconds"] = time.perf_counter() - state["started"]
-            row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops",
-                                                                                       float("nan"))
-            if "error" in row and state["current"] > state["start"] and state["current"] not in state["retried"]:
-                # after other rows in the same process: measured again in a fresh one before it counts as failed
-                state["retried"].add(state["current"])
-                c.progress("  " + format_row(row) + " (again in a new process)")
-            else:
-                rows.append(row)
-                write_outputs(c)
-                c.progress("  " + format_row(row))
-                state["done"] = state["current"] + 1
-            state["current"] = None
-            return ROW_GAP_TIMEOUT_S
-        return None
+    def describe(i: int) -> str:
+        return f"{specs[i]['preset']} b{specs[i]['batch']} {specs[i]['path']}"
+
+    def on_item(i: int, lines: list[str], seconds: float, problem: Optional[str]) -> None:
+        """A row on disk as measured: the child's, or an error row for a hang or a crash."""
+        found = [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
+        row = found[-1] if found else dict(c.meta, model=specs[i]["preset"], dtype="bf16", batch=specs[i]["batch"],
+                                           path=specs[i]["path"], error=problem)
+        row["seconds"] = seconds
+        row["mfu_of_measured_gemm"] = row.get("tflops", float("nan")) / c.peaks.get("gemm_bf16_tflops", float("nan"))
+        rows.append(row)
+        write_outputs(c)
+        c.progress("  " + format_row(row))
 
     common = dict(meta=c.meta, steps=steps, warmup=warmup, peak=peak, device=c.device, compile_backend=backend,
-                  overrides=overrides, rows=specs)
-    while state["done"] < len(specs) and c.left() > 1.0:
-        state.update(start=state["done"], current=None)
-        rc, stderr = stream_child(c, "throughput", dict(common, start=state["start"], spawned_at=time.time()),
-                                  ROW_GAP_TIMEOUT_S + (timeouts[state["start"]] if specs else 0.0), on_line)
-        where = state["current"]
-        if rc == "budget":
-            break
-        if where is None:  # the process ended between rows: after an error row (kept, or to measure again)
-            if state["done"] == state["start"]:
-                c.progress(f"  throughput: the process ended ({rc}) before its first row: "
-                           f"{' '.join(stderr.strip().splitlines()[-2:])[-200:]}")
-                break
-            continue
-        spec = specs[where]
-        head = dict(c.meta, model=spec["preset"], dtype="bf16", batch=spec["batch"], path=spec["path"])
-        if rc == "hung":
-            _log_hang(c, f"{spec['preset']} b{spec['batch']} {spec['path']}", timeouts[where], stderr)
-            error = f"timed out after {timeouts[where]:.0f} s (stack in hangs.log)"
-        else:
-            error = f"exit code {rc}: {' '.join(stderr.strip().splitlines()[-3:])[-300:]}"
-        rows.append(dict(head, error=error, seconds=time.perf_counter() - state["started"]))
-        write_outputs(c)
-        c.progress("  " + format_row(rows[-1]))
-        state["done"] = where + 1
-    skipped = [f"{s['preset']} b{s['batch']} {s['path']}" for s in specs[state["done"]:]]
+                  overrides=overrides, items=specs)
+    run = run_items(c, "throughput", common, timeouts, describe, on_item)
+    skipped = [describe(i) for i in range(run.done, len(specs))]
     c.stages["throughput_skipped"] = c.stages.get("throughput_skipped", []) + skipped
     failed = sum("error" in r for r in rows)
     return dict(status="ok" if not skipped and not failed else ("budget spent" if skipped else "errors"),
@@ -685,65 +738,68 @@ def _throughput(c: Campaign, headline: bool) -> dict:
 
 
 def profile_child(spec: dict) -> None:
-    """The child of stage_profile: one path's kernel time per op family ('ROW {json}' per family), then its
-    slowest kernels by name ('KERNEL {json}', PROFILE_TOP_KERNELS of them)."""
-    import faulthandler
+    """The child of stage_profile (``run_items``): per path its kernel time per op family ('ROW {json}' per
+    family), then its slowest kernels by name ('KERNEL {json}', PROFILE_TOP_KERNELS of them), then 'DONE i'; a
+    path that raises prints 'ERROR message' and 'FAILED i' and ends the process."""
+    import traceback
 
     from vit_fast.tools.predict import classify_kernel, profile_families
 
-    faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
-    _simulated_hang(f"profile:{spec['path']}")
-    if spec["device"] == "cpu":
-        from vit_fast.tools.interpreter import install_bf16_shims
-
-        install_bf16_shims()
-    result = profile_families(spec["path"], spec["preset"], spec["batch"], torch.bfloat16, steps=spec["steps"],
-                              warmup=spec["warmup"], device=spec["device"], compile_backend=spec["compile_backend"],
-                              by_kernel=True, **spec["overrides"])
-    case = dict(model=spec["preset"], batch=spec["batch"], path=spec["path"])
-    for family, f in result["families"].items():
-        print("ROW " + json.dumps(dict(case, family=family, kernel_ms_per_step=f["seconds"] * 1e3,
-                                       launches_per_step=f["launches"], step_ms=result["step_s"] * 1e3)), flush=True)
-    for rank, (name, k) in enumerate(list(result["kernels"].items())[:PROFILE_TOP_KERNELS], 1):
-        print("KERNEL " + json.dumps(dict(case, rank=rank, kernel=name, family=classify_kernel(name),
-                                          kernel_ms_per_step=k["seconds"] * 1e3, launches_per_step=k["launches"])),
-              flush=True)
+    for i, item in _child_items(spec, lambda item: spec["dump_after_s"][item]):
+        _simulated_hang(f"profile:{item}")
+        try:
+            result = profile_families(item, spec["preset"], spec["batch"], torch.bfloat16, steps=spec["steps"],
+                                      warmup=spec["warmup"], device=spec["device"],
+                                      compile_backend=spec["compile_backend"], by_kernel=True, **spec["overrides"])
+        except Exception as e:
+            traceback.print_exc()
+            print(f"ERROR {type(e).__name__}: {' '.join(str(e).split())[:200]}", flush=True)
+            print(f"FAILED {i}", flush=True)
+            return
+        case = dict(model=spec["preset"], batch=spec["batch"], path=item)
+        for family, f in result["families"].items():
+            print("ROW " + json.dumps(dict(case, family=family, kernel_ms_per_step=f["seconds"] * 1e3,
+                                           launches_per_step=f["launches"], step_ms=result["step_s"] * 1e3)),
+                  flush=True)
+        for rank, (name, k) in enumerate(list(result["kernels"].items())[:PROFILE_TOP_KERNELS], 1):
+            print("KERNEL " + json.dumps(dict(case, rank=rank, kernel=name, family=classify_kernel(name),
+                                              kernel_ms_per_step=k["seconds"] * 1e3,
+                                              launches_per_step=k["launches"])), flush=True)
+        print(f"DONE {i}", flush=True)
+        result = None
+        _release(spec["device"])
 
 
 def stage_profile(c: Campaign) -> dict:
     """Kernel time per op family per training step (torch.profiler: GEMM, attention, norm, elementwise, embed,
-    other) of ViT-B/16 at batch 256 for each of PROFILE_PATHS, each path in its own process."""
+    other) of ViT-B/16 at batch 256 for each of PROFILE_PATHS, one after another in a child process
+    (``run_items``)."""
     preset, batch = (THROUGHPUT_MODELS[0], 2) if c.dry_run else (QUICK_MODELS[0], QUICK_BATCHES[0])
     rows = c.results.setdefault("profile", [])
     kernel_rows = c.results.setdefault("profile_kernels", [])
-    hung, failed, skipped = [], [], []
-    for path in PROFILE_PATHS:
-        timeout = _row_timeout(c, path)
-        if c.left() < 5.0 * min(c.scale, 1.0):
-            skipped.append(path)
-            continue
-        spec = dict(path=path, preset=preset, batch=batch, device=c.device, steps=1 if c.dry_run else 5,
-                    warmup=1 if c.dry_run else 3, compile_backend="eager" if c.dry_run else "inductor",
-                    overrides=DRY_OVERRIDES if c.dry_run else {}, dump_after_s=timeout * 2 / 3)
+    paths = list(PROFILE_PATHS)
+    timeouts = [_row_timeout(c, path) for path in paths]
+    failed = []
 
-        def on_line(line: str) -> None:
-            if line.startswith("ROW "):
-                rows.append(c.tagged(json.loads(line[4:])))
-                write_outputs(c)
-            elif line.startswith("KERNEL "):
-                kernel_rows.append(c.tagged(json.loads(line[len("KERNEL "):])))
+    def on_item(i: int, lines: list[str], seconds: float, problem: Optional[str]) -> None:
+        rows.extend(c.tagged(json.loads(line[4:])) for line in lines if line.startswith("ROW "))
+        kernel_rows.extend(c.tagged(json.loads(line[7:])) for line in lines if line.startswith("KERNEL "))
+        write_outputs(c)
+        error = next((line[6:] for line in lines if line.startswith("ERROR ")), None)
+        if error and not problem:
+            failed.append(f"{paths[i]}: {error}")
+        if not (error or problem):
+            step = next((r["step_ms"] for r in rows if r["path"] == paths[i]), float("nan"))
+            c.progress(f"  profile {paths[i]}: step {step:.2f} ms ({seconds:.0f} s)")
 
-        rc, stderr = stream_child(c, "profile", spec, timeout, on_line)
-        if rc == "hung":
-            _log_hang(c, f"profile {preset} b{batch} {path}", timeout, stderr)
-            hung.append(path)
-        elif rc == "budget":
-            skipped.append(path)
-        elif rc != 0:
-            failed.append(f"{path}: exit {rc}: {' '.join(stderr.strip().splitlines()[-2:])[-200:]}")
-        else:
-            step = next((r["step_ms"] for r in rows if r["path"] == path), float("nan"))
-            c.progress(f"  profile {path}: step {step:.2f} ms")
+    spec = dict(items=paths, preset=preset, batch=batch, device=c.device, steps=1 if c.dry_run else 5,
+                warmup=1 if c.dry_run else 3, compile_backend="eager" if c.dry_run else "inductor",
+                overrides=DRY_OVERRIDES if c.dry_run else {},
+                dump_after_s={path: t * 2 / 3 for path, t in zip(paths, timeouts)})
+    run = run_items(c, "profile", spec, timeouts, lambda i: f"profile {preset} b{batch} {paths[i]}", on_item)
+    hung = [paths[i] for i, _ in run.hung]
+    failed += [f"{paths[i]}: {problem}" for i, problem in run.failed]
+    skipped = paths[run.done:]
     status = "ok" if not (hung or failed or skipped) else ("budget spent" if skipped else "errors")
     return dict(status=status, rows=len(rows), hung=hung, failed=failed, skipped=skipped)
 

@@ -258,6 +258,16 @@ def test_what_one_config_cannot_express_is_refused_by_name():
     assert_close(vit_fast.optimize(no_blocks, backend="torch")(images()), no_blocks(images()), RTOL, name="depth 0")
 
 
+@pytest.mark.parametrize("head", [torch.nn.Linear(64, 10), torch.nn.Identity()], ids=["linear", "identity"])
+def test_a_head_replaced_by_hand_is_the_head_converted(head):
+    """``model.head = ...`` leaves timm's num_classes stale (reset_classifier keeps them in step): the classes are
+    read from the head itself."""
+    ref = timm_vit()
+    ref.head = head
+    model = vit_fast.optimize(ref, backend="torch")
+    assert_close(model(images()), ref(images()), RTOL, name="logits")
+
+
 def test_unsupported_features_are_listed():
     ref = timm_vit(patch_drop_rate=0.1, pool_include_prefix=True, scale_mlp_norm=True, global_pool="avg")
     with pytest.raises(ValueError) as info:

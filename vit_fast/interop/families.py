@@ -83,6 +83,14 @@ def _layer_scale_init(ls: nn.Module):
     return float(ls.gamma.detach().flatten()[0])
 
 
+def _head_classes(m: nn.Module) -> int:
+    """The classes the head computes: a head replaced by hand (``model.head = nn.Linear(D, 10)``, or an Identity)
+    leaves timm's ``num_classes`` as it was; ``reset_classifier`` keeps both in step."""
+    if isinstance(m.head, nn.Linear):
+        return m.head.out_features
+    return 0 if isinstance(m.head, nn.Identity) else m.num_classes
+
+
 def timm_config(m: nn.Module) -> dict:
     """Every hyper-parameter of a timm VisionTransformer / VisionTransformerDistilled as ViTConfig fields,
     the family fields included. Raises ValueError naming what does not fit."""
@@ -93,7 +101,7 @@ def timm_config(m: nn.Module) -> dict:
         raise ValueError("attention pooling: only latent_len=1, no pos_embed, pool 'token', no qk_norm")
     cfg = dict(
         img_size=tuple(m.patch_embed.img_size), patch_size=tuple(m.patch_embed.patch_size),
-        in_chans=m.patch_embed.proj.in_channels, num_classes=m.num_classes, global_pool=pool,
+        in_chans=m.patch_embed.proj.in_channels, num_classes=_head_classes(m), global_pool=pool,
         embed_dim=m.embed_dim, depth=len(m.blocks), class_token=m.cls_token is not None,
         reg_tokens=getattr(m, "num_reg_tokens", 0), no_embed_class=m.no_embed_class,
         pos_embed="none" if m.pos_embed is None else "learn",

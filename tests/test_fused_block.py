@@ -39,6 +39,7 @@ class BlockCalls:
         monkeypatch.setattr(fused_block, "run_block", counted)
         monkeypatch.setattr(fused_block, "enabled", True)
         monkeypatch.setattr(fused_block, "_checked", set())  # no signature checked by an earlier test in this worker
+        monkeypatch.setattr(fused_block, "_recomputed", set())
         self.per_part = False  # every block per part, signatures still marked as checked
         ready = fused_block.ready
         monkeypatch.setattr(fused_block, "ready", lambda signature: not self.per_part and ready(signature))
@@ -46,6 +47,7 @@ class BlockCalls:
     @staticmethod
     def forget_checked():
         fused_block._checked.clear()
+        fused_block._recomputed.clear()
 
 
 def step(model, x, seed, autocast=False):
@@ -150,6 +152,29 @@ def test_grad_checkpointing_recomputes_the_same_block(monkeypatch):
     checkpointed = step(model, x, 3)
     assert calls.count == 4  # forward and the recomputation, both blocks
     assert_bitwise(plain, checkpointed)
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_grad_checkpointing_from_a_signature_never_run(monkeypatch, dropout):
+    """The first step of a signature under checkpointing (timm's train.py --grad-checkpointing, or a new batch
+    shape): the forward runs the blocks per part, so its recomputation must too (it found the signature checked
+    and ran the one Function: another number of saved tensors, CheckpointError). Same gradients as without
+    checkpointing; the next steps run the one Function, forward and recomputation alike."""
+    calls = BlockCalls(monkeypatch)
+    config = CONFIGS["layerscale_droppath_dropout"] if dropout else dict(TINY, global_pool="avg")
+    model = without_drop1(make_pair(**dict(config, depth=3))[0])
+    x = torch.randn(2, 3, 32, 32)
+    calls.forget_checked()
+    plain = step(model, x, 3)
+    calls.forget_checked()
+    calls.count = 0
+    model.set_grad_checkpointing(True)
+    first = step(model, x, 3)
+    assert calls.count == 0
+    assert_bitwise(plain, first)
+    second = step(model, x, 3)
+    assert calls.count == 6  # forward and recomputation, three blocks
+    assert_bitwise(first, second)
 
 
 def test_bad_input_in_a_new_signature_gets_the_parts_errors(monkeypatch):

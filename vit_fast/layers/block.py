@@ -123,12 +123,15 @@ class Block(nn.Module):
         plan, parts, params, signature = fused_block.plan_for(self, hidden, residual, next_norm, keep_rows)
         if plan is not None and fused_block.ready(signature):
             return fused_block.run_block(plan, parts, params, hidden, residual)
+        recomputing = plan is not None and all(fused_block.saved_tensor_hooks_on())
+        if recomputing:  # checkpoint's recomputation of a forward that ran this signature per part: checked
+            fused_block.mark_checked(signature, recomputing=True)
         branch = self.attn.branch(hidden, keep_rows)
         residual = residual if keep_rows is None else residual[:, :keep_rows]
         hidden, residual = self._join(branch, residual, self.attn, self.ls1, self.drop_path1, self.norm2)
         branch = self.mlp.branch(hidden)
         out = self._join(branch, residual, self.mlp, self.ls2, self.drop_path2, next_norm)
-        if plan is not None:  # the parts' functionals checked this signature: its next calls run as one Function
+        if plan is not None and not recomputing:  # the parts' functionals checked this signature
             fused_block.mark_checked(signature)
         return out
 

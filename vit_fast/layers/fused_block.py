@@ -210,16 +210,45 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def ready(signature: tuple) -> bool:
-    return signature in _checked
+    if signature in _checked:
+        return True
+    if signature in _recomputed and not saved_tensor_hooks_on()[1]:  # that backward's recomputations are over
+        _recomputed.discard(signature)
+        _remember(signature)
+        return True
+    return False
 
 
-def mark_checked(signature: tuple) -> None:
+def saved_tensor_hooks_on() -> tuple[bool, bool]:
+    """(hooks, in a backward): saved-tensor hooks are on (torch.utils.checkpoint, save_on_cpu), and an autograd
+    backward is running (checkpoint's recomputation runs inside it)."""
+    return (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+            torch._C._current_graph_task_id() != -1)
+
+
+def mark_checked(signature: tuple, recomputing: bool = False) -> None:
+    """``signature`` ran per part (its functionals checked it): its next calls run as one Function. Under
+    torch.utils.checkpoint every recomputation must take the path its forward took (else it saves other tensors:
+    checkpoint's CheckpointError), and the blocks of a model share their signature: a forward run under
+    saved-tensor hooks outside a backward (checkpoint's first run) marks nothing, and its recomputation
+    (``recomputing``: marked before it runs, since checkpoint stops recomputing at the last tensor it needs) only
+    once that backward is over (``ready``). Under hooks that never recompute (save_on_cpu) blocks stay per part."""
+    if recomputing:
+        _recomputed.add(signature)
+        return
+    hooks, in_backward = saved_tensor_hooks_on()
+    if not hooks or in_backward:
+        _remember(signature)
+
+
+def _remember(signature: tuple) -> None:
     if len(_checked) >= _MAX_CHECKED:  # shapes that keep changing: check again rather than grow without end
         _checked.clear()
     _checked.add(signature)
 
 
 _MAX_CHECKED = 4096
+_recomputed: set = set()  # signatures a checkpoint recomputation ran per part, checked once its backward is over
 
 
 def _params(parts: _Parts, next_norm: Optional[nn.LayerNorm]) -> tuple:

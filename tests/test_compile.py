@@ -132,6 +132,7 @@ def test_compiling_before_any_eager_call_runs_under_the_interpreter():
     assert done.stdout.strip().splitlines()[-1] == "(2, 10) True"
 
 
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")  # torch.export.load's own (2.11)
 def test_torch_export_of_an_inference_model_with_a_dynamic_batch(tmp_path):
     """torch.export of the fused model (eval): the custom ops' fake kernels trace it with a symbolic batch, the
     program gives eager's logits at another batch, and it survives torch.export.save / load."""

@@ -492,6 +492,30 @@ def test_hf_dropout_and_stochastic_depth_where_transformers_applies_them():
     assert_close(fast_eval(x).last_hidden_state, source_eval(pixel_values=x).last_hidden_state, FP32, "eval")
 
 
+def test_hf_family_takes_the_arguments_its_callers_pass():
+    """What transformers' own callers hand these classes: the Trainer's num_items_in_batch (unused by their losses,
+    as in transformers), a wrapping classifier's attention_mask=None (Dinov2ForImageClassification around an
+    optimized backbone: the same logits and loss as the stock model); a real attention mask is refused."""
+    import transformers
+
+    import vit_fast
+
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                                       patch_size=8, num_labels=3)
+    stock = _perturbed(transformers.Dinov2ForImageClassification(config)).eval()
+    wrapped = copy.deepcopy(stock)
+    wrapped.dinov2 = vit_fast.optimize(wrapped.dinov2, backend="torch")
+    x, labels = _images({"img_size": 32}), torch.tensor([0, 2])
+    out, want = wrapped(pixel_values=x, labels=labels), stock(pixel_values=x, labels=labels)
+    assert_close(out.logits, want.logits, FP32, "logits")
+    assert_close(out.loss, want.loss, FP32, "loss")
+    siglip = vit_fast.optimize(_hf_models()["siglip_classifier"](), backend="torch")
+    assert siglip(x, labels=labels, num_items_in_batch=torch.tensor(2)).loss.isfinite()
+    with pytest.raises(ValueError, match=r"not supported: keyword arguments \['attention_mask'\]"):
+        wrapped.dinov2(x, attention_mask=torch.ones(2, 17))
+
+
 def _qkv_bias_grads_joined(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gradient, a layer's q, k and v bias gradients joined as one: the key bias's own is
     zero up to rounding (softmax ignores a shift per query row), so only the joined one has a scale."""

@@ -43,6 +43,10 @@ class HFVisionFamily(HFLinked):
                  bool_masked_pos: Optional[torch.Tensor] = None, **kwargs):
         source_class = self.stock_class().__name__
         classifier = source_class == "SiglipForImageClassification"
+        # the Trainer's num_items_in_batch: these classes pass it down unused, as transformers' do (their losses do
+        # not take it); None or False for any other argument asks for nothing (a wrapping classifier passes
+        # attention_mask=None)
+        kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch" and v is not None and v is not False}
         unsupported = [name for name, bad in [
             ("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions),
             ("bool_masked_pos", bool_masked_pos is not None),

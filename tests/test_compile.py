@@ -151,3 +151,22 @@ def test_torch_export_of_an_inference_model_with_a_dynamic_batch(tmp_path):
         want = model(x)
         for exported in (program, torch.export.load(tmp_path / "vit.pt2")):
             assert torch.equal(exported.module()(x), want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dynamic_img_size_trains_compiled_across_image_sizes(backend):
+    """dynamic_img_size under torch.compile(fullgraph=True): a second image size recompiles with symbolic sizes,
+    and torch's antialiased bicubic backward does not trace there (the position table is resized as two
+    interpolation matrices when compiling); the gradients equal eager's up to float32 rounding."""
+    torch.manual_seed(0)
+    model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=5,
+                                  dynamic_img_size=True, backend=backend).to(DEVICE)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for size in [(32, 32), (40, 24), (48, 56)]:
+        x = torch.randn(2, 3, *size, device=DEVICE)
+        model.zero_grad()
+        compiled(x).square().sum().backward()
+        got = model.pos_embed.grad.clone()
+        model.zero_grad()
+        model(x).square().sum().backward()
+        torch.testing.assert_close(got, model.pos_embed.grad, rtol=1e-5, atol=1e-5)

@@ -24,9 +24,24 @@ def resample_abs_pos_embed(posemb: torch.Tensor, new_size: tuple[int, int], old_
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
     dim, dtype = posemb.shape[-1], posemb.dtype
     grid = grid.float().reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=tuple(new_size), mode=interpolation, antialias=antialias)
+    if torch.compiler.is_compiling():
+        # torch's antialiased bicubic backward does not trace at symbolic sizes (a dynamic-shape recompile raises
+        # "Expected IntList but got GenericList"): the same separable resize as two matrices, whose products
+        # trace; equal to it up to float32 rounding
+        rows, cols = (_resize_matrix(o, n, interpolation, antialias, grid.device)
+                      for o, n in zip(old_size, new_size))
+        grid = rows @ grid @ cols.t()
+    else:
+        grid = F.interpolate(grid, size=tuple(new_size), mode=interpolation, antialias=antialias)
     grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(dtype)
     return torch.cat([prefix, grid], dim=1) if num_prefix_tokens else grid
+
+
+def _resize_matrix(old: int, new: int, interpolation: str, antialias: bool, device: torch.device) -> torch.Tensor:
+    """(new, old): F.interpolate's resize of one axis as a matrix, its columns the responses to unit impulses
+    (two identical columns across, since a one-wide axis would take another path of the kernel)."""
+    impulses = torch.eye(old, device=device).reshape(old, 1, old, 1).expand(old, 1, old, 2)
+    return F.interpolate(impulses, size=(new, 2), mode=interpolation, antialias=antialias)[..., 0].reshape(old, new).t()
 
 
 def sincos_2d_pos_embed(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:

@@ -504,6 +504,8 @@ def test_hf_family_takes_the_arguments_its_callers_pass():
     config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                                        patch_size=8, num_labels=3)
     stock = _perturbed(transformers.Dinov2ForImageClassification(config)).eval()
+    with pytest.raises(ValueError, match=r"Its dinov2 is one: optimize that in place \(model.dinov2 = vit_fast"):
+        vit_fast.optimize(stock)
     wrapped = copy.deepcopy(stock)
     wrapped.dinov2 = vit_fast.optimize(wrapped.dinov2, backend="torch")
     x, labels = _images({"img_size": 32}), torch.tensor([0, 2])

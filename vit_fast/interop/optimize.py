@@ -140,10 +140,27 @@ def source_kind(model: nn.Module) -> str:
         return "hf_family"
     if where == "open_clip.transformer.VisionTransformer":
         return "open_clip"
+    inner = _supported_submodule(model)
+    hint = (f". Its {inner} is one: optimize that in place (model.{inner} = vit_fast.optimize(model.{inner})); the "
+            f"rest of the model stays as it is") if inner else ""
     raise ValueError(f"optimize: expected a timm VisionTransformer (or VisionTransformerDistilled), a torchvision "
                      f"VisionTransformer, a transformers ViTModel / ViTForImageClassification / "
                      f"{' / '.join(HF_FAMILY_CLASSES)}, an open_clip VisionTransformer (model.visual) or a vit_fast "
-                     f"VisionTransformer; got {where}")
+                     f"VisionTransformer; got {where}{hint}")
+
+
+def _supported_submodule(model: nn.Module, depth: int = 2) -> str:
+    """The dotted name of the first module below ``model`` (at most ``depth`` levels) that optimize takes, '' if none:
+    transformers' Dinov2ForImageClassification holds a Dinov2Model, open_clip's CLIP its visual tower."""
+    for name, child in model.named_children():
+        try:
+            source_kind(child)
+            return name
+        except ValueError:
+            found = _supported_submodule(child, depth - 1) if depth > 1 else ""
+            if found:
+                return f"{name}.{found}"
+    return ""
 
 
 def _device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

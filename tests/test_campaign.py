@@ -243,3 +243,14 @@ def test_the_throughput_stage_measures_the_cases_it_is_given(tmp_path, capsys, m
     assert sorted(r["path"] for r in rows) == ["timm_eager", "vit_fast"]
     assert all(float(r["images_per_s"]) > 0 and not r.get("error") for r in rows)
     assert "vit_fast: failed after other items in one process; again in a new one" in capsys.readouterr().out
+    # a child that dies before its first item (imports, the CUDA context): that row is an error row with the
+    # reason, the next goes on in a new process; nothing reads as skipped by the budget
+    monkeypatch.setenv(campaign.SIMULATE_FAILURE, "start")
+    out = tmp_path / "start"
+    assert bench.main(["--campaign", "--stages", "throughput", "--dry-run", "--paths", "timm_eager", "vit_fast",
+                       "--budget", "600", "--out", str(out)]) == 0
+    with open(out / "throughput.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["path"] for r in rows] == ["timm_eager", "vit_fast"]
+    assert all("before its first item: RuntimeError: simulated failure" in r["error"] for r in rows)
+    assert json.loads((out / "campaign.json").read_text())["stages"]["throughput"]["skipped"] == 0

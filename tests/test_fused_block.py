@@ -40,6 +40,7 @@ class BlockCalls:
         monkeypatch.setattr(fused_block, "enabled", True)
         monkeypatch.setattr(fused_block, "_checked", set())  # no signature checked by an earlier test in this worker
         monkeypatch.setattr(fused_block, "_recomputed", set())
+        monkeypatch.setattr(fused_block, "_awaiting", {})
         self.per_part = False  # every block per part, signatures still marked as checked
         ready = fused_block.ready
         monkeypatch.setattr(fused_block, "ready", lambda signature: not self.per_part and ready(signature))
@@ -48,6 +49,7 @@ class BlockCalls:
     def forget_checked():
         fused_block._checked.clear()
         fused_block._recomputed.clear()
+        fused_block._awaiting.clear()
 
 
 def step(model, x, seed, autocast=False):
@@ -175,6 +177,30 @@ def test_grad_checkpointing_from_a_signature_never_run(monkeypatch, dropout):
     second = step(model, x, 3)
     assert calls.count == 6  # forward and recomputation, three blocks
     assert_bitwise(first, second)
+
+
+def test_grad_checkpointing_with_another_forward_before_the_backward(monkeypatch):
+    """A forward of the same signature between a checkpointed forward and its backward (a no-grad teacher copy, a
+    second checkpointed view): it must not mark the signature while a recomputation of it is owed."""
+    calls = BlockCalls(monkeypatch)
+    model = without_drop1(make_pair(**dict(TINY, global_pool="avg", depth=2))[0])
+    teacher = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    calls.forget_checked()
+    plain = step(model, x, 3)
+    calls.forget_checked()
+    model.set_grad_checkpointing(True)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    out = model(x)
+    with torch.no_grad():
+        teacher(x)
+    view = model(x)  # a second checkpointed forward, recomputed in its own backward after the first's
+    loss_of(out).backward()
+    model(x)
+    loss_of(view).backward()
+    model.zero_grad(set_to_none=True)
+    assert_bitwise(plain, step(model, x, 3))
 
 
 def test_bad_input_in_a_new_signature_gets_the_parts_errors(monkeypatch):

@@ -122,7 +122,22 @@ def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
 
 def source_kind(model: nn.Module) -> str:
     """'vit_fast' | 'timm' | 'torchvision' | 'hf' | 'hf_family' | 'open_clip' | 'hf_optimized' for a supported
-    ViT class, else a ValueError."""
+    ViT class, else a ValueError (naming a supported module inside the model, where there is one)."""
+    kind = _kind(model)
+    if kind:
+        return kind
+    cls = type(model)
+    inner = _supported_submodule(model)
+    hint = (f". Its {inner} is one: optimize that in place (model.{inner} = vit_fast.optimize(model.{inner})); the "
+            f"rest of the model stays as it is") if inner else ""
+    raise ValueError(f"optimize: expected a timm VisionTransformer (or VisionTransformerDistilled), a torchvision "
+                     f"VisionTransformer, a transformers ViTModel / ViTForImageClassification / "
+                     f"{' / '.join(HF_FAMILY_CLASSES)}, an open_clip VisionTransformer (model.visual) or a vit_fast "
+                     f"VisionTransformer; got {cls.__module__}.{cls.__qualname__}{hint}")
+
+
+def _kind(model: nn.Module) -> str:
+    """``source_kind``'s answer, '' for a class optimize does not take."""
     if isinstance(model, VisionTransformer):
         return "vit_fast"
     if hasattr(model, "vit_fast_model"):  # already optimized (interop/hf.py)
@@ -140,26 +155,18 @@ def source_kind(model: nn.Module) -> str:
         return "hf_family"
     if where == "open_clip.transformer.VisionTransformer":
         return "open_clip"
-    inner = _supported_submodule(model)
-    hint = (f". Its {inner} is one: optimize that in place (model.{inner} = vit_fast.optimize(model.{inner})); the "
-            f"rest of the model stays as it is") if inner else ""
-    raise ValueError(f"optimize: expected a timm VisionTransformer (or VisionTransformerDistilled), a torchvision "
-                     f"VisionTransformer, a transformers ViTModel / ViTForImageClassification / "
-                     f"{' / '.join(HF_FAMILY_CLASSES)}, an open_clip VisionTransformer (model.visual) or a vit_fast "
-                     f"VisionTransformer; got {where}{hint}")
+    return ""
 
 
 def _supported_submodule(model: nn.Module, depth: int = 2) -> str:
     """The dotted name of the first module below ``model`` (at most ``depth`` levels) that optimize takes, '' if none:
     transformers' Dinov2ForImageClassification holds a Dinov2Model, open_clip's CLIP its visual tower."""
     for name, child in model.named_children():
-        try:
-            source_kind(child)
+        if _kind(child):
             return name
-        except ValueError:
-            found = _supported_submodule(child, depth - 1) if depth > 1 else ""
-            if found:
-                return f"{name}.{found}"
+        found = _supported_submodule(child, depth - 1) if depth > 1 else ""
+        if found:
+            return f"{name}.{found}"
     return ""
 
 

@@ -212,7 +212,8 @@ def _layout(t: torch.Tensor) -> tuple:
 def ready(signature: tuple) -> bool:
     if signature in _checked:
         return True
-    if signature in _recomputed and not saved_tensor_hooks_on()[1]:  # that backward's recomputations are over
+    if (signature in _recomputed and not _awaiting.get(signature)
+            and not saved_tensor_hooks_on()[1]):  # every checkpointed forward of it recomputed, that backward over
         _recomputed.discard(signature)
         _remember(signature)
         return True
@@ -229,15 +230,22 @@ def saved_tensor_hooks_on() -> tuple[bool, bool]:
 def mark_checked(signature: tuple, recomputing: bool = False) -> None:
     """``signature`` ran per part (its functionals checked it): its next calls run as one Function. Under
     torch.utils.checkpoint every recomputation must take the path its forward took (else it saves other tensors:
-    checkpoint's CheckpointError), and the blocks of a model share their signature: a forward run under
-    saved-tensor hooks outside a backward (checkpoint's first run) marks nothing, and its recomputation
-    (``recomputing``: marked before it runs, since checkpoint stops recomputing at the last tensor it needs) only
-    once that backward is over (``ready``). Under hooks that never recompute (save_on_cpu) blocks stay per part."""
-    if recomputing:
-        _recomputed.add(signature)
-        return
+    checkpoint's CheckpointError), and the blocks of a model (and of its copies) share their signature: a forward
+    run under saved-tensor hooks outside a backward (checkpoint's first run) counts one recomputation owed, and no
+    call marks the signature while one is owed; a recomputation (``recomputing``: before it runs, since checkpoint
+    stops recomputing at the last tensor it needs) pays one, and the signature is marked once none is owed and
+    that backward is over (``ready``). Under hooks that never recompute (save_on_cpu) blocks stay per part."""
     hooks, in_backward = saved_tensor_hooks_on()
-    if not hooks or in_backward:
+    if recomputing:
+        owed = _awaiting.pop(signature, 0) - 1
+        if owed > 0:
+            _awaiting[signature] = owed
+        if len(_recomputed) >= _MAX_CHECKED:
+            _recomputed.clear()
+        _recomputed.add(signature)
+    elif hooks and not in_backward:
+        _awaiting[signature] = _awaiting.get(signature, 0) + 1
+    elif not _awaiting.get(signature):
         _remember(signature)
 
 
@@ -249,6 +257,7 @@ def _remember(signature: tuple) -> None:
 
 _MAX_CHECKED = 4096
 _recomputed: set = set()  # signatures a checkpoint recomputation ran per part, checked once its backward is over
+_awaiting: dict = {}  # signature -> checkpointed per-part forwards of it not yet recomputed
 
 
 def _params(parts: _Parts, next_norm: Optional[nn.LayerNorm]) -> tuple:

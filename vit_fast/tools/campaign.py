@@ -109,7 +109,8 @@ PROFILE_PATHS = ("timm_eager", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "t
 PROFILE_TOP_KERNELS = 25
 PROFILE_KERNELS_SHOWN = 10
 SIMULATE_HANG = "VIT_FAST_CAMPAIGN_SIMULATE_HANG"  # a path name: that row sleeps past its timeout (tests)
-# a path name: that row fails where it is not its process's first item (tests: it is measured again in a new one)
+# a path name: that row fails where it is not its process's first item (tests: it is measured again in a new one);
+# 'start': every child fails before its first item
 SIMULATE_FAILURE = "VIT_FAST_CAMPAIGN_SIMULATE_FAILURE"
 DRY_RUN_NOTE = "DRY RUN: CPU, tiny shapes, figures meaningless"
 DRY_OVERRIDES = dict(img_size=32, depth=1, embed_dim=64, num_heads=2, num_classes=10)
@@ -506,11 +507,12 @@ def run_items(c: Campaign, kind: str, spec: dict, timeouts: list[float], describ
     (``python -m vit_fast.tools.campaign KIND SPEC_JSON``: the child runs ``spec['items']`` from ``spec['start']``,
     printing 'START i' before an item and 'DONE i' or 'FAILED i' after it): the interpreter start, imports and CUDA
     context are paid once per process, not per item. Each item has its own timeout (``timeouts[i]``, from its START
-    line); a hung item is killed with its process (its stack in DIR/hangs.log) and the next item goes on in a new
-    one. An item FAILED after others in the same process is run again in a fresh one (whatever failed may be the
-    process's state); a child leaves after a failure. ``on_item(i, lines, seconds, problem)`` receives each finished
-    item's output lines and time (on disk at once: a killed campaign keeps them); ``problem`` names a hang or a
-    crash (its lines as far as they came), None otherwise."""
+    line, renewed by any line it prints); a hung item is killed with its process (its stack in DIR/hangs.log) and
+    the next item goes on in a new one, as after a process that dies before its first item. An item FAILED after
+    others in the same process is run again in a fresh one (whatever failed may be the process's state); a child
+    leaves after a failure. ``on_item(i, lines, seconds, problem)`` receives each finished item's output lines and
+    time (on disk at once: a killed campaign keeps them); ``problem`` names a hang or a crash (its lines as far as
+    they came), None otherwise. Every item is finished, or left to the stage's budget (``budget_spent``)."""
     run = ItemsRun()
     state = dict(current=None, lines=[], started=0.0, start=0, retried=set())
 
@@ -534,26 +536,29 @@ def run_items(c: Campaign, kind: str, spec: dict, timeouts: list[float], describ
 
     while run.done < len(timeouts) and c.left() > 1.0:
         state.update(start=run.done, current=None)
+        spawned = time.perf_counter()
         rc, stderr = stream_child(c, kind, dict(spec, start=run.done, spawned_at=time.time()),
                                   ROW_GAP_TIMEOUT_S + timeouts[run.done], on_line)
         where = state["current"]
         if rc == "budget":
             run.budget_spent = True
             break
-        if where is None:  # ended between items: after a failure (kept, or to run again), or at the end
-            if run.done == state["start"]:  # no item started: the next process would end alike
-                run.failed.append((run.done, f"process ended ({rc}) before its first item: "
-                                             f"{' '.join(stderr.strip().splitlines()[-2:])[-200:]}"))
-                break
+        if where is None and run.done > state["start"]:  # ended between items: after a failure, or at the end
             continue
+        stage = ""
+        if where is None:  # no item started (imports, the CUDA context): the item it was for fails, the next
+            where, state["lines"], state["started"] = run.done, [], spawned  # goes on in a new process
+            stage = "before its first item"
+        waited = time.perf_counter() - state["started"]
         if rc == "hung":
-            _log_hang(c, describe(where), timeouts[where], stderr)
-            problem = f"timed out after {timeouts[where]:.0f} s (stack in hangs.log)"
+            _log_hang(c, describe(where), waited, stderr)
+            problem = f"timed out{' ' + stage if stage else ''} after {waited:.0f} s (stack in hangs.log)"
             run.hung.append((where, problem))
         else:
-            problem = f"exit code {rc}: {' '.join(stderr.strip().splitlines()[-3:])[-300:]}"
+            problem = (f"exit code {rc}{' ' + stage if stage else ''}: "
+                       f"{' '.join(stderr.strip().splitlines()[-3:])[-300:]}")
             run.failed.append((where, problem))
-        on_item(where, state["lines"], time.perf_counter() - state["started"], problem)
+        on_item(where, state["lines"], waited, problem)
         run.done = where + 1
     return run
 
@@ -563,6 +568,8 @@ def _child_items(spec: dict, dump_after: Callable[[dict], float]):
     it (a hang shows where that item stuck): yields (i, item); the caller prints 'DONE i' or 'FAILED i'."""
     import faulthandler
 
+    if "start" in os.environ.get(SIMULATE_FAILURE, "").split(","):
+        sys.exit("RuntimeError: simulated failure before the first item")
     if spec["device"] == "cpu":
         from vit_fast.tools.interpreter import install_bf16_shims
 

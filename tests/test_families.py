@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import vit_fast
 from tests.numerics import assert_close
 from vit_fast.family_presets import FAMILY_PRESETS
 from vit_fast.interop import families
@@ -179,6 +180,8 @@ def test_open_clip_refuses_what_it_cannot_map():
         families.open_clip_config(visual)
     with pytest.raises(ValueError, match="expected an open_clip VisionTransformer"):
         families.open_clip_config(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="from_open_clip: expected an open_clip model or its .visual, got a state"):
+        vit_fast.from_open_clip(visual.state_dict())
     with pytest.raises(ValueError, match="no vit_fast counterpart.*text_projection"):
         families.open_clip_to_timm({"text_projection": torch.zeros(1)})
 

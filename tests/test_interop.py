@@ -179,12 +179,46 @@ def test_from_hf_old_key_names_state_dict():
     ref = hf_model()
     old = to_old_hf_names(ref.state_dict())
     assert "vit.encoder.layer.1.attention.attention.query.weight" in old
-    ours = from_hf(old, backend="torch").eval()  # width 192 -> 3 heads, eps 1e-12, from shapes alone
+    with pytest.warns(UserWarning, match="assumed act='gelu', norm_eps=1e-12: "):
+        ours = from_hf(old, backend="torch").eval()  # width 192 -> 3 heads, eps 1e-12, from shapes alone
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert_close(ours(x), ref(pixel_values=x).logits, RTOL)
     with pytest.raises(CheckpointError, match=r"found only \['k', 'v'\]"):
         from_hf({k: v for k, v in old.items() if "attention.attention.query" not in k})
+
+
+def test_from_hf_and_torchvision_state_dicts_name_what_they_assume():
+    """A transformers state dict does not record hidden_act or layer_norm_eps, and no state dict records the head
+    count (any count fits the same tensors): each assumption not passed is named in one warning; passed, the model is
+    the source's and nothing is assumed. A torchvision ViT fixes GELU and eps in code: only the heads of a width
+    whose usual head count is unknown are assumed."""
+    import warnings
+
+    ref = hf_model(hidden_size=96, num_attention_heads=3, intermediate_size=192, hidden_act="gelu_new",
+                   layer_norm_eps=1e-6)
+    sd = ref.state_dict()
+    with pytest.warns(UserWarning, match=r"assumed act='gelu', norm_eps=1e-12, num_heads=1 \(64-wide heads at"):
+        from_hf(sd, backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = from_hf(sd, backend="torch", act="gelu_tanh", norm_eps=1e-6, num_heads=3).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert_close(ours(x), ref(pixel_values=x).logits, RTOL)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_torchvision(tv_model(16).state_dict(), backend="torch")  # width 768: 12 heads, nothing assumed
+    torch.manual_seed(0)
+    narrow = perturb_(torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=4,
+                                                           hidden_dim=96, mlp_dim=192, num_classes=3)).eval()
+    with pytest.warns(UserWarning, match=r"from_torchvision: .*assumed num_heads=1"):
+        from_torchvision(narrow.state_dict(), backend="torch")
+    ours = from_torchvision(narrow.state_dict(), backend="torch", num_heads=4).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(ours(x), narrow(x), RTOL)
 
 
 def tv_model(patch_size):

@@ -210,13 +210,29 @@ def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor], overrides: Mapp
 # from the tensors present): a source that differs needs them passed, or its model object converted
 STATE_DICT_ASSUMPTIONS = {"act": "'gelu'", "norm_eps": "1e-6",
                           "global_pool": "'token' with a class token and no fc_norm, else 'avg'"}
+# The same for a transformers ViT's state dict (its config's defaults) and a torchvision one (which fixes GELU and
+# eps 1e-6 in code): the head count alone, at a width whose usual head count is not known
+HF_STATE_DICT_ASSUMPTIONS = {"act": "'gelu'", "norm_eps": "1e-12"}
+
+
+def _warn_assumed(source: str, assumptions: Mapping[str, str], config: Mapping, overrides: Mapping,
+                  hint: str) -> None:
+    """One warning naming what ``source``'s state dict did not record and the caller did not pass: ``assumptions``,
+    and num_heads where the width is not one of STANDARD_HEADS (any head count fits the same tensors)."""
+    assumed = dict(assumptions)
+    if config["embed_dim"] not in STANDARD_HEADS:
+        assumed["num_heads"] = f"{config['num_heads']} (64-wide heads at width {config['embed_dim']})"
+    named = [f"{k}={v}" for k, v in assumed.items() if k not in overrides]
+    if named:
+        warnings.warn(f"{source}: a state dict does not record {', '.join(assumed)}; assumed {', '.join(named)}: "
+                      f"pass them as keyword arguments where the source differs{hint}", UserWarning, stacklevel=3)
 
 
 def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights (and, for a model object, the exact config) of a timm ViT. From a state
     dict, the shapes give the sizes; what it does not record is assumed (``STATE_DICT_ASSUMPTIONS``: activation,
-    LayerNorm eps, pooling, and num_heads for a non-standard width, img_size for a non-square grid) with a
-    warning naming each one not passed as a keyword argument."""
+    LayerNorm eps, pooling, and num_heads for a non-standard width) with a warning naming each one not passed as a
+    keyword argument; a non-square grid needs img_size."""
     if isinstance(model_or_state_dict, nn.Module):
         sd = model_or_state_dict.state_dict()
         config = _timm_config_from_model(model_or_state_dict)
@@ -230,12 +246,8 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
             raise CheckpointError(f"from_timm: the state dict has no 'patch_embed.proj.weight', so it is not a timm "
                                   f"ViT's (its first keys: {sorted(sd)[:5]})")
         config = _timm_config_from_state_dict(sd, overrides)
-        assumed = [f"{k}={v}" for k, v in STATE_DICT_ASSUMPTIONS.items() if k not in overrides]
-        if assumed:
-            warnings.warn(f"from_timm: a state dict does not record the activation, LayerNorm eps or pooling; "
-                          f"assumed {', '.join(assumed)}: pass them as keyword arguments where the source differs "
-                          f"(CLIP: act='quick_gelu' or norm_eps=1e-5), or convert the timm model object",
-                          UserWarning, stacklevel=2)
+        _warn_assumed("from_timm", STATE_DICT_ASSUMPTIONS, config, overrides,
+                      " (CLIP: act='quick_gelu' or norm_eps=1e-5), or convert the timm model object")
     model = _build(config, sd, overrides)
     source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)
     if source_cfg:  # the data config (mean, std, crop, interpolation) travels with the weights
@@ -312,8 +324,8 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
     CLIPVisionModel(WithProjection) / SiglipVisionModel / SiglipForImageClassification / Dinov2Model object
     (config read exactly, see interop/families.py; CLIP's visual_projection becomes a bias-free head).
 
-    Keeps Hugging Face's LayerNorm eps (1e-12) and GELU flavour. From a state dict, eps defaults to 1e-12
-    and num_heads to the standard one for the width (pass num_heads=... otherwise). Eval outputs are
+    Keeps Hugging Face's LayerNorm eps (1e-12) and GELU flavour. From a state dict, act 'gelu', eps 1e-12 and the
+    width's standard num_heads are assumed, with a warning naming each one not passed. Eval outputs are
     identical; in training, the standalone model regularises as timm's blocks do: ViT's hidden_dropout_prob also
     drops after the GELU (timm's Mlp), which transformers' ViTIntermediate does not, and DINOv2's stochastic
     depth ramps from 0 over the blocks where transformers gives every layer the same rate. ``vit_fast.optimize``
@@ -328,6 +340,8 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
     else:
         sd = hf_to_timm_state_dict(model_or_state_dict)
         config = {**_timm_config_from_state_dict(sd, overrides), "norm_eps": 1e-12}
+        _warn_assumed("from_hf", HF_STATE_DICT_ASSUMPTIONS, config, overrides,
+                      " (hidden_act 'gelu_new': act='gelu_tanh'), or convert the transformers model object")
     return _build(config, sd, overrides)
 
 
@@ -338,6 +352,10 @@ def from_open_clip(model, **overrides) -> VisionTransformer:
     open_clip's does); LayerScale, QuickGELU / GELU and the LayerNorm eps are read from the modules."""
     from .families import open_clip_config, open_clip_to_timm
 
+    if isinstance(model, Mapping):
+        raise ValueError("from_open_clip: expected an open_clip model or its .visual, got a state dict, which does not "
+                         "record the tower's activation, pooling or attentional pool: build the model with open_clip "
+                         "(open_clip.create_model(name, pretrained=path)) and pass it")
     visual = getattr(model, "visual", model)
     return _build(open_clip_config(visual), open_clip_to_timm(visual.state_dict()), overrides)
 
@@ -366,7 +384,8 @@ def torchvision_to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, 
 
 
 def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
-    """A vit_fast model with the weights of a torchvision VisionTransformer (vit_b_16, vit_b_32, vit_l_16, ...)."""
+    """A vit_fast model with the weights of a torchvision VisionTransformer (vit_b_16, vit_b_32, vit_l_16, ...). From
+    a state dict at a width without a standard head count, num_heads is assumed (64-wide heads) with a warning."""
     if isinstance(model_or_state_dict, nn.Module):
         tv = model_or_state_dict
         if "pre_logits" in dict(tv.heads.named_children()):
@@ -385,6 +404,7 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
     else:
         sd = torchvision_to_timm_state_dict(model_or_state_dict)
         config = _timm_config_from_state_dict(sd, overrides)
+        _warn_assumed("from_torchvision", {}, config, overrides, ", or convert the torchvision model object")
     return _build(config, sd, overrides)
 
 

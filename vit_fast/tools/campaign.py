@@ -428,20 +428,14 @@ def measure_micro_case(case: MicroCase, peaks: dict, device: str, dry_run: bool,
 def micro_child(spec: dict) -> None:
     """The child of stage_micro: one model shape's cases from ``spec['start']``, 'CASE i op' before each and
     'ROW {json}' after it; the faulthandler dump is re-armed per case, so a hang shows where that case stuck."""
-    import faulthandler
-
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    if spec["device"] == "cpu":
-        from vit_fast.tools.interpreter import install_bf16_shims
-
-        install_bf16_shims()
+    _interpreter_shims(spec["device"])
     cases = micro_cases(spec["shape"], spec["preset"], spec["batch"], spec["device"], spec["dry_run"])
     cases = [case for case in cases if spec.get("only") is None or case.op in spec["only"]]
     print(f"CASES {len(cases)}", flush=True)
     for i, case in enumerate(cases[spec["start"]:], start=spec["start"]):
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.dump_traceback_later(spec["dump_after_s"], repeat=True)
+        _arm_stack_dump(spec["dump_after_s"])
         print(f"CASE {i} {case.op}", flush=True)
         _simulated_hang(f"micro:{case.op}")
         for row in measure_micro_case(case, spec["peaks"], spec["device"], spec["dry_run"], spec["backend"]):
@@ -566,19 +560,29 @@ def run_items(c: Campaign, kind: str, spec: dict, timeouts: list[float], describ
 def _child_items(spec: dict, dump_after: Callable[[dict], float]):
     """The items of a run_items child from its start, each announced ('START i') with faulthandler re-armed for
     it (a hang shows where that item stuck): yields (i, item); the caller prints 'DONE i' or 'FAILED i'."""
-    import faulthandler
-
     if "start" in os.environ.get(SIMULATE_FAILURE, "").split(","):
         sys.exit("RuntimeError: simulated failure before the first item")
-    if spec["device"] == "cpu":
+    _interpreter_shims(spec["device"])
+    for i, item in enumerate(spec["items"][spec["start"]:], start=spec["start"]):
+        _arm_stack_dump(dump_after(item))
+        print(f"START {i}", flush=True)
+        yield i, item
+
+
+def _interpreter_shims(device: str) -> None:
+    """On CPU the kernels run in the interpreter, which needs vit_fast's bf16 shims before the first launch."""
+    if device == "cpu":
         from vit_fast.tools.interpreter import install_bf16_shims
 
         install_bf16_shims()
-    for i, item in enumerate(spec["items"][spec["start"]:], start=spec["start"]):
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.dump_traceback_later(dump_after(item), repeat=True)
-        print(f"START {i}", flush=True)
-        yield i, item
+
+
+def _arm_stack_dump(seconds: float) -> None:
+    """Every thread's Python stack on stderr each ``seconds`` from now (re-armed per item): what a hung item shows."""
+    import faulthandler
+
+    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(seconds, repeat=True)
 
 
 def _release(device: str) -> None:
@@ -1070,10 +1074,7 @@ def main(args) -> int:
             env = dict(os.environ, TRITON_INTERPRET="1")
             return subprocess.run([sys.executable, "-m", "vit_fast.tools.cli", "bench", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
-    if not cuda:
-        from vit_fast.tools.interpreter import install_bf16_shims
-
-        install_bf16_shims()
+    _interpreter_shims("cuda" if cuda else "cpu")
     os.makedirs(args.out, exist_ok=True)
     try:
         stages = _stages(quick, getattr(args, "stages", None))

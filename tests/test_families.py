@@ -609,6 +609,54 @@ def test_open_clip_through_optimize_and_from_open_clip(backend):
     assert_close(vit_fast.from_open_clip(holder).set_backend(backend)(x), expected, FP32, "from_open_clip")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_open_clip_model_calls_its_optimized_tower_as_its_own(backend):
+    """An open_clip CLIP model whose .visual is optimize()d: lock_image_tower (LiT) freezes the same parameters,
+    CLIP.forward_intermediates gives open_clip's dict with the same tensors, get_model_preprocess_cfg reads the same
+    config, and the tower keeps the source's grad checkpointing (each was an AttributeError, a TypeError, or dropped
+    silently)."""
+    import vit_fast
+
+    open_clip = pytest.importorskip("open_clip")
+    torch.manual_seed(0)
+    source = open_clip.CLIP(embed_dim=16, vision_cfg=dict(image_size=32, layers=3, width=64, patch_size=16,
+                                                          head_width=32),
+                            text_cfg=dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1)).eval()
+    _perturbed(source.visual)
+    open_clip.set_model_preprocess_cfg(source, dict(size=(32, 32), mean=(0.5,) * 3, std=(0.25,) * 3))
+    source.set_grad_checkpointing(True)
+    ours = copy.deepcopy(source)
+    ours.visual = vit_fast.optimize(source.visual, backend=backend)
+    assert ours.visual.grad_checkpointing
+    assert open_clip.get_model_preprocess_cfg(ours) == open_clip.get_model_preprocess_cfg(source)
+    assert ours.visual.image_size == (32, 32) and ours.visual.patch_size == (16, 16)
+
+    flags = {k: torch.zeros(3, 1) if "in_proj" in k else torch.zeros(1) for k, _ in source.visual.named_parameters()}
+    for unlocked in (0, 1, 2, 5):
+        source.lock_image_tower(unlocked_groups=unlocked)
+        ours.lock_image_tower(unlocked_groups=unlocked)
+        expected = families.open_clip_to_timm({k: flags[k] + p.requires_grad for k, p in
+                                               source.visual.named_parameters()})
+        got = {k: p.requires_grad for k, p in ours.visual.named_parameters()}
+        assert got == {k: bool(v.flatten()[0]) for k, v in expected.items()}, unlocked
+        assert sum(got.values()) > 0 or unlocked == 0
+
+    x = torch.randn(2, 3, 32, 32)
+    for kwargs in [dict(), dict(image_indices=2, stop_early=True, normalize_intermediates=True),
+                   dict(image_indices=[0, 2], intermediates_only=True, image_output_fmt="NLC",
+                        image_output_extra_tokens=True)]:
+        with torch.no_grad():
+            got, expected = ours.forward_intermediates(image=x, **kwargs), source.forward_intermediates(image=x,
+                                                                                                        **kwargs)
+        assert sorted(got) == sorted(expected), kwargs
+        for key in expected:
+            values = expected[key] if isinstance(expected[key], list) else [expected[key]]
+            mine = got[key] if isinstance(got[key], list) else [got[key]]
+            assert len(values) == len(mine)
+            for a, b in zip(mine, values):
+                assert_close(a, b, FP32, f"{key} {kwargs}")
+
+
 def test_from_hf_family_model():
     import vit_fast
 

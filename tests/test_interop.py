@@ -188,6 +188,19 @@ def test_from_hf_old_key_names_state_dict():
         from_hf({k: v for k, v in old.items() if "attention.attention.query" not in k})
 
 
+def test_from_hf_refuses_another_familys_state_dict_by_name():
+    """A CLIP or DINOv2 state dict does not record its family's config (pre-norm, QuickGELU, LayerScale...): refused
+    with what to pass instead (it was a bare KeyError, or a list of unexpected keys)."""
+    common = dict(image_size=32, patch_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
+    clip = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(intermediate_size=128, **common))
+    dinov2 = transformers.Dinov2Model(transformers.Dinov2Config(**common))
+    for model, family in [(clip, "CLIP or SigLIP"), (dinov2, "DINOv2")]:
+        with pytest.raises(CheckpointError, match=f"this one is a {family} model's.*from_hf\\(model\\)"):
+            from_hf(model.state_dict())
+    with pytest.raises(CheckpointError, match="is not a transformers ViT's"):
+        from_hf({"weight": torch.zeros(2)})
+
+
 def test_from_hf_and_torchvision_state_dicts_name_what_they_assume():
     """A transformers state dict does not record hidden_act or layer_norm_eps, and no state dict records the head
     count (any count fits the same tensors): each assumption not passed is named in one warning; passed, the model is
@@ -219,6 +232,32 @@ def test_from_hf_and_torchvision_state_dicts_name_what_they_assume():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert_close(ours(x), narrow(x), RTOL)
+
+
+def test_mlp_width_read_from_a_source_survives_float_rounding():
+    """A source's MLP width is read as hidden / width, and the model builds int(width * ratio) (timm's rounding):
+    49 / 44 * 44 is 48.99..., which built a 48-wide fc1 and failed to load (open_clip, timm and transformers
+    sources, model or state dict). The ratio read is the one that rebuilds the source's width."""
+    from vit_fast.presets import mlp_ratio_for
+
+    assert all(int(w * mlp_ratio_for(h, w)) == h for w in range(8, 400, 4) for h in range(w, 5 * w))
+    open_clip = pytest.importorskip("open_clip.transformer")
+    torch.manual_seed(0)
+    ratio = 49 / 44 + 1e-9  # the sources' own int(44 * ratio) is 49
+    visual = perturb_(open_clip.VisionTransformer(image_size=32, patch_size=16, width=44, layers=1, heads=4,
+                                                  mlp_ratio=ratio, output_dim=8)).eval()
+    tm = perturb_(timm.create_model("vit_tiny_patch16_224", img_size=32, embed_dim=44, num_heads=4, depth=1,
+                                    mlp_ratio=ratio, num_classes=5)).eval()
+    hf = hf_model(hidden_size=44, num_attention_heads=4, intermediate_size=49, image_size=32).eval()
+    assert visual.transformer.resblocks[0].mlp.c_fc.out_features == tm.blocks[0].mlp.fc1.out_features == 49
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(vit_fast.optimize(visual, backend="torch")(x), visual(x), RTOL)
+        assert_close(vit_fast.optimize(tm, backend="torch")(x), tm(x), RTOL)
+        with pytest.warns(UserWarning, match="assumed act="):
+            from_sd = from_timm(tm.state_dict(), backend="torch", num_heads=4).eval()
+        assert_close(from_sd(x), tm(x), RTOL)
+        assert_close(from_hf(hf, backend="torch").eval()(x), hf(pixel_values=x).logits, RTOL)
 
 
 def tv_model(patch_size):

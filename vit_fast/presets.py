@@ -22,6 +22,13 @@ POS_EMBEDS = ("learn", "sincos", "none")
 WEIGHT_INITS = ("", "skip")
 
 
+def mlp_ratio_for(hidden: int, dim: int) -> float:
+    """The mlp_ratio whose ``int(dim * mlp_ratio)`` (timm's rounding, ``ViTConfig.mlp_hidden``) is ``hidden``, for a
+    width read from a source's tensors: ``hidden / dim`` can land a float below it (1414 / 1408 * 1408 < 1414)."""
+    ratio = hidden / dim
+    return ratio if int(dim * ratio) == hidden else (hidden + 0.5) / dim
+
+
 @dataclass
 class ViTConfig:
     img_size: Union[int, tuple[int, int]] = 224

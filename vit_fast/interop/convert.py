@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..layers import to_2tuple
 from ..model import VisionTransformer
-from ..presets import ViTConfig, check_fields
+from ..presets import ViTConfig, check_fields, mlp_ratio_for
 
 # Head count of the standard widths (shapes alone cannot tell it); other widths assume 64-wide heads.
 STANDARD_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
@@ -57,10 +57,11 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) ->
     return model
 
 
-def _build(config: dict, state_dict: Mapping[str, torch.Tensor], overrides: dict) -> VisionTransformer:
+def _build(config: dict, state_dict: Mapping[str, torch.Tensor], overrides: dict,
+           model_class: type = VisionTransformer) -> VisionTransformer:
     check_fields(overrides)
     cfg = ViTConfig(**{**config, "weight_init": "skip", **overrides})
-    model = VisionTransformer(cfg)
+    model = model_class(cfg)
     load_state_dict(model, state_dict)
     if overrides.get("weight_init", "skip") == "skip":
         model.config.weight_init = ""
@@ -192,8 +193,8 @@ def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor], overrides: Mapp
     else:
         cfg["pos_embed"] = "none"
     if cfg["depth"]:
-        cfg.update(mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / D, qkv_bias="blocks.0.attn.qkv.bias" in sd,
-                   qk_norm="blocks.0.attn.q_norm.weight" in sd)
+        cfg.update(mlp_ratio=mlp_ratio_for(sd["blocks.0.mlp.fc1.weight"].shape[0], D),
+                   qkv_bias="blocks.0.attn.qkv.bias" in sd, qk_norm="blocks.0.attn.q_norm.weight" in sd)
         if "blocks.0.ls1.gamma" in sd:
             cfg["init_values"] = 1e-5  # any value: gamma is loaded right after
     cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
@@ -312,7 +313,7 @@ def hf_vit_config(hf: nn.Module) -> dict:
     return dict(
         img_size=c.image_size, patch_size=c.patch_size, in_chans=c.num_channels, embed_dim=c.hidden_size,
         depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
-        mlp_ratio=c.intermediate_size / c.hidden_size, qkv_bias=c.qkv_bias, norm_eps=c.layer_norm_eps,
+        mlp_ratio=mlp_ratio_for(c.intermediate_size, c.hidden_size), qkv_bias=c.qkv_bias, norm_eps=c.layer_norm_eps,
         num_classes=head_weight.shape[0] if head_weight is not None else 0, act=act,
         pos_drop_rate=c.hidden_dropout_prob, proj_drop_rate=c.hidden_dropout_prob,
         attn_drop_rate=c.attention_probs_dropout_prob,
@@ -339,17 +340,42 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
         config = hf_vit_config(model_or_state_dict)
     else:
         sd = hf_to_timm_state_dict(model_or_state_dict)
+        _check_hf_vit_state_dict(sd)
         config = {**_timm_config_from_state_dict(sd, overrides), "norm_eps": 1e-12}
         _warn_assumed("from_hf", HF_STATE_DICT_ASSUMPTIONS, config, overrides,
                       " (hidden_act 'gelu_new': act='gelu_tanh'), or convert the transformers model object")
     return _build(config, sd, overrides)
 
 
+# Keys only the other transformers families' state dicts hold (CLIP / SigLIP embeddings, DINOv2's mask token and
+# LayerScale)
+_HF_FAMILY_MARKERS = {"embeddings.patch_embedding.": "CLIP or SigLIP", "embeddings.mask_token": "DINOv2",
+                      ".layer_scale1.": "DINOv2"}
+
+
+def _check_hf_vit_state_dict(sd: Mapping[str, torch.Tensor]) -> None:
+    """A state dict from_hf reads is a ViTModel / ViTForImageClassification's: another family's (whose config its
+    tensors do not record) or something else is refused by name."""
+    for marker, family in _HF_FAMILY_MARKERS.items():
+        if any(marker in k for k in sd):
+            raise CheckpointError(f"from_hf: a state dict is read as a transformers ViTModel / "
+                                  f"ViTForImageClassification's; this one is a {family} model's, whose config its "
+                                  f"tensors do not record: build the transformers model and pass it (from_hf(model))")
+    if "patch_embed.proj.weight" not in sd:
+        raise CheckpointError(f"from_hf: the state dict has no 'embeddings.patch_embeddings.projection.weight', so it "
+                              f"is not a transformers ViT's (its first keys: {sorted(sd)[:5]})")
+
+
 # ----------------------------------------------------------------------------------------- open_clip
 def from_open_clip(model, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights of an open_clip image tower: an open_clip VisionTransformer or a
     CLIP model holding one as ``.visual``. ``proj`` becomes a bias-free head (forward returns x @ proj as
-    open_clip's does); LayerScale, QuickGELU / GELU and the LayerNorm eps are read from the modules."""
+    open_clip's does); LayerScale, QuickGELU / GELU and the LayerNorm eps are read from the modules.
+    (``vit_fast.optimize`` of the tower returns the same model answering open_clip's tower methods too.)"""
+    return _from_open_clip(model, VisionTransformer, overrides)
+
+
+def _from_open_clip(model, model_class: type, overrides: dict) -> VisionTransformer:
     from .families import open_clip_config, open_clip_to_timm
 
     if isinstance(model, Mapping):
@@ -357,7 +383,7 @@ def from_open_clip(model, **overrides) -> VisionTransformer:
                          "record the tower's activation, pooling or attentional pool: build the model with open_clip "
                          "(open_clip.create_model(name, pretrained=path)) and pass it")
     visual = getattr(model, "visual", model)
-    return _build(open_clip_config(visual), open_clip_to_timm(visual.state_dict()), overrides)
+    return _build(open_clip_config(visual), open_clip_to_timm(visual.state_dict()), overrides, model_class)
 
 
 # --------------------------------------------------------------------------------------- torchvision
@@ -396,7 +422,7 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
         config = dict(
             img_size=tv.image_size, patch_size=tv.patch_size, in_chans=tv.conv_proj.in_channels,
             embed_dim=tv.hidden_dim, depth=len(tv.encoder.layers), num_heads=layer.self_attention.num_heads,
-            mlp_ratio=tv.mlp_dim / tv.hidden_dim, num_classes=tv.num_classes, norm_eps=layer.ln_1.eps,
+            mlp_ratio=mlp_ratio_for(tv.mlp_dim, tv.hidden_dim), num_classes=tv.num_classes, norm_eps=layer.ln_1.eps,
             pos_drop_rate=tv.encoder.dropout.p, proj_drop_rate=tv.dropout,
             attn_drop_rate=tv.attention_dropout,
         )

@@ -34,6 +34,8 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from ..presets import mlp_ratio_for
+
 FAMILY_DEFAULTS = dict(pre_norm=False, act="gelu", mlp_layer="mlp", head_bias=True, distilled=False)
 ACTS = ("gelu", "gelu_tanh", "quick_gelu")
 MLP_LAYERS = ("mlp", "swiglu_packed", "swiglu")
@@ -121,7 +123,7 @@ def timm_config(m: nn.Module) -> dict:
         mlp_layer = timm_mlp_layer(blk.mlp)
         fc1_width = blk.mlp.fc1_g.out_features if mlp_layer == "swiglu" else blk.mlp.fc1.out_features
         cfg.update(
-            num_heads=blk.attn.num_heads, mlp_ratio=fc1_width / m.embed_dim, mlp_layer=mlp_layer,
+            num_heads=blk.attn.num_heads, mlp_ratio=mlp_ratio_for(fc1_width, m.embed_dim), mlp_layer=mlp_layer,
             qkv_bias=blk.attn.qkv.bias is not None, qk_norm=not isinstance(blk.attn.q_norm, nn.Identity),
             init_values=_layer_scale_init(blk.ls1),
             proj_drop_rate=blk.attn.proj_drop.p, attn_drop_rate=blk.attn.attn_drop.p,
@@ -320,12 +322,13 @@ def hf_config(model: nn.Module) -> dict:
                 weight_init="skip")
     if cls in ("CLIPVisionModel", "CLIPVisionModelWithProjection"):
         with_proj = cls == "CLIPVisionModelWithProjection"
-        return dict(base, mlp_ratio=c.intermediate_size / c.hidden_size, act=_hf_act(c.hidden_act), pre_norm=True,
+        return dict(base, mlp_ratio=mlp_ratio_for(c.intermediate_size, c.hidden_size), act=_hf_act(c.hidden_act),
+                    pre_norm=True,
                     num_classes=model.config.projection_dim if with_proj else 0, head_bias=False)
     if cls in ("SiglipVisionModel", "SiglipForImageClassification"):
         classifier = cls == "SiglipForImageClassification"
         use_head = getattr(c, "vision_use_head", True) and not classifier
-        return dict(base, mlp_ratio=c.intermediate_size / c.hidden_size, act=_hf_act(c.hidden_act),
+        return dict(base, mlp_ratio=mlp_ratio_for(c.intermediate_size, c.hidden_size), act=_hf_act(c.hidden_act),
                     class_token=False, global_pool="map" if use_head else ("avg" if classifier else ""),
                     fc_norm=False, num_classes=model.config.num_labels if classifier else 0)
     if cls == "Dinov2Model":
@@ -336,9 +339,10 @@ def hf_config(model: nn.Module) -> dict:
                    qkv_bias=c.qkv_bias, pos_drop_rate=c.hidden_dropout_prob, drop_path_rate=c.drop_path_rate)
         if c.use_swiglu_ffn:
             hidden = (int(hidden * 2 / 3) + 7) // 8 * 8
-            cfg.update(mlp_layer="swiglu_packed", mlp_ratio=2 * hidden / c.hidden_size, act="gelu")  # SiLU gate
+            # swiglu_packed gates with SiLU whatever act says
+            cfg.update(mlp_layer="swiglu_packed", mlp_ratio=mlp_ratio_for(2 * hidden, c.hidden_size), act="gelu")
         else:
-            cfg["mlp_ratio"] = hidden / c.hidden_size
+            cfg["mlp_ratio"] = mlp_ratio_for(hidden, c.hidden_size)
         return cfg
     raise ValueError(f"expected a transformers CLIPVisionModel(WithProjection), SiglipVisionModel, "
                      f"SiglipForImageClassification or Dinov2Model, got {where}")
@@ -400,9 +404,12 @@ def open_clip_config(visual: nn.Module) -> dict:
     if type(blk).__name__ != "ResidualAttentionBlock" or not isinstance(blk.attn, nn.MultiheadAttention):
         problems.append(f"blocks of type {type(blk).__name__} (custom attention)")
     act = getattr(blk.mlp, "gelu", None)
-    act_name = type(act).__name__
-    if act_name not in ("QuickGELU", "GELU") or list(dict(blk.mlp.named_children())) != ["c_fc", "gelu", "c_proj"]:
-        problems.append(f"MLP {list(dict(blk.mlp.named_children()))} with activation {act_name}")
+    try:  # torch's GELU (exact or tanh), open_clip's or timm's QuickGELU, timm's GELU and GELUTanh
+        act_kind = timm_act(act)
+    except ValueError:
+        act_kind = None
+    if act_kind is None or list(dict(blk.mlp.named_children())) != ["c_fc", "gelu", "c_proj"]:
+        problems.append(f"MLP {list(dict(blk.mlp.named_children()))} with activation {type(act).__name__}")
     if problems:
         raise ValueError(f"open_clip VisionTransformer uses features vit_fast does not implement: {problems}")
     width = visual.conv1.out_channels
@@ -410,9 +417,9 @@ def open_clip_config(visual: nn.Module) -> dict:
     return dict(
         img_size=visual.image_size, patch_size=visual.patch_size, in_chans=visual.conv1.in_channels,
         embed_dim=width, depth=len(blocks), num_heads=blk.attn.num_heads,
-        mlp_ratio=blk.mlp.c_fc.out_features / width, norm_eps=blk.ln_1.eps,
-        act="quick_gelu" if act_name == "QuickGELU" else ("gelu_tanh" if act.approximate == "tanh" else "gelu"),
-        init_values=None if gamma is None else 1e-5, pre_norm=True,
+        mlp_ratio=mlp_ratio_for(blk.mlp.c_fc.out_features, width), norm_eps=blk.ln_1.eps,
+        act=act_kind, init_values=None if gamma is None else 1e-5, pre_norm=True,
+        final_norm=not isinstance(visual.ln_post, nn.Identity),  # prune_intermediate_layers(prune_norm=True)
         num_classes=0 if visual.proj is None else visual.proj.shape[1], head_bias=False, weight_init="skip",
         attn_drop_rate=blk.attn.dropout,
     )

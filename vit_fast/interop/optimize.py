@@ -7,6 +7,8 @@ Accepted sources and what comes back (same device, dtype, train/eval mode and re
   - timm VisionTransformer        -> vit_fast.VisionTransformer (timm's own module and parameter names;
                                      forward / forward_features / forward_head as timm's);
   - torchvision VisionTransformer -> vit_fast.VisionTransformer (forward(x) -> logits);
+  - open_clip VisionTransformer   -> vit_fast.VisionTransformer that also answers open_clip's tower methods
+                                     (interop/open_clip_tower.py), to put back in ``model.visual``;
   - transformers ViTModel / ViTForImageClassification, CLIPVisionModel(WithProjection), SiglipVisionModel,
     SiglipForImageClassification, Dinov2Model -> a copy of it that keeps transformers' class (a subclass
     of the same name), module tree, config and save_pretrained, with vit_fast's forward reading those
@@ -17,6 +19,8 @@ the result is never a silently different model.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -24,13 +28,14 @@ from ..backend import check_backend, kernels_can_run_on
 from ..model import VisionTransformer
 from .convert import (
     HF_FAMILY_CLASSES,
-    from_open_clip,
+    _from_open_clip,
     from_timm,
     from_torchvision,
     timm_unsupported,
     torchvision_to_timm_state_dict,
 )
 from .families import open_clip_to_timm
+from .open_clip_tower import PREPROCESS_ATTRIBUTES, OpenCLIPVisionTransformer
 
 
 def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = True,
@@ -74,8 +79,12 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
         if getattr(model, "distilled_training", False):
             fast.set_distilled_training(True)
         names = {k: k for k in dict(model.named_parameters())}
-    elif kind == "open_clip":
-        fast = from_open_clip(model)
+    elif kind == "open_clip":  # open_clip's tower methods too (lock, its forward_intermediates, image_size)
+        fast = _from_open_clip(model, OpenCLIPVisionTransformer, {})
+        fast.set_grad_checkpointing(bool(getattr(model.transformer, "grad_checkpointing", False)))
+        for name in PREPROCESS_ATTRIBUTES:
+            if hasattr(model, name):
+                setattr(fast, name, copy.deepcopy(getattr(model, name)))
         names = _family_names(model, open_clip_to_timm)
     elif kind == "torchvision":
         fast = from_torchvision(model)

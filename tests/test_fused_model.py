@@ -99,6 +99,52 @@ def test_class_token_pooling_runs_the_last_block_on_token_0_only(monkeypatch, co
     compare_grads(fused, full, FP32)
 
 
+class _Halve(torch.nn.Module):
+    def forward(self, x):
+        return 0.5 * x
+
+
+def test_dropout_modules_obey_their_own_mode_and_replacements_are_called():
+    """The fused joins drop by each dropout module's own mode, as torch does: put in eval by hand in a training
+    model they drop nothing (the fused path dropped anyway: random logits); left training in an eval model (MC
+    dropout) they drop (it never did). A module in a dropout's place is called (an Identity or another module: an
+    AttributeError on .p). Forward and gradients as the reference path's, the one-Function block included."""
+    fused, ref = make_pair(**dict(TINY, proj_drop_rate=0.3))
+    x = torch.randn(3, 3, 32, 32)
+    dropouts = [name for name, m in ref.named_modules() if type(m) is torch.nn.Dropout and m.p > 0]
+    assert any(".attn.proj_drop" in n for n in dropouts) and any(".mlp.drop2" in n for n in dropouts)
+    for model in (fused, ref):
+        model.train()
+        for name in dropouts:
+            model.get_submodule(name).eval()
+    for _ in range(2):  # the second call: the one-Function block
+        for model in (fused, ref):
+            model.zero_grad(set_to_none=True)
+            loss_of(model(x)).backward()
+        assert_close(fused(x), ref(x), 1e-5)
+        compare_grads(fused, ref, 1e-4)
+
+    for model in (fused, ref):  # MC dropout: an eval model with its dropout modules training
+        model.eval()
+        for name in dropouts:
+            model.get_submodule(name).train()
+    with torch.no_grad():
+        a, b = fused(x), fused(x)
+        mean = ref(x)
+    assert not torch.equal(a, b) and not torch.equal(a, mean)
+
+    for model in (fused, ref):
+        model.train()
+        for block in model.blocks:
+            block.attn.proj_drop, block.mlp.drop1, block.mlp.drop2 = _Halve(), torch.nn.Identity(), _Halve()
+    for _ in range(2):
+        for model in (fused, ref):
+            model.zero_grad(set_to_none=True)
+            loss_of(model(x)).backward()
+        assert_close(fused(x), ref(x), 1e-5)
+        compare_grads(fused, ref, 1e-4)
+
+
 def test_class_token_pooling_keeps_every_row_while_the_last_block_draws_dropout_masks(monkeypatch):
     """Proj/MLP dropout masks are drawn per row: in training with proj dropout the last block runs on every
     token, and forward() draws the same masks as forward_features + head (bitwise, same seed). Drop-path

@@ -14,7 +14,7 @@ from vit_fast.kernels._utils import compute_dtype_for
 from ..adapters import effective_bias, effective_weight, fusable_linear
 from ..backend import check_backend, resolve_backend
 from ..sdpa import packed_sdpa, split_packed
-from .common import bias_left_to_join, linear_without_bias
+from .common import bias_left_to_join, dropout_rate, linear_without_bias
 
 
 class Attention(nn.Module):
@@ -95,14 +95,14 @@ class Attention(nn.Module):
             out = out if keep_rows is None else out[:, :keep_rows]
         return linear_without_bias(self.proj, out)
 
-    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
-        """What the residual join applies to ``branch``'s output: the proj bias, then proj dropout's rate."""
-        return bias_left_to_join(self.proj), self.proj_drop.p
+    def join_terms(self) -> tuple[Optional[torch.Tensor], nn.Module]:
+        """What the residual join applies to ``branch``'s output: the proj bias, then proj dropout."""
+        return bias_left_to_join(self.proj), self.proj_drop
 
     def draws_row_dropout_masks(self) -> bool:
-        """A forward in this mode may draw per-token dropout masks after attention: proj dropout, or a
-        proj module called whole (vit_fast/adapters.py: e.g. LoRA with dropout)."""
-        return self.training and (self.proj_drop.p > 0 or not fusable_linear(self.proj))
+        """A forward in this mode may draw per-token dropout masks after attention: proj dropout (or a module in
+        its place), or a proj module called whole (vit_fast/adapters.py: e.g. LoRA with dropout)."""
+        return dropout_rate(self.proj_drop) != 0 or (self.training and not fusable_linear(self.proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)

@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..backend import check_backend, resolve_backend
 from . import fused_block
 from .attention import Attention
-from .common import has_hooks
+from .common import dropout_rate, has_hooks
 from .mlp import make_mlp
 from .norm import layer_norm, layer_norm_with_input, reads_norm, residual_join
 
@@ -139,8 +139,11 @@ class Block(nn.Module):
               norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """residual + drop_path(ls(dropout(branch + bias))), and norm of it: ``residual_join`` with the
         part's bias and dropout rate, LayerScale's gamma (None: Identity) and the drop-path scale."""
-        bias, dropout_p = part.join_terms()
+        bias, dropout = part.join_terms()
         gamma = ls.gamma if isinstance(ls, LayerScale) else None
         sample_scale = dp.sample_scale(branch) if isinstance(dp, DropPath) else None
-        return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, self.training, norm,
+        dropout_p = dropout_rate(dropout)
+        if dropout_p is None:  # a module in the dropout's place: called on the biased branch, the join drops nothing
+            branch, bias, dropout_p = dropout(branch if bias is None else branch + bias.to(branch.dtype)), None, 0.0
+        return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, dropout_p > 0, norm,
                              self.join_impl == "fused")

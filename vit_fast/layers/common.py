@@ -40,6 +40,15 @@ def has_hooks(module: nn.Module, inside: bool = False) -> bool:
     return False
 
 
+def dropout_rate(module: nn.Module) -> Optional[float]:
+    """The rate a dropout module of a part applies now, by its own mode as torch's: an ``nn.Dropout``'s p while it
+    trains (else 0: a module put in eval by hand, or one left training in an eval model for MC dropout, is obeyed),
+    0 for an Identity; None for another module, which the fused paths cannot read and call instead."""
+    if type(module) is nn.Dropout:
+        return module.p if module.training else 0.0
+    return 0.0 if type(module) is nn.Identity else None
+
+
 def linear_without_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The output GEMM of a part's branch: ``module``'s weight without its bias (the residual join adds
     it); a module the fused path cannot read (vit_fast/adapters.py) is called whole, bias included."""

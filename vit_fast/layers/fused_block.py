@@ -35,6 +35,7 @@ from ..kernels.bias_gelu import bias_dropout_add_bwd, bias_dropout_add_fwd, join
 from ..kernels.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, ln_param_grads
 from ..kernels.linear_act import linear_act_bwd, linear_act_fwd
 from .attention import Attention
+from .common import dropout_rate
 from .mlp import Mlp
 from .norm import LayerNorm
 
@@ -146,16 +147,17 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
             or mlp.backend != block.backend):
         return None
     training = block.training
-    if (training and mlp.drop1.p > 0) or not _stock_parts(parts) or any(
-            m.training != training for m in (attn, mlp, parts.drop_path1, parts.drop_path2)):
+    proj_p, mlp_p = dropout_rate(attn.proj_drop), dropout_rate(mlp.drop2)
+    if (dropout_rate(mlp.drop1) != 0 or proj_p is None or mlp_p is None or not _stock_parts(parts) or any(
+            m.training != training for m in (attn, mlp, parts.drop_path1, parts.drop_path2))):
         return None
     dtype = compute_dtype_for(hidden)
     if hidden.dtype != dtype:  # the qkv GEMM's input as the fused chain hands it over (autocast would cast it)
         return None
     return BlockPlan(num_heads=attn.num_heads, scale=attn.scale,
                      attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop.p,
-                     proj_p=attn.proj_drop.p, norm2_eps=parts.norm2.eps, activation=mlp.act_name,
-                     mlp_p=mlp.drop2.p, next_eps=None if next_norm is None else next_norm.eps, compute_dtype=dtype,
+                     proj_p=proj_p, norm2_eps=parts.norm2.eps, activation=mlp.act_name,
+                     mlp_p=mlp_p, next_eps=None if next_norm is None else next_norm.eps, compute_dtype=dtype,
                      autocast=torch.is_autocast_enabled(hidden.device.type), training=training)
 
 
@@ -275,18 +277,19 @@ def run_block(plan: BlockPlan, parts: _Parts, params: tuple, hidden: torch.Tenso
     device = hidden.device
     _, attn_seed = _dropout_and_seed(plan.attn_p, plan.training, device)
     scale1 = _sample_scale(parts.drop_path1, hidden)
-    join1_p, join1_seed = _join_dropout(plan.proj_p, plan.training, device)
+    join1_p, join1_seed = _join_dropout(plan.proj_p, device)
     scale2 = _sample_scale(parts.drop_path2, hidden)
-    join2_p, join2_seed = _join_dropout(plan.mlp_p, plan.training, device)
+    join2_p, join2_seed = _join_dropout(plan.mlp_p, device)
     qkv_w, qkv_b, proj_w, *rest = params  # the qkv and proj GEMMs read their parameters as they are
     return FusedBlockFunction.apply(plan, torch.is_grad_enabled(), hidden, residual, qkv_w, qkv_b, proj_w,
                                     *map(unit_stride, rest), scale1, scale2, attn_seed, join1_seed, join2_seed,
                                     join1_p, join2_p)
 
 
-def _join_dropout(p: float, training: bool, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
-    """``prepare_join``'s dropout choice (its checks ran on the per-part path)."""
-    p = float(p) if training else 0.0
+def _join_dropout(p: float, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
+    """``prepare_join``'s dropout choice for the rate the dropout module applies now (its checks ran on the per-part
+    path)."""
+    p = float(p)
     return p, (next_seed(device) if p > 0 else None)
 
 

@@ -16,7 +16,7 @@ from ..kernels._utils import compute_dtype_for
 from ..kernels.bias_gelu import bias_gelu
 from ..kernels.linear_act import linear_act
 from ..kernels.swiglu import swiglu, swiglu_packed
-from .common import bias_left_to_join, has_hooks, linear_without_bias
+from .common import bias_left_to_join, dropout_rate, has_hooks, linear_without_bias
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -43,16 +43,16 @@ class MlpJoin(nn.Module):
 
     impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'bias_gelu' | 'eager'
 
-    def join_terms(self) -> tuple[Optional[torch.Tensor], float]:
-        """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2's rate."""
-        return bias_left_to_join(self.fc2), self.drop2.p
+    def join_terms(self) -> tuple[Optional[torch.Tensor], nn.Module]:
+        """What the residual join applies to ``branch``'s output: the fc2 bias, then drop2."""
+        return bias_left_to_join(self.fc2), self.drop2
 
     def draws_row_dropout_masks(self) -> bool:
         """A forward in this mode may draw per-token dropout masks: drop1, drop2, or a projection called
         whole (vit_fast/adapters.py: e.g. LoRA with dropout)."""
         projections = [m for m in (getattr(self, n, None) for n in ("fc1", "fc1_g", "fc1_x", "fc2")) if m is not None]
-        return self.training and (self.drop1.p > 0 or self.drop2.p > 0
-                                  or not all(fusable_linear(m) for m in projections))
+        return (dropout_rate(self.drop1) != 0 or dropout_rate(self.drop2) != 0
+                or (self.training and not all(fusable_linear(m) for m in projections)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.hidden(x)))
@@ -84,7 +84,7 @@ class Mlp(MlpJoin):
                 or has_hooks(self.act) or isinstance(self.act, QuickGELU) or not fusable_linear(self.fc1)):
             return self.norm(self.drop1(self.act(self.fc1(x))))
         x = bias_gelu(F.linear(x, effective_weight(self.fc1)), effective_bias(self.fc1), self.act.approximate)
-        if self.drop1.p > 0 and self.training:
+        if dropout_rate(self.drop1) != 0:
             x = self.drop1(x)
         return self.norm(x)
 
@@ -94,7 +94,7 @@ class Mlp(MlpJoin):
         dgrad GEMM). With drop1 active or an MLP norm the hidden activation goes through ``hidden`` then
         the fc2 GEMM."""
         if (self.impl == "fused" and resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
-                and not (self.drop1.p > 0 and self.training) and fusable_linear(self.fc1)
+                and dropout_rate(self.drop1) == 0 and fusable_linear(self.fc1)
                 and fusable_linear(self.fc2)):
             return linear_act(x.to(compute_dtype_for(x)), effective_weight(self.fc1), effective_bias(self.fc1),
                               effective_weight(self.fc2), self.act_name)

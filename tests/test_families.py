@@ -106,6 +106,30 @@ def _hf_models():
     }
 
 
+@pytest.mark.parametrize("name", ["clip", "clip_projection", "siglip", "siglip_classifier", "dinov2", "vit"])
+def test_hf_outputs_under_autocast_have_transformers_dtypes(name):
+    """Under autocast every output tensor has transformers' dtype: a LayerNorm's output (last_hidden_state, CLIP's
+    and DINOv2's pooler_output) is fp32, where the fused final join wrote bf16 (a loss against fp32 targets outside
+    autocast failed on it); the values within bf16 of transformers'."""
+    import vit_fast
+
+    transformers = pytest.importorskip("transformers")
+    build = _hf_models().get(name) or (lambda: transformers.ViTModel(transformers.ViTConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+        patch_size=8)))
+    torch.manual_seed(0)
+    source = _perturbed(build()).eval()
+    ours = vit_fast.optimize(copy.deepcopy(source), backend="triton")
+    x = _images({"img_size": 32})
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = source(pixel_values=x), ours(pixel_values=x)
+    fields = [k for k, v in expected.items() if isinstance(v, torch.Tensor)]
+    assert fields and fields == [k for k, v in got.items() if isinstance(v, torch.Tensor)]
+    for field in fields:
+        assert got[field].dtype == expected[field].dtype, field
+        assert_close(got[field].float(), expected[field].float(), 3e-2, field)
+
+
 def _hf_output(model, x):
     out = model(pixel_values=x)
     for field in ("image_embeds", "logits", "pooler_output"):

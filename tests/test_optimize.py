@@ -215,6 +215,23 @@ def test_residual_in_fp32_false_keeps_the_stream_in_the_autocast_dtype():
     assert vit_fast.optimize(model, residual_in_fp32=True).residual_in_fp32 is True
 
 
+@pytest.mark.parametrize("pool", [dict(), dict(global_pool="avg", fc_norm=False), dict(global_pool="avg"),
+                                  dict(global_pool="map", class_token=False)])
+def test_features_under_autocast_have_timms_dtype(pool):
+    """A feature extractor (num_classes=0) and forward_head(pre_logits=True) under autocast return what timm does:
+    fp32 features from its final LayerNorm (the fused final join wrote them in bf16, and a loss against fp32
+    targets outside autocast then failed on the dtype), the attention-pool head's own dtype; logits in bf16."""
+    for num_classes in (0, 5):
+        ref = timm_vit(num_classes=num_classes, **pool)
+        model = vit_fast.optimize(ref, backend="triton")
+        x = images()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for run in (lambda m: m(x), lambda m: m.forward_head(m.forward_features(x), pre_logits=True)):
+                ours, theirs = run(model), run(ref)
+                assert ours.dtype == theirs.dtype, (num_classes, pool)
+                assert_close(ours.float(), theirs.float(), bound(torch.bfloat16, "dot"), name=f"{pool}")
+
+
 def test_vit_fast_model_is_switched_in_place():
     model = vit_fast.create_model("vit_tiny_patch16_224", depth=1, img_size=32)
     assert vit_fast.optimize(model, backend="torch") is model and model.config.backend == "torch"

@@ -449,13 +449,24 @@ class VisionTransformer(nn.Module):
         if self.dist_token is not None:  # timm's VisionTransformerDistilled
             x, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
             if pre_logits:
-                return (x + x_dist) / 2
+                return self.in_layer_norm_dtype((x + x_dist) / 2)
             x, x_dist = self.head(x), self.head_dist(x_dist)
             if self.distilled_training and self.training:
                 return x, x_dist
             return (x + x_dist) / 2
         x = self.head_drop(self.fc_norm(self.pool(x)))
-        return x if pre_logits else self.head(x)
+        if pre_logits or isinstance(self.head, nn.Identity):  # features returned: in timm's dtype
+            return x if self.global_pool == "map" else self.in_layer_norm_dtype(x)
+        return self.head(x)
+
+    def in_layer_norm_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens or features of the final norm in the dtype a torch LayerNorm gives them (timm's, transformers'):
+        fp32 under autocast (autocast runs layer_norm in fp32), where the fused final join wrote the autocast dtype.
+        For what a model returns; its own head reads them as they are."""
+        normed = not (isinstance(self.norm, nn.Identity) and isinstance(self.fc_norm, nn.Identity))
+        if normed and x.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(x.device.type):
+            return x.float()
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)

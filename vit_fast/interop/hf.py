@@ -222,6 +222,7 @@ class HFViT(HFLinked):
             loss = self.loss_function(labels, logits, self.config, **loss_kwargs) if labels is not None else None
             out = ImageClassifierOutput(loss=loss, logits=logits, hidden_states=hidden_states, attentions=attentions)
         else:
+            sequence = model.in_layer_norm_dtype(sequence)  # the final layernorm's output, as transformers'
             pooler = getattr(self, "pooler", None)
             pooled = pooler(sequence) if pooler is not None else None
             out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled,

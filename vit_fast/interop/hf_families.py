@@ -72,7 +72,8 @@ class HFVisionFamily(HFLinked):
 
                 out = CLIPVisionModelOutput(image_embeds=m.head(pooled), last_hidden_state=sequence)
             else:
-                out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled)
+                out = BaseModelOutputWithPooling(last_hidden_state=sequence,
+                                                 pooler_output=m.in_layer_norm_dtype(pooled))
         elif classifier:
             # global_pool='avg' over the post-layernorm tokens, then the classifier
             logits = m.forward_head(m.forward_features(pixel_values, pos_embed))
@@ -80,8 +81,9 @@ class HFVisionFamily(HFLinked):
             out = ImageClassifierOutput(loss=loss, logits=logits)
         else:
             sequence = m.forward_features(pixel_values, pos_embed)
-            pooled = m.attn_pool(sequence) if m.attn_pool is not None else (
-                sequence[:, 0] if source_class == "Dinov2Model" else None)
+            pooled = m.attn_pool(sequence) if m.attn_pool is not None else None
+            sequence = m.in_layer_norm_dtype(sequence)  # post_layernorm's / layernorm's output, as transformers'
+            pooled = sequence[:, 0] if source_class == "Dinov2Model" else pooled
             out = BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled)
         use_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         return out if use_dict else out.to_tuple()

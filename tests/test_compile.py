@@ -116,14 +116,18 @@ def test_models_of_other_widths_compile_in_one_process_as_eager():
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the Triton interpreter's case: kernels on CPU tensors")
-def test_compiling_before_any_eager_call_runs_under_the_interpreter():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiling_before_any_eager_call_runs_under_the_interpreter(checkpointing):
     """A fresh process whose first call is the compiled model: dynamo traces the device check before any kernel ran,
     which must not try to patch the interpreter (triton 3.6's fix for numpy >= 2.4) while tracing (torch 2.11
-    failed on the patch's setattr); the op's call at run time patches it."""
+    failed on the patch's setattr); the op's call at run time patches it. With grad checkpointing, nothing the
+    checkpointed blocks run writes a module global on its first call (dynamo refused the region under fullgraph:
+    'Non-nullified side effect')."""
     code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
             "import torch, vit_fast\n"
-            "m = vit_fast.create_model('vit_tiny_patch16_224', img_size=32, depth=1, num_classes=10, "
+            "m = vit_fast.create_model('vit_tiny_patch16_224', img_size=32, depth=2, num_classes=10, "
             "backend='triton')\n"
+            f"m.set_grad_checkpointing({checkpointing})\n"
             "out = torch.compile(m, backend='eager', fullgraph=True)(torch.randn(2, 3, 32, 32))\n"
             "out.sum().backward()\n"
             "print(tuple(out.shape), all(p.grad is not None for p in m.parameters() if p.requires_grad))")

@@ -147,3 +147,6 @@ class Block(nn.Module):
             branch, bias, dropout_p = dropout(branch if bias is None else branch + bias.to(branch.dtype)), None, 0.0
         return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, dropout_p > 0, norm,
                              self.join_impl == "fused")
+
+
+fused_block.register_block_types(LayerScale, DropPath, Block)

@@ -117,13 +117,15 @@ _MLP_METHODS = ("branch", "join_terms")
 _types: tuple = ()
 
 
-def _block_types() -> tuple:
-    """(LayerScale, DropPath, Block), from block.py (which imports this module)."""
+def register_block_types(layer_scale: type, drop_path: type, block: type) -> None:
+    """block.py's classes (it imports this module), handed over once it defines them: filled at import, never
+    while a region is traced (dynamo refuses a global written inside a checkpointed region)."""
     global _types
-    if not _types:
-        from .block import Block, DropPath, LayerScale
+    _types = (layer_scale, drop_path, block)
 
-        _types = (LayerScale, DropPath, Block)
+
+def _block_types() -> tuple:
+    """(LayerScale, DropPath, Block)."""
     return _types
 
 

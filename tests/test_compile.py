@@ -122,14 +122,21 @@ def test_compiling_before_any_eager_call_runs_under_the_interpreter(checkpointin
     which must not try to patch the interpreter (triton 3.6's fix for numpy >= 2.4) while tracing (torch 2.11
     failed on the patch's setattr); the op's call at run time patches it. With grad checkpointing, nothing the
     checkpointed blocks run writes a module global on its first call (dynamo refused the region under fullgraph:
-    'Non-nullified side effect')."""
+    'Non-nullified side effect'). An eager step afterwards changes nothing the compiled code's guards read: the next
+    compiled call does not recompile (it did, on the interpreter patch's flag and on the route set by the first
+    eager call)."""
     code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
             "import torch, vit_fast\n"
             "m = vit_fast.create_model('vit_tiny_patch16_224', img_size=32, depth=2, num_classes=10, "
             "backend='triton')\n"
             f"m.set_grad_checkpointing({checkpointing})\n"
-            "out = torch.compile(m, backend='eager', fullgraph=True)(torch.randn(2, 3, 32, 32))\n"
+            "x = torch.randn(2, 3, 32, 32)\n"
+            "compiled = torch.compile(m, backend='eager', fullgraph=True)\n"
+            "out = compiled(x)\n"
             "out.sum().backward()\n"
+            "m(x).sum().backward()\n"
+            "with torch._dynamo.config.patch(error_on_recompile=True):\n"
+            "    compiled(x).sum().backward()\n"
             "print(tuple(out.shape), all(p.grad is not None for p in m.parameters() if p.requires_grad))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

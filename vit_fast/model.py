@@ -63,6 +63,11 @@ class VisionTransformer(nn.Module):
         else:
             self._build(cfg)
             self.init_weights()
+        # the route of the device it is built on, as _apply settles it on a move: a model compiled before any eager
+        # call keeps the route an eager call would find (no guard failing on the route's attributes later)
+        weight = next(self.parameters(), None)
+        if weight is not None:
+            self._settle_route(weight.device)
 
     def _build(self, cfg: ViTConfig) -> None:
         self.config = cfg

@@ -50,8 +50,9 @@ def _interpret_on(value: str) -> bool:
 
 def _env_meaning(name: str, parse, default: str) -> bool:
     """``parse(os.environ.get(name, default))``, kept per (name, raw value, parse, default): read on every
-    launch."""
-    if _ENVIRON_DATA is None:
+    launch. A traced call reads the variable itself: dynamo would guard on the cache, which eager calls grow (a
+    compiled model recompiled after an eager step)."""
+    if _ENVIRON_DATA is None or torch.compiler.is_compiling():
         return parse(os.environ.get(name, default))
     key = _ENV_KEYS.get(name)
     if key is None:
@@ -201,7 +202,7 @@ def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> torch.device:
         return device
     if device.type == "cpu" and interpreter_active():
         # not while dynamo traces (it cannot trace the patching); the op's call at run time installs it
-        if not _interpreter_fixed and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not _interpreter_fixed:
             _fix_interpreter()
         return device
     raise RuntimeError(

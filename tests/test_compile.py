@@ -143,6 +143,27 @@ def test_compiling_before_any_eager_call_runs_under_the_interpreter(checkpointin
     assert done.stdout.strip().splitlines()[-1] == "(2, 10) True"
 
 
+def test_compiled_intermediates_only_leaves_the_final_norm_without_gradient():
+    """forward_intermediates(intermediates_only=True) computes no final norm: its parameters get no gradient under
+    torch.compile as in eager (the fused final join computed it unused, and compiled autograd gave its parameters
+    zero gradients, which weight decay then moved)."""
+    torch.manual_seed(0)
+    model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=10,
+                                  backend="triton").to(DEVICE).train()
+    x = torch.randn(2, 3, 32, 32, device=DEVICE)
+    grads = {}
+    for name, run in [("eager", model.forward_intermediates),
+                      ("compiled", torch.compile(model.forward_intermediates, backend="aot_eager", fullgraph=True))]:
+        model.zero_grad(set_to_none=True)
+        sum(t.square().sum() for t in run(x, indices=1, intermediates_only=True)).backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+        assert grads[name]["norm.weight"] is None and grads[name]["norm.bias"] is None, name
+    for n, g in grads["eager"].items():
+        assert (g is None) == (grads["compiled"][n] is None), n
+        if g is not None:
+            torch.testing.assert_close(grads["compiled"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")  # torch.export.load's own (2.11)
 def test_torch_export_of_an_inference_model_with_a_dynamic_batch(tmp_path):
     """torch.export of the fused model (eval): the custom ops' fake kernels trace it with a symbolic batch, the

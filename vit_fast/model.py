@@ -352,19 +352,23 @@ class VisionTransformer(nn.Module):
                 and not self.blocks[-1].draws_row_dropout_masks())
 
     def _forward_blocks(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
-                        outputs: Optional[list] = None, chained: Optional[bool] = None) -> torch.Tensor:
+                        outputs: Optional[list] = None, chained: Optional[bool] = None,
+                        final_norm: bool = True) -> torch.Tensor:
         """The block loop (the only one) and the final norm. Fused chain (``_fuses_across_blocks``): the
         blocks pass (hidden, residual) pairs, every join fused with the next LayerNorm (the last block's
         with the final norm); otherwise each block runs through ``__call__`` (hooks fire) on the stream.
         ``last_keep_rows``: the last block computes only the first tokens' output (``Block.forward_pair``,
         fused chain only). ``depth``: the first blocks only (the final norm follows the last of them);
-        ``outputs``: a list that receives every block's output tokens (the residual stream after it).
+        ``outputs``: a list that receives every block's output tokens (the residual stream after it);
+        ``final_norm=False``: the last block's stream without the final norm (nothing computed that is not used,
+        so the norm's parameters get no gradient, also under torch.compile, which would give them zeros).
         With grad checkpointing each block is recomputed in the backward: torch.utils.checkpoint restores
         the CPU RNG state first, and the kernels draw their dropout seeds from it (next_seed), so the
         recomputed masks are the same."""
         blocks = list(self.blocks)[:depth]
         chained = self._fuses_across_blocks(x) if chained is None else chained  # decided by forward() once
-        final_norm = self.norm if chained and reads_norm(self.norm) else None
+        normed = final_norm
+        final_norm = self.norm if normed and chained and reads_norm(self.norm) else None
         hidden, residual = layer_norm_with_input(blocks[0].norm1, x) if chained else (None, x)
         for i, blk in enumerate(blocks):
             last = i + 1 == len(blocks)
@@ -379,6 +383,8 @@ class VisionTransformer(nn.Module):
                 hidden, residual = step(hidden, residual)
             if outputs is not None:
                 outputs.append(residual)
+        if not normed:
+            return residual
         return hidden if final_norm is not None else self.norm(residual)
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
@@ -401,7 +407,7 @@ class VisionTransformer(nn.Module):
         B = x.shape[0]
         grid = self.patch_embed.check_input(x)
         outputs: list[torch.Tensor] = []
-        final = self._forward_blocks(self.embed(x), depth=depth, outputs=outputs)
+        final = self._forward_blocks(self.embed(x), depth=depth, outputs=outputs, final_norm=not intermediates_only)
         intermediates = [self.norm(y) if norm else y for i, y in enumerate(outputs) if i in take]
         prefix = [y[:, :self.num_prefix_tokens] for y in intermediates] if self.num_prefix_tokens else None
         intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]

@@ -74,6 +74,27 @@ def test_triton_on_cpu_without_interpreter_is_an_error_not_a_fallback(monkeypatc
     assert not log.kernels() and "convolution" in log.compute_aten()
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_torch_func_transforms_run_the_reference_on_auto_and_refuse_triton():
+    """torch.func.vmap / grad over a model: 'auto' runs the reference path inside the transform (the kernels'
+    autograd Functions have no functorch rules: torch's internal setup_context error before), with the numbers of
+    a plain per-sample loop; 'triton' refuses by name."""
+    torch.manual_seed(0)
+    model = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=5, backend="auto").eval()
+    xs = torch.randn(2, 2, 3, 32, 32)
+    with torch.no_grad():
+        expected = torch.stack([model(x) for x in xs])
+    assert_close(torch.func.vmap(model)(xs), expected, 1e-5)
+    params = dict(model.named_parameters())
+    grads = torch.func.grad(lambda p: torch.func.functional_call(model, p, (xs[0],)).square().sum())(params)
+    model(xs[0]).square().sum().backward()
+    for name, p in params.items():
+        assert_close(grads[name], p.grad, 1e-4, name=name)
+    model.set_backend("triton")
+    with pytest.raises(ValueError, match="backend='triton' under a torch.func transform"):
+        torch.func.vmap(model)(xs)
+
+
 def test_backend_is_set_everywhere():
     assert vit_fast.ViTConfig().backend == "auto"  # kernels wherever they can run (CUDA, or the interpreter)
     assert all(inspect.signature(cls).parameters["backend"].default == "auto" for cls in (Block, LayerNorm))

@@ -145,6 +145,51 @@ def test_dropout_modules_obey_their_own_mode_and_replacements_are_called():
         compare_grads(fused, ref, 1e-4)
 
 
+class _ClampedLayerScale(vit_fast.layers.block.LayerScale):
+    def forward(self, x):
+        return x * self.gamma.clamp(max=0.05)
+
+
+@pytest.mark.parametrize("replace", ["relu_act", "silu_act", "swiglu_gelu_act", "rms_qk_norm", "scaled_q",
+                                     "timm_layer_scale", "layer_scale_subclass", "timm_drop_path"])
+def test_modules_put_in_place_of_the_activation_or_qk_norm_are_applied(replace):
+    """An MLP activation, a q/k norm, a LayerScale or a drop-path replaced by hand (another activation, RMSNorm,
+    timm's LayerScale / DropPath, a subclass with its own forward, any module) runs on the fused path as on the
+    reference path: the kernels applied the activation named at construction, skipped any q/k norm that was not a
+    LayerNorm and read only vit_fast's own LayerScale / DropPath, silently. Forward and gradients, the one-Function
+    block's second call too."""
+    import timm.layers
+
+    config = dict(TINY, mlp_layer="swiglu") if replace == "swiglu_gelu_act" else TINY
+    fused, ref = make_pair(**config)
+    for model in (fused, ref):
+        for block in model.blocks:
+            if replace == "relu_act":
+                block.mlp.act = torch.nn.ReLU()
+            elif replace == "silu_act":
+                block.mlp.act = torch.nn.SiLU()
+            elif replace == "swiglu_gelu_act":
+                block.mlp.act = torch.nn.GELU()
+            elif replace == "rms_qk_norm":
+                block.attn.q_norm = torch.nn.RMSNorm(block.attn.head_dim, eps=1e-6)
+                block.attn.k_norm = torch.nn.RMSNorm(block.attn.head_dim, eps=1e-6)
+            elif replace == "scaled_q":
+                block.attn.q_norm = _Halve()
+            elif replace == "timm_layer_scale":
+                block.ls1 = timm.layers.LayerScale(64, 0.1)
+            elif replace == "layer_scale_subclass":
+                block.ls2 = _ClampedLayerScale(64, 1.0)
+            else:
+                block.drop_path1 = timm.layers.DropPath(1.0)  # every sample dropped: the same draw on both paths
+    x = torch.randn(3, 3, 32, 32)
+    for _ in range(2):
+        for model in (fused, ref):
+            model.zero_grad(set_to_none=True)
+            loss_of(model(x)).backward()
+        assert_close(fused(x), ref(x), 1e-5)
+        compare_grads(fused, ref, 1e-4)
+
+
 def test_class_token_pooling_keeps_every_row_while_the_last_block_draws_dropout_masks(monkeypatch):
     """Proj/MLP dropout masks are drawn per row: in training with proj dropout the last block runs on every
     token, and forward() draws the same masks as forward_features + head (bitwise, same seed). Drop-path

@@ -31,10 +31,18 @@ def kernels_can_run_on(device: torch.device) -> bool:
 
 
 def resolve_backend(requested: str, tensor: torch.Tensor) -> str:
-    """'triton' or 'torch' for a module asked to run ``requested`` on ``tensor``'s device."""
+    """'triton' or 'torch' for a module asked to run ``requested`` on ``tensor``'s device. Under a torch.func
+    transform (vmap, grad, jacrev, ...) 'auto' is the reference: the kernels' autograd Functions have no vmap or
+    functorch rules."""
     check_backend(requested)
     if requested == "torch":
         return "torch"
+    if not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
+        if requested == "auto":
+            return "torch"
+        raise ValueError("backend='triton' under a torch.func transform (vmap, grad, jacrev, ...): the fused "
+                         "kernels' autograd Functions have no functorch rules; use backend='auto' (the reference "
+                         "PyTorch path under transforms) or 'torch'")
     if kernels_can_run_on(tensor.device):
         return "triton"
     if requested == "auto":

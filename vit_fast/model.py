@@ -364,7 +364,8 @@ class VisionTransformer(nn.Module):
         so the norm's parameters get no gradient, also under torch.compile, which would give them zeros).
         With grad checkpointing each block is recomputed in the backward: torch.utils.checkpoint restores
         the CPU RNG state first, and the kernels draw their dropout seeds from it (next_seed), so the
-        recomputed masks are the same."""
+        recomputed masks are the same; whether a block runs as one Function is decided before its checkpoint and
+        held for the recomputation (it saves what its forward saved)."""
         blocks = list(self.blocks)[:depth]
         chained = self._fuses_across_blocks(x) if chained is None else chained  # decided by forward() once
         normed = final_norm
@@ -378,6 +379,9 @@ class VisionTransformer(nn.Module):
             else:
                 step = functools.partial(_module_step, blk)
             if self.grad_checkpointing and torch.is_grad_enabled():
+                if chained:  # the block's path decided once: its recomputation in the backward takes the same
+                    step = functools.partial(step, one_function=blk.runs_as_one_function(
+                        hidden, residual, step.keywords["next_norm"], step.keywords["keep_rows"]))
                 hidden, residual = torch.utils.checkpoint.checkpoint(step, hidden, residual, use_reentrant=False)
             else:
                 hidden, residual = step(hidden, residual)

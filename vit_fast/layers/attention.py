@@ -44,9 +44,14 @@ class Attention(nn.Module):
         q, k, v = split_packed(qkv, self.num_heads)
         return self.q_norm(q), self.k_norm(k), v
 
+    def has_qk_norm(self) -> bool:
+        """A q or k norm (qk_norm's LayerNorm, or any module put in their place) that the reference ops apply: the
+        kernels read the raw packed qkv."""
+        return type(self.q_norm) is not nn.Identity or type(self.k_norm) is not nn.Identity
+
     def fused(self, x: torch.Tensor) -> bool:
-        """The attention kernel runs (it has no per-head LayerNorm: with qk_norm the reference ops do)."""
-        return (self.impl in ("fused", "short") and not isinstance(self.q_norm, nn.LayerNorm)
+        """The attention kernel runs (it has no per-head norm: with a q/k norm the reference ops do)."""
+        return (self.impl in ("fused", "short") and not self.has_qk_norm()
                 and resolve_backend(self.backend, x) == "triton")
 
     def kernel_family(self, tokens: int, dtype: torch.dtype) -> str:
@@ -58,8 +63,7 @@ class Attention(nn.Module):
 
     def packed_sdpa(self, x: torch.Tensor) -> bool:
         """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""
-        return (self.impl == "sdpa" and not isinstance(self.q_norm, nn.LayerNorm)
-                and resolve_backend(self.backend, x) == "triton")
+        return self.impl == "sdpa" and not self.has_qk_norm() and resolve_backend(self.backend, x) == "triton"
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D). Fused path: the

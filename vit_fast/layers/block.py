@@ -108,7 +108,8 @@ class Block(nn.Module):
         return self.attn.draws_row_dropout_masks() or self.mlp.draws_row_dropout_masks()
 
     def forward_pair(self, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Optional[nn.LayerNorm],
-                     keep_rows: Optional[int] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                     keep_rows: Optional[int] = None,
+                     one_function: Optional[bool] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """The fused dataflow: (hidden = norm1(x), residual = x) -> (next_norm(x'), x'), x' this block's output.
 
             attention branch (no proj bias) -> join: + proj bias, proj dropout, ls1, drop-path, add, norm2
@@ -116,35 +117,50 @@ class Block(nn.Module):
         Each join is one kernel (``add_layer_norm``; ``bias_dropout_add`` when next_norm is None, and the
         first output is then None). ``keep_rows``: x' of the first tokens only (the last block under
         class-token pooling): every token still enters attention as a key and value; the proj GEMM, both
-        joins and the MLP run on the kept rows. Exact: the dropped rows would only get zero gradients."""
+        joins and the MLP run on the kept rows. Exact: the dropped rows would only get zero gradients.
+        ``one_function``: whether the block runs as one Function (``fused_block``), as decided by a caller that
+        checkpoints it (``runs_as_one_function`` before the checkpoint: its recomputation takes the same path);
+        None decides here, and under saved-tensor hooks (a checkpoint this block did not decide: its forward or
+        recomputation; save_on_cpu) it runs per part, which a recomputation repeats whatever ran in between."""
         if resolve_backend(self.backend, residual) == "torch":
             x = self(residual)[:, :keep_rows]
             return (next_norm(x) if next_norm is not None else None), x
         plan, parts, params, signature = fused_block.plan_for(self, hidden, residual, next_norm, keep_rows)
-        if plan is not None and fused_block.ready(signature):
+        if one_function is None:
+            one_function = plan is not None and not fused_block.saved_tensor_hooks_on() and fused_block.ready(signature)
+        if one_function and plan is not None:
             return fused_block.run_block(plan, parts, params, hidden, residual)
-        recomputing = plan is not None and all(fused_block.saved_tensor_hooks_on())
-        if recomputing:  # checkpoint's recomputation of a forward that ran this signature per part: checked
-            fused_block.mark_checked(signature, recomputing=True)
         branch = self.attn.branch(hidden, keep_rows)
         residual = residual if keep_rows is None else residual[:, :keep_rows]
         hidden, residual = self._join(branch, residual, self.attn, self.ls1, self.drop_path1, self.norm2)
         branch = self.mlp.branch(hidden)
         out = self._join(branch, residual, self.mlp, self.ls2, self.drop_path2, next_norm)
-        if plan is not None and not recomputing:  # the parts' functionals checked this signature
+        if plan is not None:  # the parts' functionals checked this signature
             fused_block.mark_checked(signature)
         return out
+
+    def runs_as_one_function(self, hidden: Optional[torch.Tensor], residual: torch.Tensor,
+                             next_norm: Optional[nn.LayerNorm], keep_rows: Optional[int] = None) -> bool:
+        """Whether ``forward_pair`` on these inputs would run the block as one Function now: what a caller that
+        checkpoints it hands to the forward and so to its recomputation."""
+        if hidden is None or resolve_backend(self.backend, residual) == "torch":
+            return False
+        plan, _, _, signature = fused_block.plan_for(self, hidden, residual, next_norm, keep_rows)
+        return plan is not None and fused_block.ready(signature)
 
     def _join(self, branch: torch.Tensor, residual: torch.Tensor, part: nn.Module, ls: nn.Module, dp: nn.Module,
               norm: Optional[nn.LayerNorm]) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """residual + drop_path(ls(dropout(branch + bias))), and norm of it: ``residual_join`` with the
         part's bias and dropout rate, LayerScale's gamma (None: Identity) and the drop-path scale."""
         bias, dropout = part.join_terms()
+        dropout_p = dropout_rate(dropout)
+        if dropout_p is None or not fused_block.joins_read(ls, LayerScale) or not fused_block.joins_read(dp, DropPath):
+            # a module in the place of the dropout, LayerScale or drop-path (timm's, a subclass, anything): the
+            # modules are called on the biased branch and the join only adds
+            branch = dp(ls(dropout(branch if bias is None else branch + bias.to(branch.dtype))))
+            return residual_join(branch, residual, None, None, None, 0.0, False, norm, self.join_impl == "fused")
         gamma = ls.gamma if isinstance(ls, LayerScale) else None
         sample_scale = dp.sample_scale(branch) if isinstance(dp, DropPath) else None
-        dropout_p = dropout_rate(dropout)
-        if dropout_p is None:  # a module in the dropout's place: called on the biased branch, the join drops nothing
-            branch, bias, dropout_p = dropout(branch if bias is None else branch + bias.to(branch.dtype)), None, 0.0
         return residual_join(branch, residual, bias, gamma, sample_scale, dropout_p, dropout_p > 0, norm,
                              self.join_impl == "fused")
 

@@ -36,7 +36,7 @@ from ..kernels.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, ln_para
 from ..kernels.linear_act import linear_act_bwd, linear_act_fwd
 from .attention import Attention
 from .common import dropout_rate
-from .mlp import Mlp
+from .mlp import Mlp, act_is_stock
 from .norm import LayerNorm
 
 
@@ -104,9 +104,9 @@ def _stock_parts(parts: _Parts) -> bool:
     attn, mlp = parts.attn, parts.mlp
     return (all(getattr(type(attn), name) is getattr(Attention, name) for name in _ATTENTION_METHODS)
             and all(getattr(type(mlp), name) is getattr(Mlp, name) for name in _MLP_METHODS)
-            and not isinstance(attn.q_norm, nn.LayerNorm) and type(mlp.norm) is nn.Identity
-            and all(isinstance(m, layer_scale) or type(m) is nn.Identity for m in (parts.ls1, parts.ls2))
-            and all(isinstance(m, drop_path) or type(m) is nn.Identity for m in (parts.drop_path1, parts.drop_path2))
+            and not attn.has_qk_norm() and act_is_stock(mlp) and type(mlp.norm) is nn.Identity
+            and all(joins_read(m, layer_scale) for m in (parts.ls1, parts.ls2))
+            and all(joins_read(m, drop_path) for m in (parts.drop_path1, parts.drop_path2))
             and all(fusable_linear(m) for m in (parts.qkv, parts.proj, parts.fc1, parts.fc2)))
 
 
@@ -115,6 +115,13 @@ _MLP_METHODS = ("branch", "join_terms")
 
 
 _types: tuple = ()
+
+
+def joins_read(module: nn.Module, cls: type) -> bool:
+    """The fused joins read ``module`` (an Identity, or ``cls``: LayerScale's gamma, DropPath's sample scale)
+    rather than call it: ``cls`` itself or a subclass that keeps its forward (a linked model's part); a module of
+    another class (timm's LayerScale), or one with its own forward, is called."""
+    return type(module) is nn.Identity or (isinstance(module, cls) and type(module).forward is cls.forward)
 
 
 def register_block_types(layer_scale: type, drop_path: type, block: type) -> None:
@@ -214,54 +221,26 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def ready(signature: tuple) -> bool:
-    if signature in _checked:
-        return True
-    if (signature in _recomputed and not _awaiting.get(signature)
-            and not saved_tensor_hooks_on()[1]):  # every checkpointed forward of it recomputed, that backward over
-        _recomputed.discard(signature)
-        _remember(signature)
-        return True
-    return False
+    """The per-part path has run ``signature`` (its functionals checked every input then)."""
+    return signature in _checked
 
 
-def saved_tensor_hooks_on() -> tuple[bool, bool]:
-    """(hooks, in a backward): saved-tensor hooks are on (torch.utils.checkpoint, save_on_cpu), and an autograd
-    backward is running (checkpoint's recomputation runs inside it)."""
-    return (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
-            torch._C._current_graph_task_id() != -1)
+def saved_tensor_hooks_on() -> bool:
+    """Saved-tensor hooks are on: torch.utils.checkpoint (its forward and its recomputation) or save_on_cpu."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def mark_checked(signature: tuple, recomputing: bool = False) -> None:
-    """``signature`` ran per part (its functionals checked it): its next calls run as one Function. Under
-    torch.utils.checkpoint every recomputation must take the path its forward took (else it saves other tensors:
-    checkpoint's CheckpointError), and the blocks of a model (and of its copies) share their signature: a forward
-    run under saved-tensor hooks outside a backward (checkpoint's first run) counts one recomputation owed, and no
-    call marks the signature while one is owed; a recomputation (``recomputing``: before it runs, since checkpoint
-    stops recomputing at the last tensor it needs) pays one, and the signature is marked once none is owed and
-    that backward is over (``ready``). Under hooks that never recompute (save_on_cpu) blocks stay per part."""
-    hooks, in_backward = saved_tensor_hooks_on()
-    if recomputing:
-        owed = _awaiting.pop(signature, 0) - 1
-        if owed > 0:
-            _awaiting[signature] = owed
-        if len(_recomputed) >= _MAX_CHECKED:
-            _recomputed.clear()
-        _recomputed.add(signature)
-    elif hooks and not in_backward:
-        _awaiting[signature] = _awaiting.get(signature, 0) + 1
-    elif not _awaiting.get(signature):
-        _remember(signature)
-
-
-def _remember(signature: tuple) -> None:
+def mark_checked(signature: tuple) -> None:
+    """``signature`` ran per part (its functionals checked it): its next calls may run as one Function. Safe under
+    torch.utils.checkpoint, whose recomputation must take its forward's path: a checkpointed block either had the
+    path decided before the checkpoint (``Block.runs_as_one_function``) or ran per part under the hooks, and does
+    again when recomputed."""
     if len(_checked) >= _MAX_CHECKED:  # shapes that keep changing: check again rather than grow without end
         _checked.clear()
     _checked.add(signature)
 
 
 _MAX_CHECKED = 4096
-_recomputed: set = set()  # signatures a checkpoint recomputation ran per part, checked once its backward is over
-_awaiting: dict = {}  # signature -> checkpointed per-part forwards of it not yet recomputed
 
 
 def _params(parts: _Parts, next_norm: Optional[nn.LayerNorm]) -> tuple:

@@ -37,6 +37,17 @@ class QuickGELU(nn.Module):
         return quick_gelu(x)
 
 
+def act_is_stock(mlp: nn.Module) -> bool:
+    """Whether ``mlp.act`` is the module its constructor built: the fused kernels apply the activation ``act_name``
+    names (SiLU for the SwiGLU MLPs), so a module put in its place is called on the reference path instead."""
+    act, name = mlp.act, getattr(mlp, "act_name", "silu")
+    if name == "quick_gelu":
+        return type(act) is QuickGELU
+    if name == "silu":
+        return type(act) is nn.SiLU
+    return type(act) is nn.GELU and act.approximate == ("tanh" if name == "gelu_tanh" else "none")
+
+
 class MlpJoin(nn.Module):
     """What every MLP kind (Mlp, the SwiGLU MLPs) gives the block's fused residual join, around its own
     ``hidden`` (fc1 -> activation -> drop1 -> norm) and ``branch`` (fc2 without its bias)."""
@@ -81,7 +92,8 @@ class Mlp(MlpJoin):
         """fc1 -> GELU -> drop1 -> norm: the input of fc2. Fused path: fc1 GEMM without bias, then
         ``bias_gelu``; drop1 (p > 0) and a non-Identity norm run as reference ops after it."""
         if (self.impl == "eager" or resolve_backend(self.backend, x) == "torch" or has_hooks(self.fc1)
-                or has_hooks(self.act) or isinstance(self.act, QuickGELU) or not fusable_linear(self.fc1)):
+                or has_hooks(self.act) or type(self.act) is not nn.GELU or not act_is_stock(self)
+                or not fusable_linear(self.fc1)):
             return self.norm(self.drop1(self.act(self.fc1(x))))
         x = bias_gelu(F.linear(x, effective_weight(self.fc1)), effective_bias(self.fc1), self.act.approximate)
         if dropout_rate(self.drop1) != 0:
@@ -94,7 +106,7 @@ class Mlp(MlpJoin):
         dgrad GEMM). With drop1 active or an MLP norm the hidden activation goes through ``hidden`` then
         the fc2 GEMM."""
         if (self.impl == "fused" and resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
-                and dropout_rate(self.drop1) == 0 and fusable_linear(self.fc1)
+                and dropout_rate(self.drop1) == 0 and act_is_stock(self) and fusable_linear(self.fc1)
                 and fusable_linear(self.fc2)):
             return linear_act(x.to(compute_dtype_for(x)), effective_weight(self.fc1), effective_bias(self.fc1),
                               effective_weight(self.fc2), self.act_name)
@@ -103,8 +115,9 @@ class Mlp(MlpJoin):
 
 def fuses_swiglu(mlp: MlpJoin, x: torch.Tensor) -> bool:
     """The ``swiglu`` kernel replaces SiLU(gate) * value: Triton backend, the MLP's fused choice on
-    (any route but 'eager', vit_fast/route.py) and no hook on the activation module."""
-    return mlp.impl != "eager" and resolve_backend(mlp.backend, x) == "triton" and not has_hooks(mlp.act)
+    (any route but 'eager', vit_fast/route.py) and the stock SiLU module, without hooks."""
+    return (mlp.impl != "eager" and resolve_backend(mlp.backend, x) == "triton" and act_is_stock(mlp)
+            and not has_hooks(mlp.act))
 
 
 class SwiGLUPackedMlp(MlpJoin):

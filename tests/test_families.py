@@ -318,12 +318,16 @@ def _grads_match(fast: nn.Module, ref: nn.Module, rtol: float) -> None:
 @pytest.mark.parametrize("kind", sorted(FAMILIES))
 def test_timm_family_through_optimize(kind, backend):
     """optimize(timm model) for every family: same output and every parameter's gradient, both backends
-    (the fused path on the interpreter's kernels: pre_norm, QuickGELU, attention pool, SwiGLU, dist token)."""
+    (the fused path on the interpreter's kernels: pre_norm, QuickGELU, attention pool, SwiGLU, dist token); the
+    parameters and state-dict keys in timm's order (optimizers keep their state by position: a DeiT's dist_token
+    came before pos_embed, and a resumed timm optimizer state broke at the first step)."""
     import vit_fast
 
     ref = timm_family(kind).eval()
     fast = vit_fast.optimize(ref, backend=backend)
     assert type(fast).__name__ == "VisionTransformer" and fast.config.backend == backend
+    assert [n for n, _ in fast.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(fast.state_dict()) == list(ref.state_dict())
     x = _images(TINY)
     out, expected = fast(x), ref(x)
     assert_close(out, expected, FP32, "output")

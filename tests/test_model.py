@@ -68,6 +68,34 @@ def test_init_is_timm_style():
     assert m.no_weight_decay() == {"pos_embed", "cls_token"}
 
 
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "deit_base_distilled_patch16_224",
+                                  "vit_small_patch14_dinov2", "vit_base_patch16_reg4_gap_256",
+                                  "vit_base_patch16_clip_quickgelu_224", "deit3_base_patch16_224"])
+def test_a_seed_gives_timms_weights_and_init_weights_after_to_empty_initialises_everything(name):
+    """create_model under a seed draws timm's weights bitwise (timm's truncated-normal draw, timm's order: a DeiT's
+    dist_token first); init_weights() on a model materialised from the meta device (to_empty) sets every parameter
+    as timm's does, the LayerNorms and the patch convolution included (they were left as uninitialised memory:
+    non-finite logits)."""
+    kw = dict(img_size=28 if "patch14" in name else 32, depth=2, embed_dim=64, num_heads=2)
+    torch.manual_seed(2)
+    ref = timm.create_model(name, **kw)
+    torch.manual_seed(2)
+    ours = create_model(name, backend="torch", **kw)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    for key, value in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value), key
+    with torch.device("meta"):
+        empty = create_model(name, backend="torch", **kw)
+    empty.to_empty(device="cpu")
+    for model in (empty, ref):
+        torch.manual_seed(3)
+        model.init_weights()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(empty.state_dict()[key], value), key
+    x = torch.randn(2, 3, kw["img_size"], kw["img_size"])
+    assert torch.isfinite(empty(x)).all()
+
+
 @pytest.mark.parametrize("kw, feat", [
     (dict(), (2, 5)),
     (dict(global_pool="avg", class_token=False, reg_tokens=2), (2, 5)),
@@ -96,6 +124,15 @@ def test_reset_classifier_and_backend():
         m.set_backend("cuda")
     with pytest.raises(ValueError, match="needs a class token"):
         tiny(class_token=False, global_pool="avg").reset_classifier(3, global_pool="token")
+    for name in ("vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"):  # a seed gives timm's new head(s)
+        ref = timm.create_model(name, img_size=32, depth=1).bfloat16()
+        ours = vit_fast.optimize(ref, backend="torch")
+        for model in (ref, ours):
+            torch.manual_seed(5)
+            model.reset_classifier(7)
+        assert ours.head.weight.dtype == torch.bfloat16
+        for key, value in ref.state_dict().items():
+            assert torch.equal(ours.state_dict()[key], value), key
 
 
 def test_grad_checkpointing_gives_same_gradients():
@@ -195,6 +232,7 @@ def test_half_precision_forward_runs():
     assert math.isfinite(m.flops_per_image())
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_timm_methods_not_implemented_say_what_to_use_instead():
     """The README's table lists them as not implemented: each raises NotImplementedError naming the alternative
     (an AttributeError, or a TypeError for init_weights('jax'), before)."""
@@ -206,3 +244,30 @@ def test_timm_methods_not_implemented_say_what_to_use_instead():
         with pytest.raises(NotImplementedError, match=hint):
             call()
     m.init_weights("")  # the default mode still works
+    with pytest.raises(NotImplementedError, match="torch.jit.script does not compile"):
+        torch.jit.script(m)
+    for trace in (lambda: torch.fx.symbolic_trace(m), lambda: timm.models.create_feature_extractor(m, ["blocks.0"])):
+        with pytest.raises(NotImplementedError, match="torch.fx symbolic tracing"):  # it blamed the input
+            trace()
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_timms_fused_attn_switch_exposes_the_attention_maps_to_a_hook(backend):
+    """timm's idiom for attention maps: ``attn.fused_attn = False`` and a forward hook on ``attn.attn_drop``, which
+    then receives the softmax probabilities (the hook never fired before: no such switch). The same maps and
+    outputs as timm's."""
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=10).eval()
+    ours = vit_fast.optimize(ref, backend=backend).eval()
+    x = torch.randn(2, 3, 32, 32)
+    maps = {}
+    for name, model in (("timm", ref), ("ours", ours)):
+        model.blocks[-1].attn.fused_attn = False
+        attn_drop = model.blocks[-1].attn.attn_drop
+        hook = attn_drop.register_forward_hook(lambda m, i, o, name=name: maps.setdefault(name, o))
+        with torch.no_grad():
+            out = model(x)
+        hook.remove()
+        maps[name + "_out"] = out
+    assert_close(maps["ours"], maps["timm"], 1e-5)
+    assert_close(maps["ours_out"], maps["timm_out"], 1e-5)

@@ -58,6 +58,11 @@ IMAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def check_image_batch(x, in_chans: int) -> None:
     """A floating-point 4-D tensor (B, C, H, W): the shape checks every image entry point shares."""
+    if isinstance(x, torch.fx.Proxy):
+        raise NotImplementedError("torch.fx symbolic tracing (timm's create_feature_extractor, get_graph_node_names) "
+                                  "does not trace vit_fast's models (their paths depend on the input's shape, "
+                                  "device and dtype): use forward_intermediates, timm's FeatureGetterNet / "
+                                  "FeatureHookNet, forward hooks, torch.export or torch.compile")
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor image batch (B, {in_chans}, H, W), got {type(x).__name__}")
     if x.dim() != 4:

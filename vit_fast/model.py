@@ -62,7 +62,7 @@ class VisionTransformer(nn.Module):
                 self._build(cfg)
         else:
             self._build(cfg)
-            self.init_weights()
+            self.init_weights(needs_reset=False)  # the modules initialised themselves (timm's construction)
         # the route of the device it is built on, as _apply settles it on a move: a model compiled before any eager
         # call keeps the route an eager call would find (no guard failing on the route's attributes later)
         weight = next(self.parameters(), None)
@@ -91,7 +91,6 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, D, bias=not cfg.pre_norm,
                                       strict_img_size=not cfg.dynamic_img_size, backend=cfg.backend)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
-        self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
         embed_len = self.patch_embed.num_patches + (0 if cfg.no_embed_class else self.num_prefix_tokens)
         if cfg.pos_embed == "none":
@@ -99,6 +98,8 @@ class VisionTransformer(nn.Module):
         else:
             # A fixed sin-cos embedding is a frozen Parameter (as in MAE) so checkpoints keep the key.
             self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, D), requires_grad=cfg.pos_embed == "learn")
+        # after pos_embed, as timm's VisionTransformerDistilled registers it: optimizers keep their state by position
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.distilled else None
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
         self.norm_pre = LayerNorm(D, eps=cfg.norm_eps, backend=cfg.backend) if cfg.pre_norm else nn.Identity()
 
@@ -133,12 +134,16 @@ class VisionTransformer(nn.Module):
                                    num_classes=cfg.num_classes, first_conv="patch_embed.proj", classifier="head")
 
     # ----------------------------------------------------------------------------------------- setup
-    def init_weights(self, mode: str = "") -> None:
-        """timm's default init: pos_embed trunc_normal(.02), cls/reg tokens normal(1e-6), Linear trunc_normal(.02).
-        ``mode``: only timm's default ''."""
+    def init_weights(self, mode: str = "", needs_reset: bool = True) -> None:
+        """timm's default init, in timm's order of draws: dist_token trunc_normal(.02), pos_embed trunc_normal(.02),
+        cls/reg tokens normal(1e-6), Linear trunc_normal(.02) with zero bias, LayerScale to init_values, and with
+        ``needs_reset`` every other module's ``reset_parameters`` (the patch convolution, the LayerNorms: what an
+        ``init_weights()`` after ``to_empty`` needs). ``mode``: only timm's default ''."""
         if mode != "":
             raise NotImplementedError(f"init_weights: only timm's default mode '' is implemented, got {mode!r}; "
                                       f"initialise the timm model with that mode, then vit_fast.optimize it")
+        if self.dist_token is not None:
+            trunc_normal_(self.dist_token, std=0.02)
         if self.pos_embed is not None:
             if self.config.pos_embed == "sincos":
                 with torch.no_grad():
@@ -149,14 +154,12 @@ class VisionTransformer(nn.Module):
             nn.init.normal_(self.cls_token, std=1e-6)
         if self.reg_token is not None:
             nn.init.normal_(self.reg_token, std=1e-6)
-        if self.dist_token is not None:
-            trunc_normal_(self.dist_token, std=0.02)
-        named_apply(init_weights_vit_timm, self)
+        named_apply(functools.partial(init_weights_vit_timm, needs_reset=needs_reset), self)
 
-    def _new_head(self, num_classes: int, device=None) -> nn.Module:
+    def _new_head(self, num_classes: int, device=None, dtype=None) -> nn.Module:
         if num_classes <= 0:
             return nn.Identity()
-        return nn.Linear(self.embed_dim, num_classes, bias=self.config.head_bias, device=device)
+        return nn.Linear(self.embed_dim, num_classes, bias=self.config.head_bias, device=device, dtype=dtype)
 
     def set_distilled_training(self, enable: bool = True) -> None:
         """DeiT (timm's VisionTransformerDistilled): in training mode forward returns (head logits,
@@ -188,6 +191,10 @@ class VisionTransformer(nn.Module):
                 module.backend = backend
         self.config.backend = backend
         return self
+
+    def __prepare_scriptable__(self):
+        raise NotImplementedError("torch.jit.script does not compile vit_fast's models (Triton launches, Python "
+                                  "control flow): use torch.jit.trace, torch.export or torch.compile")
 
     @property
     def default_cfg(self) -> dict:
@@ -228,14 +235,13 @@ class VisionTransformer(nn.Module):
                 self.attn_pool = None
             self.global_pool = global_pool
         self.num_classes = num_classes
-        device = self.embed_params_device()
-        self.head = self._new_head(num_classes, device)
+        device, dtype = self.embed_params_device(), self.patch_embed.proj.weight.dtype
+        # PyTorch's Linear init, as timm's reset_classifier: the same seed gives timm's new head
+        self.head = self._new_head(num_classes, device, dtype)
+        self.head.train(self.training)
         if self.head_dist is not None:
-            self.head_dist = self._new_head(num_classes, device)
-        for head in (self.head, self.head_dist):
-            if head is not None and num_classes > 0:
-                init_weights_vit_timm(head)
-                head.train(self.training)
+            self.head_dist = self._new_head(num_classes, device, dtype)
+            self.head_dist.train(self.training)
         self.config = self.config.replace(num_classes=num_classes, global_pool=self.global_pool)
 
     def embed_params_device(self) -> torch.device:

@@ -21,6 +21,9 @@ class Attention(nn.Module):
     """Multi-head self-attention with a packed qkv projection (timm's layout: [q | k | v] x heads x head_dim)."""
 
     impl = "fused"  # the route's choice (vit_fast/route.py): 'fused' | 'short' | 'sdpa' | 'eager'
+    # timm's switch: False computes the probabilities explicitly and passes them through attn_drop, where a
+    # forward hook on it sees them (the usual way to read timm's attention maps)
+    fused_attn = True
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, norm_eps: float = 1e-6, backend: str = "auto"):
@@ -51,7 +54,7 @@ class Attention(nn.Module):
 
     def fused(self, x: torch.Tensor) -> bool:
         """The attention kernel runs (it has no per-head norm: with a q/k norm the reference ops do)."""
-        return (self.impl in ("fused", "short") and not self.has_qk_norm()
+        return (self.impl in ("fused", "short") and self.fused_attn and not self.has_qk_norm()
                 and resolve_backend(self.backend, x) == "triton")
 
     def kernel_family(self, tokens: int, dtype: torch.dtype) -> str:
@@ -63,7 +66,8 @@ class Attention(nn.Module):
 
     def packed_sdpa(self, x: torch.Tensor) -> bool:
         """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""
-        return self.impl == "sdpa" and not self.has_qk_norm() and resolve_backend(self.backend, x) == "triton"
+        return (self.impl == "sdpa" and self.fused_attn and not self.has_qk_norm()
+                and resolve_backend(self.backend, x) == "triton")
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D). Fused path: the
@@ -75,7 +79,10 @@ class Attention(nn.Module):
             return packed_sdpa(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:  # timm's explicit path
+            x = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
         return x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)  # explicit: B may be 0
 
     def attention_probs(self, x: torch.Tensor) -> torch.Tensor:

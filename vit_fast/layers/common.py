@@ -2,6 +2,7 @@
 join adds it), and timm's weight init."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -60,20 +61,29 @@ def bias_left_to_join(module: nn.Module) -> Optional[torch.Tensor]:
     return effective_bias(module) if fusable_linear(module) else None
 
 
-def trunc_normal_(tensor: torch.Tensor, std: float = 0.02) -> torch.Tensor:
-    """timm's default: normal(0, std) truncated at +-2 (absolute, i.e. +-100 std for std=0.02)."""
-    return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-2.0, b=2.0)
+def trunc_normal_(tensor: torch.Tensor, std: float = 0.02, a: float = -2.0, b: float = 2.0) -> torch.Tensor:
+    """timm's default: normal(0, std) truncated at [a, b] (absolute: +-100 std for std=0.02), drawn as timm draws it
+    (one uniform per element mapped through the inverse normal CDF), so a seed gives timm's weights."""
+    def cdf(value: float) -> float:
+        return (1.0 + math.erf(value / std / math.sqrt(2.0))) / 2.0
+
+    with torch.no_grad():
+        tensor.uniform_(2 * cdf(a) - 1, 2 * cdf(b) - 1)
+        tensor.erfinv_().mul_(std * math.sqrt(2.0))
+        return tensor.clamp_(min=a, max=b)
 
 
-def init_weights_vit_timm(module: nn.Module, name: str = "") -> None:
-    """timm's 'timm' init: Linear weights trunc_normal(std .02), biases zero; LayerScale to init_values;
-    conv and LayerNorm keep PyTorch's defaults."""
+def init_weights_vit_timm(module: nn.Module, name: str = "", needs_reset: bool = True) -> None:
+    """timm's 'timm' init: Linear weights trunc_normal(std .02), biases zero; a module's own init_weights
+    (LayerScale to init_values); with ``needs_reset`` any other module's reset_parameters (conv, LayerNorm)."""
     if isinstance(module, nn.Linear):
         trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
     elif hasattr(module, "init_weights"):
         module.init_weights()
+    elif needs_reset and hasattr(module, "reset_parameters"):
+        module.reset_parameters()
 
 
 def named_apply(fn: Callable[[nn.Module, str], None], module: nn.Module, name: str = "") -> None:

@@ -104,7 +104,7 @@ def _stock_parts(parts: _Parts) -> bool:
     attn, mlp = parts.attn, parts.mlp
     return (all(getattr(type(attn), name) is getattr(Attention, name) for name in _ATTENTION_METHODS)
             and all(getattr(type(mlp), name) is getattr(Mlp, name) for name in _MLP_METHODS)
-            and not attn.has_qk_norm() and act_is_stock(mlp) and type(mlp.norm) is nn.Identity
+            and attn.fused_attn and not attn.has_qk_norm() and act_is_stock(mlp) and type(mlp.norm) is nn.Identity
             and all(joins_read(m, layer_scale) for m in (parts.ls1, parts.ls2))
             and all(joins_read(m, drop_path) for m in (parts.drop_path1, parts.drop_path2))
             and all(fusable_linear(m) for m in (parts.qkv, parts.proj, parts.fc1, parts.fc2)))

@@ -99,6 +99,17 @@ def test_class_token_pooling_runs_the_last_block_on_token_0_only(monkeypatch, co
     compare_grads(fused, full, FP32)
 
 
+def _same_steps_as_the_reference(fused, ref, x):
+    """Two training steps (the second: the one-Function block where it runs): outputs and gradients as the
+    reference path's."""
+    for _ in range(2):
+        for model in (fused, ref):
+            model.zero_grad(set_to_none=True)
+            loss_of(model(x)).backward()
+        assert_close(fused(x), ref(x), 1e-5)
+        compare_grads(fused, ref, 1e-4)
+
+
 class _Halve(torch.nn.Module):
     def forward(self, x):
         return 0.5 * x
@@ -117,12 +128,7 @@ def test_dropout_modules_obey_their_own_mode_and_replacements_are_called():
         model.train()
         for name in dropouts:
             model.get_submodule(name).eval()
-    for _ in range(2):  # the second call: the one-Function block
-        for model in (fused, ref):
-            model.zero_grad(set_to_none=True)
-            loss_of(model(x)).backward()
-        assert_close(fused(x), ref(x), 1e-5)
-        compare_grads(fused, ref, 1e-4)
+    _same_steps_as_the_reference(fused, ref, x)
 
     for model in (fused, ref):  # MC dropout: an eval model with its dropout modules training
         model.eval()
@@ -137,12 +143,7 @@ def test_dropout_modules_obey_their_own_mode_and_replacements_are_called():
         model.train()
         for block in model.blocks:
             block.attn.proj_drop, block.mlp.drop1, block.mlp.drop2 = _Halve(), torch.nn.Identity(), _Halve()
-    for _ in range(2):
-        for model in (fused, ref):
-            model.zero_grad(set_to_none=True)
-            loss_of(model(x)).backward()
-        assert_close(fused(x), ref(x), 1e-5)
-        compare_grads(fused, ref, 1e-4)
+    _same_steps_as_the_reference(fused, ref, x)
 
 
 class _ClampedLayerScale(vit_fast.layers.block.LayerScale):
@@ -182,12 +183,7 @@ def test_modules_put_in_place_of_the_activation_or_qk_norm_are_applied(replace):
             else:
                 block.drop_path1 = timm.layers.DropPath(1.0)  # every sample dropped: the same draw on both paths
     x = torch.randn(3, 3, 32, 32)
-    for _ in range(2):
-        for model in (fused, ref):
-            model.zero_grad(set_to_none=True)
-            loss_of(model(x)).backward()
-        assert_close(fused(x), ref(x), 1e-5)
-        compare_grads(fused, ref, 1e-4)
+    _same_steps_as_the_reference(fused, ref, x)
 
 
 def test_class_token_pooling_keeps_every_row_while_the_last_block_draws_dropout_masks(monkeypatch):

@@ -99,15 +99,11 @@ def test_class_token_pooling_runs_the_last_block_on_token_0_only(monkeypatch, co
     compare_grads(fused, full, FP32)
 
 
-def _same_steps_as_the_reference(fused, ref, x):
-    """Two training steps (the second: the one-Function block where it runs): outputs and gradients as the
-    reference path's."""
-    for _ in range(2):
-        for model in (fused, ref):
-            model.zero_grad(set_to_none=True)
-            loss_of(model(x)).backward()
-        assert_close(fused(x), ref(x), 1e-5)
-        compare_grads(fused, ref, 1e-4)
+def _step_both(fused, ref, x):
+    """One training step of each model, gradients fresh."""
+    for model in (fused, ref):
+        model.zero_grad(set_to_none=True)
+        loss_of(model(x)).backward()
 
 
 class _Halve(torch.nn.Module):
@@ -128,7 +124,10 @@ def test_dropout_modules_obey_their_own_mode_and_replacements_are_called():
         model.train()
         for name in dropouts:
             model.get_submodule(name).eval()
-    _same_steps_as_the_reference(fused, ref, x)
+    for _ in range(2):  # the second step: the one-Function block where it runs
+        _step_both(fused, ref, x)
+        assert_close(fused(x), ref(x), 1e-5)
+        compare_grads(fused, ref, 1e-4)
 
     for model in (fused, ref):  # MC dropout: an eval model with its dropout modules training
         model.eval()
@@ -143,7 +142,10 @@ def test_dropout_modules_obey_their_own_mode_and_replacements_are_called():
         model.train()
         for block in model.blocks:
             block.attn.proj_drop, block.mlp.drop1, block.mlp.drop2 = _Halve(), torch.nn.Identity(), _Halve()
-    _same_steps_as_the_reference(fused, ref, x)
+    for _ in range(2):  # the second step: the one-Function block where it runs
+        _step_both(fused, ref, x)
+        assert_close(fused(x), ref(x), 1e-5)
+        compare_grads(fused, ref, 1e-4)
 
 
 class _ClampedLayerScale(vit_fast.layers.block.LayerScale):
@@ -183,7 +185,10 @@ def test_modules_put_in_place_of_the_activation_or_qk_norm_are_applied(replace):
             else:
                 block.drop_path1 = timm.layers.DropPath(1.0)  # every sample dropped: the same draw on both paths
     x = torch.randn(3, 3, 32, 32)
-    _same_steps_as_the_reference(fused, ref, x)
+    for _ in range(2):  # the second step: the one-Function block where it runs
+        _step_both(fused, ref, x)
+        assert_close(fused(x), ref(x), 1e-5)
+        compare_grads(fused, ref, 1e-4)
 
 
 def test_class_token_pooling_keeps_every_row_while_the_last_block_draws_dropout_masks(monkeypatch):

@@ -68,17 +68,25 @@ def test_init_is_timm_style():
     assert m.no_weight_decay() == {"pos_embed", "cls_token"}
 
 
-@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "deit_base_distilled_patch16_224",
-                                  "vit_small_patch14_dinov2", "vit_base_patch16_reg4_gap_256",
-                                  "vit_base_patch16_clip_quickgelu_224", "deit3_base_patch16_224"])
-def test_a_seed_gives_timms_weights_and_init_weights_after_to_empty_initialises_everything(name):
-    """create_model under a seed draws timm's weights bitwise (timm's truncated-normal draw, timm's order: a DeiT's
-    dist_token first); init_weights() on a model materialised from the meta device (to_empty) sets every parameter
-    as timm's does, the LayerNorms and the patch convolution included (they were left as uninitialised memory:
-    non-finite logits)."""
+@pytest.mark.parametrize("name, extra", [
+    ("vit_tiny_patch16_224", {}), ("deit_base_distilled_patch16_224", {}), ("vit_small_patch14_dinov2", {}),
+    ("vit_base_patch16_reg4_gap_256", {}), ("vit_base_patch16_clip_quickgelu_224", {}),
+    ("deit3_base_patch16_224", {}), ("vit_base_patch16_siglip_224", {}),
+    ("vit_giant_patch14_dinov2", dict(embed_dim=96)),
+    ("vit_base_patch16_224", dict(mlp_layer=("swiglu", timm.layers.SwiGLU), mlp_ratio=2.5))])
+def test_a_seed_gives_timms_weights_and_init_weights_after_to_empty_initialises_everything(name, extra):
+    """create_model under a seed draws timm's weights bitwise (timm's truncated-normal draws, timm's order: a DeiT's
+    dist_token first, SigLIP's pool latent at construction, the SwiGLU gates' own init); init_weights() on a model
+    materialised from the meta device (to_empty) sets every parameter as timm's does, the LayerNorms and the patch
+    convolution included (they were left as uninitialised memory: non-finite logits)."""
     kw = dict(img_size=28 if "patch14" in name else 32, depth=2, embed_dim=64, num_heads=2)
+    kw.update(extra)
+    ours_kw, timm_kw = dict(kw), dict(kw)
+    if "mlp_layer" in kw:
+        ours_kw["mlp_layer"], timm_kw["mlp_layer"] = kw["mlp_layer"]
+    kw = ours_kw
     torch.manual_seed(2)
-    ref = timm.create_model(name, **kw)
+    ref = timm.create_model(name, **timm_kw)
     torch.manual_seed(2)
     ours = create_model(name, backend="torch", **kw)
     assert list(ours.state_dict()) == list(ref.state_dict())

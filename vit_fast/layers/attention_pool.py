@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..backend import check_backend
+from .common import trunc_normal_tf_
 from .mlp import Mlp
 from .norm import LayerNorm
 
@@ -36,11 +37,12 @@ class AttentionPoolLatent(nn.Module):
         self.proj_drop = nn.Dropout(drop)
         self.norm = LayerNorm(dim, eps=norm_eps, backend=backend)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act, backend=backend)
+        self.init_weights()  # at construction too, as timm's: a seed then draws timm's weights
 
     def init_weights(self) -> None:
-        """timm: latent ~ trunc_normal_tf(std=dim^-0.5) (the Linear layers get the model's init)."""
-        std = self.latent_dim ** -0.5
-        nn.init.trunc_normal_(self.latent, std=std, a=-2.0 * std, b=2.0 * std)
+        """timm: latent ~ trunc_normal_tf(std=dim^-0.5), drawn as timm draws it (the Linear layers get the
+        model's init)."""
+        trunc_normal_tf_(self.latent, std=self.latent_dim ** -0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape

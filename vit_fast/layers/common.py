@@ -73,6 +73,13 @@ def trunc_normal_(tensor: torch.Tensor, std: float = 0.02, a: float = -2.0, b: f
         return tensor.clamp_(min=a, max=b)
 
 
+def trunc_normal_tf_(tensor: torch.Tensor, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> torch.Tensor:
+    """timm's 'tf' variant: the standard normal truncated at [a, b], then scaled by std (the bounds in units of
+    std), drawn as timm draws it."""
+    with torch.no_grad():
+        return trunc_normal_(tensor, std=1.0, a=a, b=b).mul_(std)
+
+
 def init_weights_vit_timm(module: nn.Module, name: str = "", needs_reset: bool = True) -> None:
     """timm's 'timm' init: Linear weights trunc_normal(std .02), biases zero; a module's own init_weights
     (LayerScale to init_values); with ``needs_reset`` any other module's reset_parameters (conv, LayerNorm)."""

@@ -138,6 +138,15 @@ class SwiGLUPackedMlp(MlpJoin):
         self.fc2 = nn.Linear(hidden_features // 2, in_features, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
+    def init_weights(self) -> None:
+        """timm's GluMlp init after the model's Linear init: fc1's second half (whichever side gates) weights
+        ~ N(0, 1e-6^2), biases 1, drawn as timm draws them."""
+        half = self.fc1.weight.shape[0] // 2
+        with torch.no_grad():
+            if self.fc1.bias is not None:
+                self.fc1.bias[half:].fill_(1.0)
+            self.fc1.weight[half:].normal_(std=1e-6)
+
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if fuses_swiglu(self, x):
@@ -167,6 +176,13 @@ class SwiGLUMlp(MlpJoin):
         self.norm = nn.Identity()
         self.fc2 = nn.Linear(hidden_features, in_features, bias=bias)
         self.drop2 = nn.Dropout(drop)
+
+    def init_weights(self) -> None:
+        """timm's SwiGLU init after the model's Linear init: the gate's weights ~ N(0, 1e-6^2), its biases 1."""
+        with torch.no_grad():
+            if self.fc1_g.bias is not None:
+                self.fc1_g.bias.fill_(1.0)
+            self.fc1_g.weight.normal_(std=1e-6)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         g, v = self.fc1_g(x), self.fc1_x(x)

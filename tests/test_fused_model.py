@@ -233,7 +233,7 @@ def test_hooks_anywhere_in_the_blocks_fire_with_the_same_result():
     x = torch.randn(2, 3, 32, 32)
     out = fused(x)
     loss_of(out).backward()
-    for where in ("blocks.1", "blocks.1.attn", "blocks.0.mlp.fc1", "backward:blocks.0"):
+    for where in ("blocks.1", "blocks.1.attn", "blocks.0.mlp.fc1", "backward:blocks.0", "norm"):
         hooked = copy.deepcopy(fused)
         hooked.zero_grad()
         seen = []
@@ -247,6 +247,51 @@ def test_hooks_anywhere_in_the_blocks_fire_with_the_same_result():
         assert len(seen) == 1, (where, seen)
         assert_close(out_hooked, out, FP32, f"logits, hook on {where}")
         compare_grads(hooked, fused, FP32)
+
+
+def test_a_hook_that_changes_the_final_norms_output_is_applied():
+    """The last join computes the final norm in its kernel only while calling it would do no more: a forward hook
+    that edits its output (and torch's pruning, a pre-hook recomputing the weight) must run, as on timm."""
+    fused, ref = make_pair(**TINY)
+    x = torch.randn(2, 3, 32, 32)
+    for model in (fused, ref):
+        model.norm.register_forward_hook(lambda m, args, output: output * 2.0)
+    out, expected = fused(x), ref(x)
+    assert_close(out, expected, FP32, "logits, hook editing the final norm's output")
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    compare_grads(fused, ref, FP32)
+
+
+def test_blocks_that_are_not_vit_fasts_run_as_modules():
+    """A block replaced by timm's Block or nn.Identity runs (an AttributeError on the fused chain), and torch's
+    checkpoint_wrapper around each block checkpoints it (the chain called the inner block's forward_pair: nothing
+    was recomputed, every activation kept)."""
+    from timm.models.vision_transformer import Block as TimmBlock
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    fused, ref = make_pair(**TINY)
+    x = torch.randn(2, 3, 32, 32)
+    for replacement in (TimmBlock(64, 4, qkv_bias=True), torch.nn.Identity()):
+        fused.blocks[1], ref.blocks[1] = copy.deepcopy(replacement), copy.deepcopy(replacement)
+        assert_close(fused(x), ref(x), FP32, f"logits with {type(replacement).__name__} as block 1")
+
+    fused, _ = make_pair(**TINY)
+    saved = []
+
+    def count(t):
+        saved.append(t.numel())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        expected = fused(x)
+    kept_whole = sum(saved)
+    for i, blk in enumerate(fused.blocks):
+        fused.blocks[i] = checkpoint_wrapper(blk)
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        out = fused(x)
+    assert sum(saved) < kept_whole / 2, (sum(saved), kept_whole)
+    assert_close(out, expected, FP32, "logits, every block checkpoint-wrapped")
 
 
 @pytest.mark.filterwarnings("error:FSDP2-wrapped module")

@@ -344,9 +344,12 @@ class VisionTransformer(nn.Module):
         """Whether the blocks run as one fused chain (``_forward_blocks``). The chain calls
         ``Block.forward_pair`` directly, so with hooks anywhere in the blocks (forward or backward) they
         run one by one through ``__call__`` instead: FSDP2's fully_shard gathers parameters in its
-        pre-forward hooks, and a user's feature hook expects to fire."""
+        pre-forward hooks, and a user's feature hook expects to fire. So does any block that is not vit_fast's
+        (timm's Block put in by hand, nn.Identity, a wrapper such as torch's checkpoint_wrapper, whose forward
+        is the point of it)."""
         return (len(self.blocks) > 0 and resolve_backend(self.backend, x) == "triton"
-                and not has_hooks(self.blocks) and all(blk.reads_norms() for blk in self.blocks))
+                and not has_hooks(self.blocks) and all(isinstance(blk, Block) and blk.reads_norms()
+                                                       for blk in self.blocks))
 
     def _prunes_to_class_token(self, x: torch.Tensor, chained: bool) -> bool:
         """Whether forward() may run the last block on token 0 alone (class-token pooling reads nothing
@@ -375,7 +378,9 @@ class VisionTransformer(nn.Module):
         blocks = list(self.blocks)[:depth]
         chained = self._fuses_across_blocks(x) if chained is None else chained  # decided by forward() once
         normed = final_norm
-        final_norm = self.norm if normed and chained and reads_norm(self.norm) else None
+        # the last join computes the final norm in its kernel only where calling the norm would do no more
+        final_norm = (self.norm if normed and chained and reads_norm(self.norm) and not has_hooks(self.norm)
+                      else None)
         hidden, residual = layer_norm_with_input(blocks[0].norm1, x) if chained else (None, x)
         for i, blk in enumerate(blocks):
             last = i + 1 == len(blocks)

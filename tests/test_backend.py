@@ -95,6 +95,38 @@ def test_torch_func_transforms_run_the_reference_on_auto_and_refuse_triton():
         torch.func.vmap(model)(xs)
 
 
+def test_a_float64_model_runs_the_reference_on_auto_and_triton_refuses_it_by_name():
+    """model.double() (gradcheck, a float64 oracle): 'auto' runs the reference path, as timm in float64 (the patch
+    embedding's dtype check failed, naming the images); 'triton' says the kernels do not compute in float64."""
+    import timm
+
+    torch.manual_seed(0)
+    source = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=5).double()
+    model = vit_fast.optimize(copy.deepcopy(source), backend="auto")
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    assert torch.equal(model(x), source(x))
+    model.set_backend("triton")
+    with pytest.raises(ValueError, match="do not compute in float64|compute in float32, float16 or bfloat16"):
+        model(x)
+
+
+def test_a_scale_set_by_hand_is_applied_by_both_backends():
+    """Attention.scale changed after construction (a temperature): the kernels applied it and the reference
+    path's SDPA call did not, so the backends disagreed (2e-3 on tiny logits)."""
+    torch.manual_seed(0)
+    fused = vit_fast.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=5, backend="triton")
+    reference = copy.deepcopy(fused).set_backend("torch")
+    for model in (fused, reference):
+        for blk in model.blocks:
+            blk.attn.scale = 0.05
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(fused(x), reference(x), bound(torch.float32, "dot"))
+        for blk in reference.blocks:
+            blk.attn.fused_attn = False  # timm's explicit path: the scale as written
+        assert_close(fused(x), reference(x), bound(torch.float32, "dot"))
+
+
 def test_backend_is_set_everywhere():
     assert vit_fast.ViTConfig().backend == "auto"  # kernels wherever they can run (CUDA, or the interpreter)
     assert all(inspect.signature(cls).parameters["backend"].default == "auto" for cls in (Block, LayerNorm))

@@ -33,7 +33,7 @@ def kernels_can_run_on(device: torch.device) -> bool:
 def resolve_backend(requested: str, tensor: torch.Tensor) -> str:
     """'triton' or 'torch' for a module asked to run ``requested`` on ``tensor``'s device. Under a torch.func
     transform (vmap, grad, jacrev, ...) 'auto' is the reference: the kernels' autograd Functions have no vmap or
-    functorch rules."""
+    functorch rules; so it is for float64 tensors, which the kernels do not compute in."""
     check_backend(requested)
     if requested == "torch":
         return "torch"
@@ -43,6 +43,11 @@ def resolve_backend(requested: str, tensor: torch.Tensor) -> str:
         raise ValueError("backend='triton' under a torch.func transform (vmap, grad, jacrev, ...): the fused "
                          "kernels' autograd Functions have no functorch rules; use backend='auto' (the reference "
                          "PyTorch path under transforms) or 'torch'")
+    if tensor.dtype == torch.float64:  # a model.double() (gradcheck, a float64 reference)
+        if requested == "auto":
+            return "torch"
+        raise ValueError("backend='triton': the fused kernels compute in float32, float16 or bfloat16, got float64 "
+                         "tensors; use backend='auto' or 'torch' (the reference PyTorch path runs float64)")
     if kernels_can_run_on(tensor.device):
         return "triton"
     if requested == "auto":

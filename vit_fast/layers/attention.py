@@ -80,7 +80,10 @@ class Attention(nn.Module):
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
         if self.fused_attn:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+            # a scale set by hand (a temperature) as the kernels apply it; SDPA's own default otherwise
+            scale = None if self.scale == self.head_dim ** -0.5 else self.scale
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
+                                               scale=scale)
         else:  # timm's explicit path
             x = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
         return x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)  # explicit: B may be 0

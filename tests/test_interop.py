@@ -276,6 +276,20 @@ def test_from_torchvision_matches_outputs_and_gradients(patch_size):
     assert from_sd.config == ours.config
 
 
+def test_from_torchvision_reads_the_mlp_activation():
+    """A tanh GELU converts as tanh GELU; another activation (ReLU) is refused by name (it converted as exact GELU:
+    logits 0.57 off)."""
+    ref = tv_model(32).eval()
+    ref.encoder.layers[0].mlp[1] = torch.nn.GELU(approximate="tanh")
+    ours = from_torchvision(ref, backend="torch").eval()
+    assert ours.config.act == "gelu_tanh"
+    x = torch.randn(1, 3, 224, 224)
+    assert_close(ours(x), ref(x), RTOL)
+    ref.encoder.layers[0].mlp[1] = torch.nn.ReLU()
+    with pytest.raises(ValueError, match=r"MLP activation must be nn.GELU\(\).*got ReLU\(\)"):
+        from_torchvision(ref)
+
+
 def test_torchvision_vit_b_16_config_is_the_timm_preset():
     with torch.device("meta"):
         tv = torchvision.models.vit_b_16()

@@ -409,6 +409,13 @@ def torchvision_to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, 
     return out
 
 
+def _torchvision_act(module: nn.Module) -> Optional[str]:
+    """The ViTConfig act of a torchvision MLP's activation module; None for one the kernels do not compute."""
+    if type(module) is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    return None
+
+
 def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights of a torchvision VisionTransformer (vit_b_16, vit_b_32, vit_l_16, ...). From
     a state dict at a width without a standard head count, num_heads is assumed (64-wide heads) with a warning."""
@@ -419,12 +426,17 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
         if not isinstance(tv.conv_proj, nn.Conv2d):
             raise ValueError("from_torchvision: models with a convolutional stem (conv_stem_configs) are not supported")
         layer = tv.encoder.layers[0]
+        acts = {_torchvision_act(block.mlp[1]) for block in tv.encoder.layers}
+        if None in acts or len(acts) > 1:
+            found = sorted({repr(block.mlp[1]) for block in tv.encoder.layers})
+            raise ValueError(f"from_torchvision: the MLP activation must be nn.GELU() or nn.GELU(approximate='tanh') "
+                             f"in every layer, got {', '.join(found)}")
         config = dict(
             img_size=tv.image_size, patch_size=tv.patch_size, in_chans=tv.conv_proj.in_channels,
             embed_dim=tv.hidden_dim, depth=len(tv.encoder.layers), num_heads=layer.self_attention.num_heads,
             mlp_ratio=mlp_ratio_for(tv.mlp_dim, tv.hidden_dim), num_classes=tv.num_classes, norm_eps=layer.ln_1.eps,
             pos_drop_rate=tv.encoder.dropout.p, proj_drop_rate=tv.dropout,
-            attn_drop_rate=tv.attention_dropout,
+            attn_drop_rate=tv.attention_dropout, act=acts.pop(),
         )
         sd = torchvision_to_timm_state_dict(tv.state_dict())
     else:

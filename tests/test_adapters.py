@@ -8,6 +8,7 @@ import peft
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 
 import vit_fast
 import vit_fast.kernels.attention
@@ -208,3 +209,101 @@ def test_hf_layer_replaced_after_optimize_is_the_one_that_runs():
                      name="logits after replacing a layer")
     assert model.vit_fast_model.blocks[0]._hf is model.vit.layers[0] and model.is_gradient_checkpointing
     assert model.vit_fast_model.backend == "triton"
+
+
+def _same_logits(source: nn.Module, model: nn.Module, what: str) -> None:
+    with torch.no_grad():
+        assert_close(model(pixel_values=images()).logits, source(pixel_values=images()).logits, RTOL, name=what)
+
+
+def _scaled(out):
+    """A hook's edit of a module's output: a tensor or a tuple's first one times 1.5 (a model output unchanged)."""
+    if isinstance(out, torch.Tensor):
+        return out * 1.5
+    return (out[0] * 1.5, *out[1:]) if type(out) is tuple else None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_hooks_on_any_module_fire_and_edit_as_on_the_source(backend):
+    """A hook on a module the linked parts do not call (a layer's attention, MLP, activation or dropout; the
+    embeddings or the backbone) fired never and an output it edited was ignored (logits 0.03-0.3 off): a layer
+    with a hook in it runs as transformers' own, one outside the layers runs transformers' forward."""
+    source = hf_vit()
+    for where in ("vit.layers.0.attention", "vit.layers.0.mlp", "vit.layers.1.mlp.activation_fn",
+                  "vit.layers.1.dropout", "vit.embeddings", "vit", "vit.layernorm"):
+        ref, model = copy.deepcopy(source), vit_fast.optimize(copy.deepcopy(source), backend=backend)
+        calls = []
+        for m in (ref, model):
+            m.get_submodule(where).register_forward_hook(
+                lambda mod, args, out: calls.append(1) or _scaled(out))
+        with torch.no_grad():
+            expected = ref(pixel_values=images()).logits
+            fired = len(calls)
+            assert_close(model(pixel_values=images()).logits, expected, RTOL, name=f"logits, hook on {where}")
+        assert len(calls) == 2 * fired, where
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_parts_replaced_or_wrapped_run_as_on_the_source(backend):
+    """An activation replaced after (or before) optimize, a wrapped attention or MLP, a wrapped or removed layer:
+    the linked model read fc1 / fc2 and the config's GELU (logits 0.05-0.07 off), failed on the wrapper with its own
+    attribute names, or refused the layer count."""
+    class Half(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            out = self.inner(*args, **kwargs)
+            return (out[0] * 0.5, *out[1:]) if isinstance(out, tuple) else out * 0.5
+
+    source = hf_vit(num_hidden_layers=3)
+    before = copy.deepcopy(source)
+    before.vit.layers[2].mlp.activation_fn = nn.ReLU()
+    _same_logits(before, vit_fast.optimize(copy.deepcopy(before), backend=backend), "activation replaced before")
+    edits = {
+        "activation": lambda m: setattr(m.vit.layers[0].mlp, "activation_fn", nn.ReLU()),
+        "attention wrapped": lambda m: setattr(m.vit.layers[1], "attention", Half(m.vit.layers[1].attention)),
+        "MLP wrapped": lambda m: setattr(m.vit.layers[1], "mlp", Half(m.vit.layers[1].mlp)),
+        "layer wrapped": lambda m: m.vit.layers.__setitem__(2, Half(m.vit.layers[2])),
+        "layer removed": lambda m: m.vit.layers.__delitem__(0),
+    }
+    for what, edit in edits.items():
+        ref, model = copy.deepcopy(source), vit_fast.optimize(copy.deepcopy(source), backend=backend)
+        _same_logits(ref, model, "before the edit")
+        edit(ref), edit(model)
+        _same_logits(ref, model, what)
+
+
+def test_hf_dropout_rates_and_modes_set_on_the_source_modules_apply():
+    """Dropout set on the source's own modules after optimize: a rate (p = 1, deterministic) on the embeddings,
+    a layer's dropout or its attention, and a backbone put in eval under a training classifier (a linear probe);
+    the linked model kept the config's rates and the top-level mode (logits 0.07-0.42 off)."""
+    settings = {
+        "embeddings": lambda m: setattr(m.vit.embeddings.dropout, "p", 1.0),
+        "layer dropout": lambda m: setattr(m.vit.layers[1].dropout, "p", 1.0),
+        "attention": lambda m: setattr(m.vit.layers[0].attention, "attention_dropout", 1.0),
+        "backbone in eval": lambda m: m.vit.eval(),
+    }
+    for what, setting in settings.items():
+        rates = dict(attention_probs_dropout_prob=0.5, hidden_dropout_prob=0.5) if what == "backbone in eval" else {}
+        source = hf_vit(**rates)
+        ref, model = copy.deepcopy(source).train(), vit_fast.optimize(copy.deepcopy(source), backend="triton").train()
+        setting(ref), setting(model)
+        _same_logits(ref, model, what)
+
+
+def test_dinov2_layer_scale_replaced_after_optimize_is_applied():
+    """A DINOv2 layer scale put in place of the linked one ran the old lambda1 (pooler_output 1.4 off)."""
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                                       patch_size=16, layerscale_value=0.3)
+    source = transformers.Dinov2Model(config).eval()
+    model = vit_fast.optimize(copy.deepcopy(source), backend="triton")
+    replacement = type(source.encoder.layer[0].layer_scale1)(transformers.Dinov2Config(hidden_size=64,
+                                                                                       layerscale_value=0.5))
+    for m in (source, model):
+        m.encoder.layer[0].layer_scale1 = copy.deepcopy(replacement)
+    with torch.no_grad():
+        assert_close(model(pixel_values=images()).pooler_output, source(pixel_values=images()).pooler_output, RTOL,
+                     name="pooler_output")

@@ -276,6 +276,20 @@ def test_blocks_that_are_not_vit_fasts_run_as_modules():
         fused.blocks[1], ref.blocks[1] = copy.deepcopy(replacement), copy.deepcopy(replacement)
         assert_close(fused(x), ref(x), FP32, f"logits with {type(replacement).__name__} as block 1")
 
+    class Half(torch.nn.Module):  # an adapter around a part (AdaptFormer, VPT-deep style)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return 0.5 * self.inner(x)
+    for where in ("blocks.0.attn", "blocks.0.mlp", "patch_embed.proj"):  # AttributeErrors: 'branch', 'weight'
+        fused, ref = make_pair(**TINY)
+        for model in (fused, ref):
+            parent, name = where.rsplit(".", 1)
+            setattr(model.get_submodule(parent), name, Half(model.get_submodule(where)))
+        assert_close(fused(x), ref(x), FP32, f"logits with {where} wrapped")
+
     fused, _ = make_pair(**TINY)
     saved = []
 

@@ -235,7 +235,7 @@ class VisionTransformer(nn.Module):
                 self.attn_pool = None
             self.global_pool = global_pool
         self.num_classes = num_classes
-        device, dtype = self.embed_params_device(), self.patch_embed.proj.weight.dtype
+        device, dtype = self.embed_params_device(), self.patch_embed.projection_weight.dtype
         # PyTorch's Linear init, as timm's reset_classifier: the same seed gives timm's new head
         self.head = self._new_head(num_classes, device, dtype)
         self.head.train(self.training)
@@ -245,7 +245,7 @@ class VisionTransformer(nn.Module):
         self.config = self.config.replace(num_classes=num_classes, global_pool=self.global_pool)
 
     def embed_params_device(self) -> torch.device:
-        return self.patch_embed.proj.weight.device
+        return self.patch_embed.projection_weight.device
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names that should not get weight decay (besides the 1-D ones), as timm."""
@@ -316,7 +316,7 @@ class VisionTransformer(nn.Module):
         covers_prefix = not self.no_embed_class
         if pos_embed is None:  # pos_embed='none': the kernel adds zeros
             tokens = grid[0] * grid[1] + (self.num_prefix_tokens if covers_prefix else 0)
-            pos_embed = x.new_zeros((1, tokens, self.embed_dim), dtype=self.patch_embed.proj.weight.dtype)
+            pos_embed = x.new_zeros((1, tokens, self.embed_dim), dtype=self.patch_embed.projection_weight.dtype)
         # The GEMM in the autocast dtype, as timm's convolution; the tokens in the residual stream's dtype (fp32
         # under AMP: timm's pos_embed add promotes the convolution's output) or, with residual_in_fp32=False, in
         # the autocast dtype. The distillation token follows the class token, as a register token would (config:
@@ -337,7 +337,7 @@ class VisionTransformer(nn.Module):
         return torch.get_autocast_dtype(x.device.type)
 
     def forward_features(self, x: torch.Tensor, pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
+        check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)
         return self._forward_blocks(self.embed(x, pos_embed))
 
     def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
@@ -348,7 +348,7 @@ class VisionTransformer(nn.Module):
         (timm's Block put in by hand, nn.Identity, a wrapper such as torch's checkpoint_wrapper, whose forward
         is the point of it)."""
         return (len(self.blocks) > 0 and resolve_backend(self.backend, x) == "triton"
-                and not has_hooks(self.blocks) and all(isinstance(blk, Block) and blk.reads_norms()
+                and not has_hooks(self.blocks) and all(isinstance(blk, Block) and blk.reads_parts()
                                                        for blk in self.blocks))
 
     def _prunes_to_class_token(self, x: torch.Tensor, chained: bool) -> bool:
@@ -418,7 +418,7 @@ class VisionTransformer(nn.Module):
             raise ValueError("forward_intermediates: attention masks (attn_mask, is_causal) are not supported")
         take = block_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else len(self.blocks)
-        check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
+        check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)
         B = x.shape[0]
         grid = self.patch_embed.check_input(x)
         outputs: list[torch.Tensor] = []
@@ -495,7 +495,7 @@ class VisionTransformer(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_model_input(x, self.patch_embed.proj.weight, self.patch_embed.in_chans)
+        check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)
         chained = self._fuses_across_blocks(x)
         if self._prunes_to_class_token(x, chained):
             # the last block skips the other tokens' proj, MLP and joins; forward_features still

@@ -23,9 +23,10 @@ import transformers
 from transformers import PreTrainedModel, ViTConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
+from ..layers import has_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
-from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to
+from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, own_hooks
 
 
 class HFLinked:
@@ -49,7 +50,7 @@ class HFLinked:
         if old is not None and links_to(old, self):
             return old
         try:
-            model = linked_model(self, self.vit_fast_config(), self.vit_fast_layout)
+            model = linked_model(self, self.vit_fast_config(), self.vit_fast_layout, self.configured_activation())
         except AttributeError as e:  # raised inside a property it would read as "no vit_fast_model"
             raise RuntimeError(f"vit_fast: {type(self).__name__}'s modules do not follow "
                                f"{type(self.vit_fast_layout).__name__}: {e}") from e
@@ -58,12 +59,54 @@ class HFLinked:
         object.__setattr__(self, "_vit_fast_model", model)
         return model
 
+    def configured_activation(self) -> Optional[type]:
+        """The type of the MLP activation module transformers builds from this model's config (None for a callable
+        or an unknown name): a layer holding another one runs as transformers' own."""
+        from transformers.activations import ACT2FN
+
+        name = getattr(self.config, "hidden_act", None)
+        try:
+            return type(ACT2FN[name]) if isinstance(name, str) else None
+        except KeyError:
+            return None
+
     def linked_in_mode(self) -> VisionTransformer:
-        """The linked model in this model's train/eval mode (its own dropout modules follow this one)."""
+        """The linked model in this model's train/eval mode, each of its dropouts with the rate and mode of the
+        source's counterpart now (``Layout.follow_regularisation``)."""
         model = self.vit_fast_model
         if model.training != self.training:
             model.train(self.training)
+        self.vit_fast_layout.follow_regularisation(model, self)
         return model
+
+    def runs_as_transformers(self) -> bool:
+        """Whether this call must run transformers' own forward: a hook (or global module hooks) on a module the
+        linked forward does not call, outside the layers (the backbone or encoder container, the embeddings, the
+        patch embedding, a position table). Hooks in a layer run that layer as transformers' (``LinkedBlock``); the
+        final norm, the head, the pooler and an attention-pool head are called as modules."""
+        model = self.vit_fast_model
+        called = {id(self.vit_fast_layout.layers(self))}
+        for name in ("norm", "head", "attn_pool"):
+            if name in model._linked:
+                called.add(id(getattr(model, name)))
+        for module in (getattr(self, "pooler", None), getattr(self.vit_fast_layout.encoder(self), "pooler", None)):
+            if module is not None:
+                called.add(id(module))
+        if has_hooks(nn.Identity()):  # global module hooks fire on every module transformers calls
+            return True
+        stack = list(self._modules.values())
+        while stack:
+            module = stack.pop()
+            if module is None or id(module) in called:
+                continue
+            if own_hooks(module):
+                return True
+            stack.extend(module._modules.values())
+        return False
+
+    def transformers_forward(self, *args, **kwargs):
+        """transformers' forward of this model's class on its own modules (arguments left as None dropped)."""
+        return self.stock_class().forward(self, *args, **{k: v for k, v in kwargs.items() if v is not None})
 
     def position_embedding_for(self, pixel_values: torch.Tensor, resize: bool) -> Optional[torch.Tensor]:
         """The position embedding of these images' size: None at the model's own size (its table); at another
@@ -197,7 +240,7 @@ class HFViT(HFLinked):
         if labels is not None and not is_classifier:
             raise ValueError("labels: a ViTModel has no classifier (use ViTForImageClassification)")
         model = self.linked_in_mode()
-        pixel_values = pixel_values.to(model.patch_embed.proj.weight.dtype)  # as transformers does
+        pixel_values = pixel_values.to(model.patch_embed.projection_weight.dtype)  # as transformers does
         pos_embed = self.position_embedding_for(pixel_values, bool(interpolate_pos_encoding))
         want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         want_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
@@ -235,6 +278,10 @@ class HFViTForImageClassification(HFViT):
     def forward(self, pixel_values: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 interpolate_pos_encoding: Optional[bool] = None, attention_mask: Optional[torch.Tensor] = None,
                 **kwargs):
+        if self.runs_as_transformers():
+            return self.transformers_forward(pixel_values, labels=labels,
+                                             interpolate_pos_encoding=interpolate_pos_encoding,
+                                             attention_mask=attention_mask, **kwargs)
         return self._forward(pixel_values, labels=labels, interpolate_pos_encoding=interpolate_pos_encoding,
                              attention_mask=attention_mask, **kwargs)
 
@@ -245,6 +292,10 @@ class HFViTModel(HFViT):
                 **kwargs):
         if kwargs.get("labels") is not None:
             raise ValueError("labels: a ViTModel has no classifier (use ViTForImageClassification)")
+        if self.runs_as_transformers():
+            return self.transformers_forward(pixel_values, bool_masked_pos=bool_masked_pos,
+                                             interpolate_pos_encoding=interpolate_pos_encoding,
+                                             attention_mask=attention_mask, **kwargs)
         return self._forward(pixel_values, bool_masked_pos=bool_masked_pos,
                              interpolate_pos_encoding=interpolate_pos_encoding, attention_mask=attention_mask, **kwargs)
 

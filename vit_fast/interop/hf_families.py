@@ -58,12 +58,12 @@ class HFVisionFamily(HFLinked):
         if unsupported:
             raise ValueError(f"{source_class} (vit_fast): not supported: {', '.join(unsupported)}")
         m = self.linked_in_mode()
-        pixel_values = pixel_values.to(m.patch_embed.proj.weight.dtype)  # as transformers does
+        pixel_values = pixel_values.to(m.patch_embed.projection_weight.dtype)  # as transformers does
         pos_embed = self.position_embedding_for(pixel_values,
                                                 resize=bool(interpolate_pos_encoding) or source_class == "Dinov2Model")
         if source_class.startswith("CLIP"):
             # last_hidden_state is the stream before post_layernorm; pooled = post_layernorm(class token)
-            check_model_input(pixel_values, m.patch_embed.proj.weight, m.patch_embed.in_chans)
+            check_model_input(pixel_values, m.patch_embed.projection_weight, m.patch_embed.in_chans)
             streams: list[torch.Tensor] = []
             final = m._forward_blocks(m.embed(pixel_values, pos_embed), outputs=streams)
             sequence, pooled = streams[-1], final[:, 0]
@@ -92,6 +92,8 @@ class HFVisionFamily(HFLinked):
 class _WithImageSize(HFVisionFamily):
     def forward(self, pixel_values: Optional[torch.Tensor] = None, interpolate_pos_encoding: Optional[bool] = None,
                 **kwargs):
+        if self.runs_as_transformers():
+            return self.transformers_forward(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
         return self._forward(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
 
 
@@ -114,6 +116,9 @@ class SiglipForImageClassification(HFVisionFamily, transformers.SiglipForImageCl
 
     def forward(self, pixel_values: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 interpolate_pos_encoding: Optional[bool] = None, **kwargs):
+        if self.runs_as_transformers():
+            return self.transformers_forward(pixel_values, labels, interpolate_pos_encoding=interpolate_pos_encoding,
+                                             **kwargs)
         return self._forward(pixel_values, labels, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
 
 
@@ -122,6 +127,8 @@ class Dinov2Model(HFVisionFamily, transformers.Dinov2Model):
 
     def forward(self, pixel_values: Optional[torch.Tensor] = None, bool_masked_pos: Optional[torch.Tensor] = None,
                 **kwargs):
+        if self.runs_as_transformers():
+            return self.transformers_forward(pixel_values, bool_masked_pos=bool_masked_pos, **kwargs)
         return self._forward(pixel_values, bool_masked_pos=bool_masked_pos, **kwargs)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -51,7 +52,7 @@ class LinkedVisionTransformer(VisionTransformer):
     head = FromSource()
 
     def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
-        return super()._fuses_across_blocks(x) and not has_hooks(self._layout.layers(self._hf))
+        return all(block.reads_source() for block in self.blocks) and super()._fuses_across_blocks(x)
 
 
 class LinkedPatchEmbed(PatchEmbed):
@@ -63,15 +64,27 @@ class LinkedPatchEmbed(PatchEmbed):
 
 
 class LinkedBlock(Block):
+    """A block linked to a source layer. ``_fixed``: (parent, name, module) of every module of the layer that the
+    linked parts do not read afresh at each call (containers, the activation, dropouts, layer scales), as they were
+    when linked; ``_stock``: whether the layer's activation was the one its config names then; ``_dropouts``: where
+    each of its dropouts reads its rate and mode (``Layout.block_dropouts``)."""
     _kind = "block"
     norm1 = FromSource()
     norm2 = FromSource()
 
+    def reads_source(self) -> bool:
+        """Whether the linked parts compute what the layer computes: no hook on it or in it (a hook on its attention,
+        MLP or a dropout would not fire: the parts call only the leaf modules; FSDP2's fully_shard on the layer must
+        run around it) and none of its fixed modules replaced (an activation, a wrapped attention, a layer scale
+        put in by hand). Otherwise the layer runs as transformers' own module."""
+        return (self._stock and all(parent._modules.get(name) is module for parent, name, module in self._fixed)
+                and not has_hooks(self._hf))
+
     def fuses(self, x: torch.Tensor) -> bool:
-        return super().fuses(x) and not has_hooks(self._hf)
+        return self.reads_source() and super().fuses(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if own_hooks(self._hf):  # e.g. FSDP2's fully_shard on the layer: its hooks must run around it
+        if not self.reads_source():
             out = self._hf(x, *[None] * _mask_arguments(type(self._hf)))
             return out[0] if isinstance(out, tuple) else out
         return super().forward(x)
@@ -155,28 +168,74 @@ def carry_settings(old: VisionTransformer, new: VisionTransformer) -> None:
     new.train(old.training)
 
 
-def linked_model(source: nn.Module, config: dict, layout: "Layout") -> VisionTransformer:
+def linked_model(source: nn.Module, config: dict, layout: "Layout",
+                 activation: Optional[type] = None) -> VisionTransformer:
     """A vit_fast VisionTransformer (``config``: ViTConfig fields) with no parameters of its own that
-    computes ``source``'s forward from ``source``'s modules, found through ``layout``."""
+    computes ``source``'s forward from ``source``'s modules, found through ``layout``: as many blocks as the source
+    has layers now (a layer removed or appended by hand, as transformers runs them). ``activation``: the type of the
+    MLP activation module the config names (a layer holding another runs as transformers' own)."""
+    layers = layout.layers(source)
     with torch.device("meta"):
-        model = VisionTransformer(ViTConfig(**{**config, "weight_init": "skip"}))
+        model = VisionTransformer(ViTConfig(**{**config, "depth": len(layers), "weight_init": "skip"}))
     _link(model, LinkedVisionTransformer, source, layout)
     _link(model.patch_embed, LinkedPatchEmbed, layout.patch_embed(source), layout)
-    layers = layout.layers(source)
-    if len(layers) != len(model.blocks):
-        raise RuntimeError(f"vit_fast: the source has {len(layers)} layers, its config {len(model.blocks)}")
     for block, layer in zip(model.blocks, layers):
         _link(block, LinkedBlock, layer, layout)
+        try:
+            act, fixed, scales = layout.mlp_activation(layer), _fixed_modules(layer, layout), layout.layer_scales(layer)
+        except AttributeError:  # a layer wrapped or rebuilt by hand: it runs as its own module, nothing read
+            object.__setattr__(block, "_stock", False)
+            object.__setattr__(block, "_fixed", ())
+            for part in block.modules():
+                part._parameters.clear()
+                part._buffers.clear()
+            continue
+        object.__setattr__(block, "_stock", activation is None or act is None or type(act) is activation)
+        object.__setattr__(block, "_fixed", fixed)
         _link(block.attn, LinkedAttention, layer, layout)
         _link(block.mlp, _LINKED_MLP[type(block.mlp)], layer, layout)
-        for ls, scale in zip((block.ls1, block.ls2), layout.layer_scales(layer)):
+        for ls, scale in zip((block.ls1, block.ls2), scales):
             if isinstance(ls, LayerScale):
                 _link(ls, LinkedLayerScale, scale, layout)
-    layout.set_regularisation(model, source)
+    layout.set_regularisation(model, source)  # first: DINOv2's drop paths are put in place there
+    for block, layer in zip(model.blocks, layers):
+        object.__setattr__(block, "_dropouts", layout.block_dropouts(block, layer) if block._stock else ())
+    layout.follow_regularisation(model, source)
     leftover = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
     if leftover:
         raise RuntimeError(f"vit_fast: the linked model kept tensors of its own: {leftover}")
     return model
+
+
+def _fixed_modules(layer: nn.Module, layout: "Layout") -> tuple:
+    """(parent, name, module) for every module inside ``layer`` except the parts the linked block reads at each
+    call (q, k, v, the output projection, fc1, fc2, the norms: PEFT or the user may replace those) and theirs."""
+    read = set(map(id, layout.read_parts(layer)))
+    fixed, stack = [], [layer]
+    while stack:
+        parent = stack.pop()
+        for name, module in parent._modules.items():
+            if module is not None and id(module) not in read:
+                fixed.append((parent, name, module))
+                stack.append(module)
+    return tuple(fixed)
+
+
+def _follow(dropout: nn.Module, rate: float, training: bool) -> None:
+    """A linked model's dropout (or DropPath) module takes the source's rate and train/eval mode."""
+    name = "drop_prob" if isinstance(dropout, DropPath) else "p"
+    if getattr(dropout, name) != rate:
+        setattr(dropout, name, float(rate))
+    if dropout.training != training:
+        dropout.training = training
+
+
+def _module_rate(module: Optional[nn.Module]) -> tuple[float, bool]:
+    """(rate, training) of a source's dropout module (nn.Dropout's p, a drop path's drop_prob; 0 for anything
+    else, e.g. an Identity put in its place)."""
+    if module is None:
+        return 0.0, False
+    return float(getattr(module, "p", getattr(module, "drop_prob", 0.0))), module.training
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -199,9 +258,58 @@ class Layout:
         return (None, None)
 
     def set_regularisation(self, model: VisionTransformer, source: nn.Module) -> None:
-        """Dropout and stochastic-depth rates where the family applies them elsewhere than timm's blocks do (the
-        config gives timm's placement); the rates are read from the source's modules. Nothing to change by
-        default (CLIP, SigLIP: attention dropout only)."""
+        """Dropout and stochastic-depth modules where the family applies them elsewhere than timm's blocks do (the
+        config gives timm's placement). Nothing to change by default (CLIP, SigLIP: attention dropout only)."""
+
+    def follow_regularisation(self, model: VisionTransformer, source: nn.Module) -> None:
+        """Every dropout and drop path of the linked model takes the rate and the train/eval mode the source's
+        counterpart has now (read before each forward: a rate set or a submodule put in eval by hand after
+        optimize, e.g. a backbone in eval under a training classifier, is the source's): the embeddings' here,
+        each block's from the holders found when it was linked (``block_dropouts``)."""
+        self.follow_embeddings_dropout(model, source)
+        for block in model.blocks:
+            for dropout, holder, rate_name, mode_also in block._dropouts:
+                rate, training = (float(getattr(holder, rate_name) or 0.0), holder.training) if holder is not None \
+                    else (0.0, False)
+                _follow(dropout, rate, training)
+                if mode_also is not None and mode_also.training != training:
+                    mode_also.training = training
+
+    def follow_embeddings_dropout(self, model: VisionTransformer, source: nn.Module) -> None:
+        """None by default (CLIP, SigLIP)."""
+
+    def block_dropouts(self, block: nn.Module, layer: nn.Module) -> tuple:
+        """(linked dropout, the source module holding its rate and mode or None for 0, the rate's attribute, a linked
+        module that also takes the mode) per dropout of a block. By default (CLIP, SigLIP) attention dropout only:
+        the attention module's float rate, applied while it trains."""
+        return (self.attention_dropout(block, layer.self_attn, "dropout"),)
+
+    @staticmethod
+    def attention_dropout(block: nn.Module, attention: nn.Module, rate_name: str) -> tuple:
+        """transformers 5's attention modules hold their dropout as a float applied while the module trains;
+        transformers 4's ViT / DINOv2 a Dropout module (``attention.dropout``). The attention kernels apply
+        attn_drop's rate while the linked attention trains: it takes the mode too."""
+        holder = getattr(attention, rate_name, None)
+        if isinstance(holder, nn.Module):
+            return block.attn.attn_drop, holder, "p", block.attn
+        return block.attn.attn_drop, attention, rate_name, block.attn
+
+    def read_parts(self, layer: nn.Module) -> list:
+        """The modules of a layer the linked parts read at each call (``_fixed_modules``)."""
+        parts = []
+        for part in (self.attn_qkv(layer), self.attn_proj(layer), self.mlp_fc1(layer), self.mlp_fc2(layer),
+                     self.block_norm1(layer), self.block_norm2(layer)):
+            parts.extend(part.parts if isinstance(part, PackedLinear) else (part,))
+        return parts
+
+    def mlp_activation(self, layer: nn.Module) -> Optional[nn.Module]:
+        """The layer's MLP activation module (transformers 5: mlp.activation_fn; 4: intermediate.intermediate_act_fn),
+        None where the MLP has none of these (a SwiGLU)."""
+        for holder, name in (("mlp", "activation_fn"), ("intermediate", "intermediate_act_fn")):
+            module = layer._modules.get(holder)
+            if module is not None and name in module._modules:
+                return module._modules[name]
+        return None
 
     # the attention and MLP of transformers' pre-norm layers (CLIP, SigLIP; ViT and DINOv2 override)
     def attn_qkv(self, layer: nn.Module) -> PackedLinear:
@@ -283,6 +391,21 @@ class ViTLayout(Layout):
         for block in model.blocks:
             block.mlp.drop1.p = 0.0
 
+    def follow_embeddings_dropout(self, model, source):
+        _follow(model.pos_drop, *_module_rate(self.encoder(source).embeddings._modules.get("dropout")))
+
+    def block_dropouts(self, block, layer):
+        """The attention's; after the attention output and the MLP the layer's one ``dropout`` module (transformers
+        5) or attention.output's and output's (transformers 4)."""
+        attention = layer.attention
+        if "attention" in attention._modules:  # transformers 4
+            return (self.attention_dropout(block, attention.attention, "dropout"),
+                    (block.attn.proj_drop, attention.output._modules.get("dropout"), "p", None),
+                    (block.mlp.drop2, layer.output._modules.get("dropout"), "p", None))
+        dropout = layer._modules.get("dropout")
+        return (self.attention_dropout(block, attention, "attention_dropout"),
+                (block.attn.proj_drop, dropout, "p", None), (block.mlp.drop2, dropout, "p", None))
+
 
 class CLIPLayout(Layout):
     """transformers CLIPVisionModel / CLIPVisionModelWithProjection (class token and position table kept
@@ -361,12 +484,23 @@ class Dinov2Layout(ViTLayout):
         """transformers' DINOv2 drops (hidden_dropout_prob) after the embeddings only, and gives every layer the
         same stochastic depth (drop_path_rate), where timm ramps it from 0 over the blocks; transformers 4 also
         dropped after the attention output (its attention.output.dropout)."""
-        model.pos_drop.p = self.encoder(source).embeddings.dropout.p
-        for block, layer in zip(model.blocks, self.layers(source)):
-            output = getattr(layer.attention, "output", None)
-            block.attn.proj_drop.p = output.dropout.p if isinstance(getattr(output, "dropout", None), nn.Dropout) \
-                else 0.0
+        for block in model.blocks:
             block.mlp.drop1.p = block.mlp.drop2.p = 0.0
-            rate = float(getattr(layer.drop_path, "drop_prob", 0.0))
-            block.drop_path1, block.drop_path2 = ((DropPath(rate), DropPath(rate)) if rate > 0
-                                                  else (nn.Identity(), nn.Identity()))
+            block.drop_path1, block.drop_path2 = DropPath(), DropPath()  # rates: follow_regularisation
+
+    def follow_embeddings_dropout(self, model, source):
+        _follow(model.pos_drop, *_module_rate(self.encoder(source).embeddings._modules.get("dropout")))
+
+    def block_dropouts(self, block, layer):
+        """The attention's, transformers 4's after the attention output, and the layer's drop path on both
+        branches."""
+        attention, drop_path = layer.attention, layer._modules.get("drop_path")
+        drop_path = drop_path if hasattr(drop_path, "drop_prob") else None  # Identity: no drop path
+        paths = ((block.drop_path1, drop_path, "drop_prob", None), (block.drop_path2, drop_path, "drop_prob", None))
+        if "attention" in attention._modules:  # transformers 4
+            output = attention._modules.get("output")
+            return (self.attention_dropout(block, attention.attention, "dropout"),
+                    (block.attn.proj_drop, output._modules.get("dropout") if output is not None else None, "p",
+                     None), *paths)
+        return (self.attention_dropout(block, attention, "attention_dropout"), (block.attn.proj_drop, None, "p", None),
+                *paths)

@@ -10,7 +10,7 @@ from ..backend import check_backend, resolve_backend
 from . import fused_block
 from .attention import Attention
 from .common import dropout_rate, has_hooks
-from .mlp import make_mlp
+from .mlp import MlpJoin, make_mlp
 from .norm import layer_norm, layer_norm_with_input, reads_norm, residual_join
 
 
@@ -83,13 +83,15 @@ class Block(nn.Module):
 
     def fuses(self, x: torch.Tensor) -> bool:
         """The block runs on its kernels (``forward_pair``): the backend resolves to Triton, no hook sits
-        on a part of it (hooks fire only when the parts run through their own ``__call__``) and its norms
-        are vit_fast LayerNorms the join kernel can read (a wrapped or replaced norm is called instead)."""
-        return (resolve_backend(self.backend, x) == "triton" and self.reads_norms()
+        on a part of it (hooks fire only when the parts run through their own ``__call__``), its norms
+        are LayerNorms the join kernel can read and its attention and MLP are vit_fast's (a wrapped or replaced
+        part is called instead)."""
+        return (resolve_backend(self.backend, x) == "triton" and self.reads_parts()
                 and not has_hooks(self, inside=True))
 
-    def reads_norms(self) -> bool:
-        return reads_norm(self.norm1) and reads_norm(self.norm2)
+    def reads_parts(self) -> bool:
+        return (reads_norm(self.norm1) and reads_norm(self.norm2) and isinstance(self.attn, Attention)
+                and isinstance(self.mlp, MlpJoin))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuses(x):

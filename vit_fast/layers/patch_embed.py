@@ -52,6 +52,13 @@ class PatchEmbed(nn.Module):
                              f"create the model with img_size=({H}, {W}) or dynamic_img_size=True")
         return H // ph, W // pw
 
+    @property
+    def projection_weight(self) -> torch.Tensor:
+        """The projection's weight (a wrapped projection's first parameter): the device and dtype images go to."""
+        if fusable_linear(self.proj):
+            return self.proj.weight
+        return next(self.proj.parameters())
+
     def fused(self, x: torch.Tensor) -> bool:
         """The ``patch_embed`` kernel runs: Triton backend, and ``proj`` is a convolution it can read
         (vit_fast/adapters.py) with no hook on it."""

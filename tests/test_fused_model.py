@@ -233,7 +233,8 @@ def test_hooks_anywhere_in_the_blocks_fire_with_the_same_result():
     x = torch.randn(2, 3, 32, 32)
     out = fused(x)
     loss_of(out).backward()
-    for where in ("blocks.1", "blocks.1.attn", "blocks.0.mlp.fc1", "backward:blocks.0", "norm"):
+    for where in ("blocks.1", "blocks.1.attn", "blocks.0.mlp.fc1", "backward:blocks.0", "norm", "blocks",
+                  "blocks.0.mlp.drop1"):
         hooked = copy.deepcopy(fused)
         hooked.zero_grad()
         seen = []
@@ -289,6 +290,11 @@ def test_blocks_that_are_not_vit_fasts_run_as_modules():
             parent, name = where.rsplit(".", 1)
             setattr(model.get_submodule(parent), name, Half(model.get_submodule(where)))
         assert_close(fused(x), ref(x), FP32, f"logits with {where} wrapped")
+    fused, ref = make_pair(**TINY)
+    for model in (fused, ref):  # the patch kernel adds the position embedding: a norm put in before it was skipped
+        torch.manual_seed(3)
+        model.patch_embed.norm = torch.nn.LayerNorm(64, elementwise_affine=False)
+    assert_close(fused(x), ref(x), FP32, "logits with a patch norm put in")
 
     fused, _ = make_pair(**TINY)
     saved = []

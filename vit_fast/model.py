@@ -45,6 +45,7 @@ from .layers import (
     sincos_2d_pos_embed,
     trunc_normal_,
 )
+from .layers.common import own_hooks
 from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
 from .route import STATIC_ROUTE, apply_route, default_route
 
@@ -308,7 +309,10 @@ class VisionTransformer(nn.Module):
         if pos_embed is not None:
             self._check_pos_embed(pos_embed, grid)
         residual_dtype = self._autocast_residual_dtype(x)
-        if not self.patch_embed.fused(x) or has_hooks(self.patch_embed):
+        # the kernel adds the position embedding to the projection's output: a patch norm (put in by hand) between
+        # them runs the modules
+        if (not self.patch_embed.fused(x) or has_hooks(self.patch_embed)
+                or not isinstance(self.patch_embed.norm, nn.Identity)):
             tokens = self._pos_embed(self.patch_embed(x, any_size=pos_embed is not None), grid, pos_embed)
             tokens = self.norm_pre(tokens)
             return tokens if residual_dtype is None else tokens.to(residual_dtype)
@@ -375,8 +379,12 @@ class VisionTransformer(nn.Module):
         the CPU RNG state first, and the kernels draw their dropout seeds from it (next_seed), so the
         recomputed masks are the same; whether a block runs as one Function is decided before its checkpoint and
         held for the recomputation (it saves what its forward saved)."""
-        blocks = list(self.blocks)[:depth]
         chained = self._fuses_across_blocks(x) if chained is None else chained  # decided by forward() once
+        if (not chained and depth is None and outputs is None and not self.grad_checkpointing
+                and own_hooks(self.blocks)):  # a hook on the container fires as on timm, which calls it
+            residual = self.blocks(x)
+            return self.norm(residual) if final_norm else residual
+        blocks = list(self.blocks)[:depth]
         normed = final_norm
         # the last join computes the final norm in its kernel only where calling the norm would do no more
         final_norm = (self.norm if normed and chained and reads_norm(self.norm) and not has_hooks(self.norm)

@@ -24,9 +24,10 @@ from transformers import PreTrainedModel, ViTConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
 from ..layers import has_hooks
+from ..layers.common import own_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
-from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, own_hooks
+from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to
 
 
 class HFLinked:

@@ -37,11 +37,6 @@ class FromSource:
         return nn.Module.__getattr__(part, self.name)
 
 
-def own_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
-                or module._backward_hooks)
-
-
 class LinkedVisionTransformer(VisionTransformer):
     _kind = "model"
     cls_token = FromSource()
@@ -269,8 +264,9 @@ class Layout:
         self.follow_embeddings_dropout(model, source)
         for block in model.blocks:
             for dropout, holder, rate_name, mode_also in block._dropouts:
+                # no holder (none in the source, an Identity): rate 0 in the linked model's own mode
                 rate, training = (float(getattr(holder, rate_name) or 0.0), holder.training) if holder is not None \
-                    else (0.0, False)
+                    else (0.0, dropout.training)
                 _follow(dropout, rate, training)
                 if mode_also is not None and mode_also.training != training:
                     mode_also.training = training

@@ -41,6 +41,12 @@ def has_hooks(module: nn.Module, inside: bool = False) -> bool:
     return False
 
 
+def own_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself (not what is below it) holds forward or backward hooks."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks)
+
+
 def dropout_rate(module: nn.Module) -> Optional[float]:
     """The rate a dropout module of a part applies now, by its own mode as torch's: an ``nn.Dropout``'s p while it
     trains (else 0: a module put in eval by hand, or one left training in an eval model for MC dropout, is obeyed),

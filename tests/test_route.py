@@ -102,6 +102,7 @@ def test_route_is_decided_once_and_handed_to_every_part():
     model(torch.randn(1, 3, 32, 32))
     assert vit_fast.route_of(model) is chosen and model.patch_embed.impl == "eager"
     assert all(b.attn.impl == "sdpa" and b.mlp.impl == "bias_gelu" and b.join_impl == "eager" for b in model.blocks)
+    assert Route(attention="sdpa").source == "set by hand" and Route().source == "static: every part fused"
     with pytest.raises(ValueError, match=r"attention expected one of \['fused', 'short', 'sdpa', 'eager'\]"):
         Route(attention="flash")
     with pytest.raises(ValueError, match="unknown part"):

@@ -63,12 +63,15 @@ class Route:
     attention: str = "fused"
     mlp: str = "fused"
     join: str = "fused"
-    source: str = "static: every part fused"
+    source: str = ""  # empty: named from the choices (the static route, or one set by hand)
 
     def __post_init__(self):
         for part, impls in PART_IMPLS.items():
             if getattr(self, part) not in impls:
                 raise ValueError(f"route: {part} expected one of {list(impls)}, got {getattr(self, part)!r}")
+        if not self.source:
+            every_part_fused = all(getattr(self, part) == "fused" for part in PART_IMPLS)
+            object.__setattr__(self, "source", "static: every part fused" if every_part_fused else "set by hand")
 
     def choices(self) -> dict[str, str]:
         return {part: getattr(self, part) for part in PART_IMPLS}

@@ -307,3 +307,26 @@ def test_dinov2_layer_scale_replaced_after_optimize_is_applied():
     with torch.no_grad():
         assert_close(model(pixel_values=images()).pooler_output, source(pixel_values=images()).pooler_output, RTOL,
                      name="pooler_output")
+
+
+def test_clip_layer_wrapped_by_hand_gets_the_mask_argument_its_layer_takes():
+    """A wrapper with forward(*args, **kwargs) around a CLIP layer: the layer runs as transformers' own, called as
+    transformers' encoder calls it (attention_mask None; the wrapper's own signature counted no mask: TypeError)."""
+    class Passing(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    torch.manual_seed(0)
+    source = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=32,
+        patch_size=16)).eval()
+    model = vit_fast.optimize(copy.deepcopy(source), backend="triton")
+    for m in (source, model):
+        m.encoder.layers[0] = Passing(m.encoder.layers[0])
+    with torch.no_grad():
+        assert_close(model(pixel_values=images()).pooler_output, source(pixel_values=images()).pooler_output, RTOL,
+                     name="pooler_output")

@@ -62,7 +62,8 @@ class LinkedBlock(Block):
     """A block linked to a source layer. ``_fixed``: (parent, name, module) of every module of the layer that the
     linked parts do not read afresh at each call (containers, the activation, dropouts, layer scales), as they were
     when linked; ``_stock``: whether the layer's activation was the one its config names then; ``_dropouts``: where
-    each of its dropouts reads its rate and mode (``Layout.block_dropouts``)."""
+    each of its dropouts reads its rate and mode (``Layout.block_dropouts``); ``_masks``: how many mask arguments
+    (None) the layer is called with when it runs as transformers' own."""
     _kind = "block"
     norm1 = FromSource()
     norm2 = FromSource()
@@ -80,16 +81,20 @@ class LinkedBlock(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reads_source():
-            out = self._hf(x, *[None] * _mask_arguments(type(self._hf)))
+            out = self._hf(x, *[None] * self._masks)
             return out[0] if isinstance(out, tuple) else out
         return super().forward(x)
 
 
 @functools.lru_cache(maxsize=None)
-def _mask_arguments(layer_class: type) -> int:
+def _mask_arguments(layer_class: type) -> Optional[int]:
     """How many required arguments a transformers layer's forward takes after the hidden states (its masks:
-    attention_mask, and causal_attention_mask in transformers 4's CLIP), each passed as None."""
-    params = list(inspect.signature(layer_class.forward).parameters.values())[2:]
+    attention_mask, and causal_attention_mask in transformers 4's CLIP), each passed as None; None for a forward
+    taking ``*args`` (a wrapper: it gets what the source's own layers take)."""
+    params = list(inspect.signature(layer_class.forward).parameters.values())[1:]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    params = params[1:]  # after the hidden states
     return sum(1 for p in params if p.default is inspect.Parameter.empty
                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
@@ -174,8 +179,11 @@ def linked_model(source: nn.Module, config: dict, layout: "Layout",
         model = VisionTransformer(ViTConfig(**{**config, "depth": len(layers), "weight_init": "skip"}))
     _link(model, LinkedVisionTransformer, source, layout)
     _link(model.patch_embed, LinkedPatchEmbed, layout.patch_embed(source), layout)
-    for block, layer in zip(model.blocks, layers):
+    masks = [_mask_arguments(type(layer)) for layer in layers]
+    stock_masks = max((n for n in masks if n is not None), default=0)
+    for block, layer, n in zip(model.blocks, layers, masks):
         _link(block, LinkedBlock, layer, layout)
+        object.__setattr__(block, "_masks", stock_masks if n is None else n)
         try:
             act, fixed, scales = layout.mlp_activation(layer), _fixed_modules(layer, layout), layout.layer_scales(layer)
         except AttributeError:  # a layer wrapped or rebuilt by hand: it runs as its own module, nothing read

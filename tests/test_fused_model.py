@@ -255,8 +255,8 @@ def test_a_hook_that_changes_the_final_norms_output_is_applied():
     that edits its output (and torch's pruning, a pre-hook recomputing the weight) must run, as on timm."""
     fused, ref = make_pair(**TINY)
     x = torch.randn(2, 3, 32, 32)
-    for model in (fused, ref):
-        model.norm.register_forward_hook(lambda m, args, output: output * 2.0)
+    for model in (fused, ref):  # token-dependent: class-token pooling must not hand it the class token alone
+        model.norm.register_forward_hook(lambda m, args, output: output * 2.0 + output.mean(1, keepdim=True))
     out, expected = fused(x), ref(x)
     assert_close(out, expected, FP32, "logits, hook editing the final norm's output")
     loss_of(out).backward()
@@ -290,6 +290,22 @@ def test_blocks_that_are_not_vit_fasts_run_as_modules():
             parent, name = where.rsplit(".", 1)
             setattr(model.get_submodule(parent), name, Half(model.get_submodule(where)))
         assert_close(fused(x), ref(x), FP32, f"logits with {where} wrapped")
+    from vit_fast.layers import Attention, Block, Mlp, PatchEmbed
+
+    def scaled_forward(cls):  # a user's subclass with a forward of its own
+        def forward(self, *args, **kwargs):
+            return 1.5 * cls.forward(self, *args, **kwargs)
+        return type("Scaled" + cls.__name__, (cls,), {"forward": forward})
+    for where, cls in (("blocks.1", Block), ("blocks.0.attn", Attention), ("blocks.0.mlp", Mlp),
+                       ("patch_embed", PatchEmbed)):
+        fused, ref = make_pair(**TINY)
+        for model in (fused, ref):
+            model.get_submodule(where).__class__ = scaled_forward(cls)
+        assert_close(fused(x), ref(x), FP32, f"logits with {where} subclassed")
+    fused, ref = make_pair(**TINY)
+    for model in (fused, ref):
+        model.blocks[0].attn.attn_drop = torch.nn.Identity()  # an AttributeError on .p
+    assert_close(fused(x), ref(x), FP32, "logits with attn_drop an Identity")
     fused, ref = make_pair(**TINY)
     for model in (fused, ref):  # the patch kernel adds the position embedding: a norm put in before it was skipped
         torch.manual_seed(3)

@@ -68,6 +68,20 @@ def test_timm_same_outputs_and_signature(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @torch.no_grad()
+def test_timm_explicit_attention_and_its_scale_carry_over(backend):
+    """A timm block on its explicit attention path (fused_attn=False: TIMM_FUSED_ATTN=0, or set for attention maps)
+    applies its scale, one set by hand included; the converted model defaulted both (logits 1.3e-2 off). A fused
+    timm block ignores a hand-set scale (its SDPA call takes none), and so does its conversion."""
+    ref = timm_vit()
+    ref.blocks[0].attn.fused_attn, ref.blocks[0].attn.scale = False, 0.37
+    ref.blocks[1].attn.scale = 0.37  # ignored by timm's SDPA path
+    model = vit_fast.optimize(ref, backend=backend)
+    assert model.blocks[0].attn.fused_attn is False and model.blocks[0].attn.scale == 0.37
+    assert_close(model(images()), ref(images()), RTOL, name="logits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
 def test_torchvision_same_logits(backend):
     ref = torchvision_vit()
     model = vit_fast.optimize(ref, backend=backend)

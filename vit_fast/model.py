@@ -45,7 +45,7 @@ from .layers import (
     sincos_2d_pos_embed,
     trunc_normal_,
 )
-from .layers.common import own_hooks
+from .layers.common import own_hooks, runs_own_forward
 from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
 from .route import STATIC_ROUTE, apply_route, default_route
 
@@ -311,8 +311,8 @@ class VisionTransformer(nn.Module):
         residual_dtype = self._autocast_residual_dtype(x)
         # the kernel adds the position embedding to the projection's output: a patch norm (put in by hand) between
         # them runs the modules
-        if (not self.patch_embed.fused(x) or has_hooks(self.patch_embed)
-                or not isinstance(self.patch_embed.norm, nn.Identity)):
+        if (not runs_own_forward(self.patch_embed, PatchEmbed) or not self.patch_embed.fused(x)
+                or has_hooks(self.patch_embed) or not isinstance(self.patch_embed.norm, nn.Identity)):
             tokens = self._pos_embed(self.patch_embed(x, any_size=pos_embed is not None), grid, pos_embed)
             tokens = self.norm_pre(tokens)
             return tokens if residual_dtype is None else tokens.to(residual_dtype)
@@ -352,7 +352,7 @@ class VisionTransformer(nn.Module):
         (timm's Block put in by hand, nn.Identity, a wrapper such as torch's checkpoint_wrapper, whose forward
         is the point of it)."""
         return (len(self.blocks) > 0 and resolve_backend(self.backend, x) == "triton"
-                and not has_hooks(self.blocks) and all(isinstance(blk, Block) and blk.reads_parts()
+                and not has_hooks(self.blocks) and all(runs_own_forward(blk, Block) and blk.reads_parts()
                                                        for blk in self.blocks))
 
     def _prunes_to_class_token(self, x: torch.Tensor, chained: bool) -> bool:
@@ -362,7 +362,7 @@ class VisionTransformer(nn.Module):
         pruned block would draw different ones. A subclass that overrides forward_features keeps its own."""
         return (self.global_pool == "token" and chained
                 and type(self).forward_features is VisionTransformer.forward_features
-                and not self.blocks[-1].draws_row_dropout_masks())
+                and not self.blocks[-1].draws_row_dropout_masks() and not has_hooks(self.norm))
 
     def _forward_blocks(self, x: torch.Tensor, last_keep_rows: Optional[int] = None, depth: Optional[int] = None,
                         outputs: Optional[list] = None, chained: Optional[bool] = None,

@@ -229,6 +229,17 @@ def _warn_assumed(source: str, assumptions: Mapping[str, str], config: Mapping, 
                       f"pass them as keyword arguments where the source differs{hint}", UserWarning, stacklevel=3)
 
 
+def _carry_attention_switches(timm_model: nn.Module, model: VisionTransformer) -> None:
+    """timm's per-block attention switch: a block on timm's explicit path (``fused_attn=False``, e.g. under
+    TIMM_FUSED_ATTN=0, or set for attention maps) stays on it, with the scale it applies there (one set by hand
+    included; timm's SDPA path ignores the attribute, and so does a converted fused block keeping the default)."""
+    for source, block in zip(getattr(timm_model, "blocks", ()), model.blocks):
+        attn = getattr(source, "attn", None)
+        if attn is not None and getattr(attn, "fused_attn", True) is False:
+            block.attn.fused_attn = False
+            block.attn.scale = float(attn.scale)
+
+
 def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights (and, for a model object, the exact config) of a timm ViT. From a state
     dict, the shapes give the sizes; what it does not record is assumed (``STATE_DICT_ASSUMPTIONS``: activation,
@@ -250,6 +261,8 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
         _warn_assumed("from_timm", STATE_DICT_ASSUMPTIONS, config, overrides,
                       " (CLIP: act='quick_gelu' or norm_eps=1e-5), or convert the timm model object")
     model = _build(config, sd, overrides)
+    if isinstance(model_or_state_dict, nn.Module):
+        _carry_attention_switches(model_or_state_dict, model)
     source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)
     if source_cfg:  # the data config (mean, std, crop, interpolation) travels with the weights
         model.pretrained_cfg = copy.deepcopy(dict(source_cfg))

@@ -245,7 +245,7 @@ class HFViT(HFLinked):
         pos_embed = self.position_embedding_for(pixel_values, bool(interpolate_pos_encoding))
         want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         want_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        if want_attentions and self.training and any(blk.attn.attn_drop.p > 0 for blk in model.blocks):
+        if want_attentions and self.training and any((blk.attn.attn_drop_rate() or 0) > 0 for blk in model.blocks):
             raise ValueError("output_attentions: vit_fast returns the probabilities before dropout, transformers "
                              "after it; with attention dropout in training run the original model, or call eval()")
         attentions = None

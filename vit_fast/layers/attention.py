@@ -53,9 +53,17 @@ class Attention(nn.Module):
         return type(self.q_norm) is not nn.Identity or type(self.k_norm) is not nn.Identity
 
     def fused(self, x: torch.Tensor) -> bool:
-        """The attention kernel runs (it has no per-head norm: with a q/k norm the reference ops do)."""
+        """The attention kernel runs (it has no per-head norm: with a q/k norm the reference ops do; a module in
+        attn_drop's place other than an Identity is called on the probabilities, as timm's explicit path does)."""
         return (self.impl in ("fused", "short") and self.fused_attn and not self.has_qk_norm()
-                and resolve_backend(self.backend, x) == "triton")
+                and self.attn_drop_rate() is not None and resolve_backend(self.backend, x) == "triton")
+
+    def attn_drop_rate(self) -> Optional[float]:
+        """The attention dropout rate the kernels and SDPA apply while this module trains: attn_drop's p, 0 for an
+        Identity put in its place, None for another module (called on the explicit path)."""
+        if type(self.attn_drop) is nn.Dropout:
+            return self.attn_drop.p
+        return 0.0 if type(self.attn_drop) is nn.Identity else None
 
     def kernel_family(self, tokens: int, dtype: torch.dtype) -> str:
         """The attention kernels' family (fused paths only) for a qkv of this many tokens and dtype: 'short' on the
@@ -67,22 +75,22 @@ class Attention(nn.Module):
     def packed_sdpa(self, x: torch.Tensor) -> bool:
         """The 'sdpa' route runs (vit_fast/sdpa.py): SDPA on the packed qkv, no per-head LayerNorm."""
         return (self.impl == "sdpa" and self.fused_attn and not self.has_qk_norm()
-                and resolve_backend(self.backend, x) == "triton")
+                and self.attn_drop_rate() is not None and resolve_backend(self.backend, x) == "triton")
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v from the packed projection; returns (B, N, H*D). Fused path: the
         ``attention`` kernel reads q, k, v through strides of the packed qkv and writes (B, N, H*D)."""
         if self.fused(qkv):
-            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training,
+            return attention_kernels.attention(qkv, self.num_heads, self.scale, self.attn_drop_rate(), self.training,
                                                kernel=self.kernel_family(qkv.shape[1], qkv.dtype))
         if self.packed_sdpa(qkv):
-            return packed_sdpa(qkv, self.num_heads, self.scale, self.attn_drop.p, self.training)
+            return packed_sdpa(qkv, self.num_heads, self.scale, self.attn_drop_rate(), self.training)
         B, N, _ = qkv.shape
         q, k, v = self.split_heads(qkv)
-        if self.fused_attn:
+        if self.fused_attn and self.attn_drop_rate() is not None:
             # a scale set by hand (a temperature) as the kernels apply it; SDPA's own default otherwise
             scale = None if self.scale == self.head_dim ** -0.5 else self.scale
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop_rate() if self.training else 0.0,
                                                scale=scale)
         else:  # timm's explicit path
             x = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
@@ -101,7 +109,7 @@ class Attention(nn.Module):
         no zero-filled output gradient for the others), the proj GEMM runs on those rows."""
         if self.fused(x) and fusable_linear(self.qkv):
             out = attention_kernels.attention_linear(x, effective_weight(self.qkv), effective_bias(self.qkv),
-                                                     self.num_heads, self.scale, self.attn_drop.p, self.training,
+                                                     self.num_heads, self.scale, self.attn_drop_rate(), self.training,
                                                      query_rows=keep_rows,
                                                      kernel=self.kernel_family(x.shape[1], compute_dtype_for(x)))
         else:

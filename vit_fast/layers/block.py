@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..backend import check_backend, resolve_backend
 from . import fused_block
 from .attention import Attention
-from .common import dropout_rate, has_hooks
+from .common import dropout_rate, has_hooks, runs_own_forward
 from .mlp import MlpJoin, make_mlp
 from .norm import layer_norm, layer_norm_with_input, reads_norm, residual_join
 
@@ -90,8 +90,8 @@ class Block(nn.Module):
                 and not has_hooks(self, inside=True))
 
     def reads_parts(self) -> bool:
-        return (reads_norm(self.norm1) and reads_norm(self.norm2) and isinstance(self.attn, Attention)
-                and isinstance(self.mlp, MlpJoin))
+        return (reads_norm(self.norm1) and reads_norm(self.norm2) and runs_own_forward(self.attn, Attention)
+                and runs_own_forward(self.mlp, MlpJoin))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuses(x):

@@ -41,6 +41,13 @@ def has_hooks(module: nn.Module, inside: bool = False) -> bool:
     return False
 
 
+def runs_own_forward(module: nn.Module, cls: type) -> bool:
+    """``module`` is a ``cls`` whose forward is vit_fast's (the class's own or a vit_fast subclass's, such as a linked
+    part): the fused paths may call its other methods in its place. A subclass with a forward of its own (a user's,
+    timm's) is called."""
+    return isinstance(module, cls) and type(module).forward.__module__.startswith("vit_fast.")
+
+
 def own_hooks(module: nn.Module) -> bool:
     """Whether ``module`` itself (not what is below it) holds forward or backward hooks."""
     return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks

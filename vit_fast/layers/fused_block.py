@@ -104,7 +104,8 @@ def _stock_parts(parts: _Parts) -> bool:
     attn, mlp = parts.attn, parts.mlp
     return (all(getattr(type(attn), name) is getattr(Attention, name) for name in _ATTENTION_METHODS)
             and all(getattr(type(mlp), name) is getattr(Mlp, name) for name in _MLP_METHODS)
-            and attn.fused_attn and not attn.has_qk_norm() and act_is_stock(mlp) and type(mlp.norm) is nn.Identity
+            and attn.fused_attn and not attn.has_qk_norm() and attn.attn_drop_rate() is not None
+            and act_is_stock(mlp) and type(mlp.norm) is nn.Identity
             and all(joins_read(m, layer_scale) for m in (parts.ls1, parts.ls2))
             and all(joins_read(m, drop_path) for m in (parts.drop_path1, parts.drop_path2))
             and all(fusable_linear(m) for m in (parts.qkv, parts.proj, parts.fc1, parts.fc2)))
@@ -164,7 +165,7 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
     if hidden.dtype != dtype:  # the qkv GEMM's input as the fused chain hands it over (autocast would cast it)
         return None
     return BlockPlan(num_heads=attn.num_heads, scale=attn.scale,
-                     attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop.p,
+                     attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop_rate(),
                      proj_p=proj_p, norm2_eps=parts.norm2.eps, activation=mlp.act_name,
                      mlp_p=mlp_p, next_eps=None if next_norm is None else next_norm.eps, compute_dtype=dtype,
                      autocast=torch.is_autocast_enabled(hidden.device.type), training=training)

@@ -330,3 +330,38 @@ def test_clip_layer_wrapped_by_hand_gets_the_mask_argument_its_layer_takes():
     with torch.no_grad():
         assert_close(model(pixel_values=images()).pooler_output, source(pixel_values=images()).pooler_output, RTOL,
                      name="pooler_output")
+
+
+def test_hf_fast_path_survives_transformers_capture_hooks_and_follows_edits_it_cannot_read():
+    """transformers' own output-capturing hooks (installed by a first output_hidden_states call and kept) are not
+    a user's: the layers keep the fast path (every layer ran as transformers' for good). A fallback forward returns
+    the hidden states (None: transformers looks its recorders up by the class's name); a hook on CLIP's
+    post_layernorm sees the pooled (B, D) input as on the source ((B, N, D) before); an attention scale set by hand
+    runs that layer as transformers' (ignored before: logits 2e-2 off)."""
+    source = hf_vit(cls=transformers.ViTModel)
+    source(pixel_values=images(), output_hidden_states=True)  # installs transformers' capture hooks
+    model = vit_fast.optimize(copy.deepcopy(source), backend="triton")
+    assert all(block.reads_source() for block in model.vit_fast_model.blocks)
+    handle = model.embeddings.register_forward_hook(lambda m, args, out: None)
+    out = model(pixel_values=images(), output_hidden_states=True)
+    assert model.runs_as_transformers() and len(out.hidden_states) == 3
+    handle.remove()
+    assert not model.runs_as_transformers() and all(b.reads_source() for b in model.vit_fast_model.blocks)
+
+    torch.manual_seed(0)
+    clip = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=32,
+        patch_size=16)).eval()
+    fast = vit_fast.optimize(copy.deepcopy(clip), backend="triton")
+    shapes = []
+    for m in (clip, fast):
+        m.post_layernorm.register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.shape)))
+    with torch.no_grad():
+        assert_close(fast(pixel_values=images()).pooler_output, clip(pixel_values=images()).pooler_output, RTOL)
+    assert shapes[0] == shapes[1] == (2, 64)
+
+    source = hf_vit()
+    ref, model = copy.deepcopy(source), vit_fast.optimize(copy.deepcopy(source), backend="triton")
+    for m in (ref, model):
+        m.vit.layers[1].attention.scaling *= 2
+    _same_logits(ref, model, "attention scaling doubled")

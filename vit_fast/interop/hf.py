@@ -24,10 +24,9 @@ from transformers import PreTrainedModel, ViTConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
 from ..layers import has_hooks
-from ..layers.common import own_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
-from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to
+from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, source_hooks
 
 
 class HFLinked:
@@ -86,27 +85,37 @@ class HFLinked:
         patch embedding, a position table). Hooks in a layer run that layer as transformers' (``LinkedBlock``); the
         final norm, the head, the pooler and an attention-pool head are called as modules."""
         model = self.vit_fast_model
-        called = {id(self.vit_fast_layout.layers(self))}
+        layout = self.vit_fast_layout
+        called = [layout.layers(self)]  # compared with `is`: an id() would make torch.compile guard on each instance
         for name in ("norm", "head", "attn_pool"):
-            if name in model._linked:
-                called.add(id(getattr(model, name)))
-        for module in (getattr(self, "pooler", None), getattr(self.vit_fast_layout.encoder(self), "pooler", None)):
+            if name in model._linked and (name != "norm" or layout.final_norm_called):
+                called.append(getattr(model, name))
+        for module in (getattr(self, "pooler", None), getattr(layout.encoder(self), "pooler", None)):
             if module is not None:
-                called.add(id(module))
+                called.append(module)
         if has_hooks(nn.Identity()):  # global module hooks fire on every module transformers calls
             return True
         stack = list(self._modules.values())
         while stack:
             module = stack.pop()
-            if module is None or id(module) in called:
+            if module is None or any(module is c for c in called):
                 continue
-            if own_hooks(module):
+            if source_hooks(module, inside=False):
                 return True
             stack.extend(module._modules.values())
         return False
 
     def transformers_forward(self, *args, **kwargs):
-        """transformers' forward of this model's class on its own modules (arguments left as None dropped)."""
+        """transformers' forward of this model's class on its own modules (arguments left as None dropped). Its
+        output capturing (hidden states, attentions) looks the class up by name: this class takes the source
+        class's entry."""
+        try:
+            from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+        except ImportError:  # a transformers without the registry records outputs otherwise
+            pass
+        else:
+            if not _CAN_RECORD_REGISTRY.get(self) and getattr(self, "_can_record_outputs", None):
+                _CAN_RECORD_REGISTRY[self] = self._can_record_outputs
         return self.stock_class().forward(self, *args, **{k: v for k, v in kwargs.items() if v is not None})
 
     def position_embedding_for(self, pixel_values: torch.Tensor, resize: bool) -> Optional[torch.Tensor]:

@@ -37,6 +37,30 @@ class FromSource:
         return nn.Module.__getattr__(part, self.name)
 
 
+def _is_capture_hook(hook) -> bool:
+    """transformers 5's own output-capturing hooks (installed for output_hidden_states and kept): inactive outside
+    transformers' forward, which records through them; the linked forward gives those outputs itself."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
+def source_hooks(module: nn.Module, inside: bool = True) -> bool:
+    """Whether hooks other than transformers' capture hooks sit on ``module`` (and, with ``inside``, below it),
+    global module hooks included."""
+    if has_hooks(nn.Identity()):
+        return True
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if m is None:
+            continue
+        for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks):
+            if hooks and not all(_is_capture_hook(h) for h in hooks.values()):
+                return True
+        if inside:
+            stack.extend(m._modules.values())
+    return False
+
+
 class LinkedVisionTransformer(VisionTransformer):
     _kind = "model"
     cls_token = FromSource()
@@ -71,10 +95,12 @@ class LinkedBlock(Block):
     def reads_source(self) -> bool:
         """Whether the linked parts compute what the layer computes: no hook on it or in it (a hook on its attention,
         MLP or a dropout would not fire: the parts call only the leaf modules; FSDP2's fully_shard on the layer must
-        run around it) and none of its fixed modules replaced (an activation, a wrapped attention, a layer scale
-        put in by hand). Otherwise the layer runs as transformers' own module."""
+        run around it), none of its fixed modules replaced (an activation, a wrapped attention, a layer scale
+        put in by hand) and its attention's scale the one the kernels apply. Otherwise the layer runs as
+        transformers' own module."""
+        scale = self._scale
         return (self._stock and all(parent._modules.get(name) is module for parent, name, module in self._fixed)
-                and not has_hooks(self._hf))
+                and (scale is None or getattr(*scale) == self.attn.scale) and not source_hooks(self._hf))
 
     def fuses(self, x: torch.Tensor) -> bool:
         return self.reads_source() and super().fuses(x)
@@ -184,6 +210,7 @@ def linked_model(source: nn.Module, config: dict, layout: "Layout",
     for block, layer, n in zip(model.blocks, layers, masks):
         _link(block, LinkedBlock, layer, layout)
         object.__setattr__(block, "_masks", stock_masks if n is None else n)
+        object.__setattr__(block, "_scale", None)
         try:
             act, fixed, scales = layout.mlp_activation(layer), _fixed_modules(layer, layout), layout.layer_scales(layer)
         except AttributeError:  # a layer wrapped or rebuilt by hand: it runs as its own module, nothing read
@@ -195,6 +222,7 @@ def linked_model(source: nn.Module, config: dict, layout: "Layout",
             continue
         object.__setattr__(block, "_stock", activation is None or act is None or type(act) is activation)
         object.__setattr__(block, "_fixed", fixed)
+        object.__setattr__(block, "_scale", layout.attention_scale(layer))
         _link(block.attn, LinkedAttention, layer, layout)
         _link(block.mlp, _LINKED_MLP[type(block.mlp)], layer, layout)
         for ls, scale in zip((block.ls1, block.ls2), scales):
@@ -247,6 +275,10 @@ class Layout:
     of a vit_fast part's attribute, given the source module linked to that part (the model: the source
     itself; the patch embedding: ``patch_embed(source)``; a block, its attention and MLP: the layer; a
     LayerScale: ``layer_scales(layer)``)."""
+
+    # whether the linked forward calls the final norm as transformers does (CLIP's post_layernorm: it normalises the
+    # class token alone there, so a hook on it runs transformers' forward)
+    final_norm_called = True
 
     def encoder(self, source: nn.Module) -> nn.Module:
         return source
@@ -305,6 +337,17 @@ class Layout:
                      self.block_norm1(layer), self.block_norm2(layer)):
             parts.extend(part.parts if isinstance(part, PackedLinear) else (part,))
         return parts
+
+    def attention_scale(self, layer: nn.Module) -> Optional[tuple]:
+        """(module, attribute) holding the scale transformers 5's attention applies (``scaling``; CLIP and SigLIP
+        ``scale``), None where there is none to read (transformers 4)."""
+        for holder in ("attention", "self_attn"):
+            module = layer._modules.get(holder)
+            if module is not None:
+                for name in ("scaling", "scale"):
+                    if isinstance(getattr(module, name, None), float):
+                        return module, name
+        return None
 
     def mlp_activation(self, layer: nn.Module) -> Optional[nn.Module]:
         """The layer's MLP activation module (transformers 5: mlp.activation_fn; 4: intermediate.intermediate_act_fn),
@@ -415,6 +458,8 @@ class CLIPLayout(Layout):
     """transformers CLIPVisionModel / CLIPVisionModelWithProjection (class token and position table kept
     as a vector and an Embedding: read as timm's (1, 1, D) and (1, N, D) views)."""
 
+    final_norm_called = False
+
     def encoder(self, source):
         return getattr(source, "vision_model", source)
 
@@ -446,6 +491,8 @@ class CLIPLayout(Layout):
 class SiglipLayout(CLIPLayout):
     """transformers SiglipVisionModel / SiglipForImageClassification: no class token; the attention-pool
     head runs as transformers' own module (it is not one of the fused parts)."""
+
+    final_norm_called = True  # over every token, as transformers
 
     def model_attn_pool(self, source):
         return self.encoder(source).head

@@ -26,7 +26,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 from ..layers import has_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
-from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, source_hooks
+from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, own_source_hooks
 
 
 class HFLinked:
@@ -100,7 +100,7 @@ class HFLinked:
             module = stack.pop()
             if module is None or any(module is c for c in called):
                 continue
-            if source_hooks(module, inside=False):
+            if own_source_hooks(module):
                 return True
             stack.extend(module._modules.values())
         return False

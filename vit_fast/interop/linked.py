@@ -43,20 +43,26 @@ def _is_capture_hook(hook) -> bool:
     return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
-def source_hooks(module: nn.Module, inside: bool = True) -> bool:
-    """Whether hooks other than transformers' capture hooks sit on ``module`` (and, with ``inside``, below it),
-    global module hooks included."""
+def own_source_hooks(module: nn.Module) -> bool:
+    """Whether hooks other than transformers' capture hooks sit on ``module`` itself."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                  module._backward_hooks):
+        if hooks and not all(_is_capture_hook(h) for h in hooks.values()):
+            return True
+    return False
+
+
+def source_hooks(module: nn.Module) -> bool:
+    """Whether hooks other than transformers' capture hooks sit on ``module`` or below it, global module hooks
+    included."""
     if has_hooks(nn.Identity()):
         return True
     stack = [module]
     while stack:
         m = stack.pop()
-        if m is None:
-            continue
-        for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks):
-            if hooks and not all(_is_capture_hook(h) for h in hooks.values()):
+        if m is not None:
+            if own_source_hooks(m):
                 return True
-        if inside:
             stack.extend(m._modules.values())
     return False
 

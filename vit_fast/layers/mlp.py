@@ -107,7 +107,7 @@ class Mlp(MlpJoin):
         the fc2 GEMM."""
         if (self.impl == "fused" and resolve_backend(self.backend, x) == "triton" and isinstance(self.norm, nn.Identity)
                 and dropout_rate(self.drop1) == 0 and act_is_stock(self) and fusable_linear(self.fc1)
-                and fusable_linear(self.fc2) and not has_hooks(self, inside=True)):
+                and fusable_linear(self.fc2)):
             return linear_act(x.to(compute_dtype_for(x)), effective_weight(self.fc1), effective_bias(self.fc1),
                               effective_weight(self.fc2), self.act_name)
         return linear_without_bias(self.fc2, self.hidden(x))

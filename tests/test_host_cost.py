@@ -22,3 +22,15 @@ def test_host_meter_counts_launches_ops_and_reports_every_path():
     assert "vit_fast / timm eager host time:" in text and "vit_fast_per_part / timm eager" in text
     assert "without the GEMMs' CPU time" in text and host_cost.host_ratio(fast, timm) > 0
     assert "not a GPU timing" in text
+
+
+def test_host_meter_flushes_denormals_while_it_measures(monkeypatch):
+    # the stubbed kernels leave uninitialised outputs: denormals among them slow the CPU's GEMMs, not a GPU's
+    import torch
+
+    def flushed(*args):
+        return torch.tensor([1e-39]).mul(1.0).item() == 0.0
+
+    monkeypatch.setattr(host_cost, "_measure", flushed)
+    assert host_cost.measure(["timm_eager"], "vit_tiny_patch16_224") is True
+    assert torch.tensor([1e-39]).mul(1.0).item() != 0.0  # torch's default again afterwards

@@ -126,19 +126,26 @@ def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3,
         from .bench import _block_function
 
         run = torch.compile(model) if path.endswith("compile") else model
+        params = list(model.parameters())
 
         def step():
             with _block_function(path != "vit_fast_per_part"):
                 F.cross_entropy(run(x).float(), y).backward()
-            model.zero_grad(set_to_none=True)
+            for p in params:  # as an optimizer's zero_grad: Module.zero_grad's module walk is not the model's work
+                p.grad = None
         return step
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # host work is one thread; the CPU's arithmetic threads would only add their noise
+    # The stubbed kernels leave their outputs uninitialised; denormals among them made the GEMMs that read them
+    # 3-5x slower on CPU (vit_fast's GEMMs 10-23 ms per step against 3-4 ms flushed: a 2x host ratio that is the
+    # CPU's arithmetic, not host work). A GPU does not slow down on denormals.
+    torch.set_flush_denormal(True)
     try:
         return _measure(paths, preset, steps, warmup, stepper)
     finally:
         torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)  # torch's default (it has no getter to restore from)
 
 
 def _measure(paths: Sequence[str], preset: str, steps: int, warmup: int, stepper) -> list[HostCost]:

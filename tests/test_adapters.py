@@ -244,6 +244,23 @@ def test_hf_hooks_on_any_module_fire_and_edit_as_on_the_source(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_a_forward_set_on_a_module_instance_runs_as_on_the_source(backend):
+    """A forward set on a module instance (what accelerate's hooks do for device_map and offloading; a user's
+    patch) on a leaf the linked parts read (q_proj, fc1, a LayerNorm), a layer part, or a module outside the
+    layers: the linked forward read the weights and skipped it (logits 0.02-0.4 off)."""
+    source = hf_vit()
+    for where in ("vit.layers.0.attention.q_proj", "vit.layers.1.mlp.fc1", "vit.layers.0.layernorm_after",
+                  "vit.layers.1.mlp", "vit.embeddings.patch_embeddings", "vit.layernorm"):
+        ref, model = copy.deepcopy(source), vit_fast.optimize(copy.deepcopy(source), backend=backend)
+        for m in (ref, model):
+            module = m.get_submodule(where)
+            module.forward = (lambda original: lambda *args, **kwargs: _scaled(original(*args, **kwargs)))(
+                module.forward)
+        with torch.no_grad():
+            assert_close(*_logits(model, ref), RTOL, name=f"logits, a forward set on {where}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_hf_parts_replaced_or_wrapped_run_as_on_the_source(backend):
     """An activation replaced after (or before) optimize, a wrapped attention or MLP, a wrapped or removed layer:
     the linked model read fc1 / fc2 and the config's GELU (logits 0.05-0.07 off), failed on the wrapper with its own

@@ -264,6 +264,25 @@ def test_a_hook_that_changes_the_final_norms_output_is_applied():
     compare_grads(fused, ref, FP32)
 
 
+@pytest.mark.parametrize("where", ["blocks.1", "blocks.0.mlp", "blocks.0.attn.qkv", "blocks.1.mlp.act", "norm",
+                                   "patch_embed.proj", "blocks.0.attn.q_norm", "blocks"])
+def test_a_forward_set_on_a_module_instance_runs_as_on_the_reference(where):
+    """A forward set on a module instance (accelerate's hooks, which move offloaded weights in, do this; so does a
+    user's patch) is called as torch calls it: the fused paths read such a module's weights or skip it (an
+    Identity q_norm) as if it had its class's forward (0.1-0.6 off)."""
+    fused, ref = make_pair(**TINY)
+    x = torch.randn(2, 3, 32, 32)
+    for model in (fused, ref):
+        module = model.get_submodule(where)
+        module.forward = (lambda original: lambda *args, **kwargs: 0.5 * original(*args, **kwargs) + 0.1)(
+            module.forward)
+    out, expected = fused(x), ref(x)
+    assert_close(out, expected, FP32, f"logits, a forward set on {where}")
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    compare_grads(fused, ref, FP32)
+
+
 def test_blocks_that_are_not_vit_fasts_run_as_modules():
     """A block replaced by timm's Block or nn.Identity runs (an AttributeError on the fused chain), and torch's
     checkpoint_wrapper around each block checkpoints it (the chain called the inner block's forward_pair: nothing

@@ -319,6 +319,26 @@ def test_unsupported_features_are_listed():
         vit_fast.optimize(hf_vit())(images(), bool_masked_pos=torch.zeros(2, 4, dtype=torch.bool))
 
 
+def test_hooks_or_forwards_set_on_a_source_that_is_rebuilt_are_refused_by_name():
+    """timm and torchvision models are rebuilt of new modules: a hook or a forward set on a source module (a feature
+    hook, torch's weight_norm pre-hook, accelerate's hooks) was dropped silently. A transformers model keeps its own
+    modules, hooks included."""
+    hooked, patched, tv = timm_vit(), timm_vit(), torchvision_vit()
+    hooked.blocks[1].register_forward_hook(lambda m, args, out: out * 2)
+    patched.blocks[0].mlp.forward = lambda x: x
+    tv.encoder.layers[0].mlp.register_forward_pre_hook(lambda m, args: None)
+    for model, where in ((hooked, "'blocks.1'"), (patched, "'blocks.0.mlp'"),
+                         (tv, "'encoder.layers.encoder_layer_0.mlp'")):
+        with pytest.raises(ValueError, match=f"hooks or a forward set on the instance on {where}"):
+            vit_fast.optimize(model)
+    source = hf_vit()
+    calls = []
+    source.vit.layers[0].mlp.register_forward_hook(lambda m, args, out: calls.append(1))
+    with torch.no_grad():
+        vit_fast.optimize(source, backend="torch")(images())
+    assert calls == [1]
+
+
 def test_triton_backend_without_kernels_is_an_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a CPU-only machine outside the test suite
     with pytest.raises(RuntimeError, match="backend='triton' needs a model on CUDA"):

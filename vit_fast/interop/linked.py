@@ -44,7 +44,10 @@ def _is_capture_hook(hook) -> bool:
 
 
 def own_source_hooks(module: nn.Module) -> bool:
-    """Whether hooks other than transformers' capture hooks sit on ``module`` itself."""
+    """Whether hooks other than transformers' capture hooks, or a forward set on the instance (accelerate's
+    hooks: ``device_map``, offloading), sit on ``module`` itself."""
+    if "forward" in module.__dict__:
+        return True
     for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
                   module._backward_hooks):
         if hooks and not all(_is_capture_hook(h) for h in hooks.values()):

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..backend import check_backend, kernels_can_run_on
+from ..layers.common import own_hooks
 from ..model import VisionTransformer
 from .convert import (
     HF_FAMILY_CLASSES,
@@ -69,6 +70,12 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
         raise ValueError(f"optimize: the {kind} model is on the meta device (no weight data to convert); "
                          f"materialise it first (model.to_empty(device=...) and load its weights), or create "
                          f"the vit_fast model directly on meta with vit_fast.create_model under torch.device('meta')")
+    hooked = [name or "the model itself" for name, module in model.named_modules() if own_hooks(module)]
+    if hooked and kind in ("timm", "open_clip", "torchvision"):  # new modules: nothing set on the old ones carries
+        raise ValueError(f"optimize: the {kind} model has hooks or a forward set on the instance on "
+                         f"{', '.join(repr(n) for n in hooked[:4])}{' ...' if len(hooked) > 4 else ''}; the optimized "
+                         "model is built of new modules, which would not run them: optimize first, then register "
+                         "them on the optimized model's modules")
     if kind == "timm":
         problems = timm_unsupported(model)
         if problems:

@@ -14,7 +14,7 @@ from vit_fast.kernels._utils import compute_dtype_for
 from ..adapters import effective_bias, effective_weight, fusable_linear
 from ..backend import check_backend, resolve_backend
 from ..sdpa import packed_sdpa, split_packed
-from .common import bias_left_to_join, dropout_rate, linear_without_bias
+from .common import bias_left_to_join, dropout_rate, linear_without_bias, own_hooks
 
 
 class Attention(nn.Module):
@@ -48,9 +48,11 @@ class Attention(nn.Module):
         return self.q_norm(q), self.k_norm(k), v
 
     def has_qk_norm(self) -> bool:
-        """A q or k norm (qk_norm's LayerNorm, or any module put in their place) that the reference ops apply: the
-        kernels read the raw packed qkv."""
-        return type(self.q_norm) is not nn.Identity or type(self.k_norm) is not nn.Identity
+        """A q or k norm (qk_norm's LayerNorm, any module put in their place, or an Identity with a hook or a
+        forward of its own) that the reference ops call: the kernels read the raw packed qkv."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return (type(q_norm) is not nn.Identity or type(k_norm) is not nn.Identity or own_hooks(q_norm)
+                or own_hooks(k_norm))
 
     def fused(self, x: torch.Tensor) -> bool:
         """The attention kernel runs (it has no per-head norm: with a q/k norm the reference ops do; a module in

@@ -21,9 +21,10 @@ def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 
 def has_hooks(module: nn.Module, inside: bool = False) -> bool:
-    """Whether forward or backward hooks would fire on ``module`` (with ``inside``: on any module below
-    it, not counting itself), global module hooks included. The fused paths call GEMMs and kernels
-    directly, so modules with hooks (FSDP2's fully_shard registers them) are run through ``__call__``.
+    """Whether calling ``module`` (with ``inside``: any module below it, not counting itself) would do more than its
+    class's forward: forward or backward hooks on it, global module hooks included, or a forward set on the
+    instance (accelerate's hooks, which move offloaded weights in, and a user's patch). The fused paths call
+    GEMMs and kernels directly, so such modules (FSDP2's fully_shard registers hooks) are run through ``__call__``.
     Asked on every forward: a plain walk of the module dicts (Module.modules() costs several times more)."""
     from torch.nn.modules import module as torch_module
 
@@ -35,7 +36,8 @@ def has_hooks(module: nn.Module, inside: bool = False) -> bool:
         m = stack.pop()
         if m is None:
             continue
-        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+        if (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+                or "forward" in m.__dict__):
             return True
         stack.extend(m._modules.values())
     return False
@@ -49,9 +51,10 @@ def runs_own_forward(module: nn.Module, cls: type) -> bool:
 
 
 def own_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` itself (not what is below it) holds forward or backward hooks."""
+    """Whether ``module`` itself (not what is below it) holds forward or backward hooks or a forward set on the
+    instance (``has_hooks``)."""
     return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
-                or module._backward_hooks)
+                or module._backward_hooks or "forward" in module.__dict__)
 
 
 def dropout_rate(module: nn.Module) -> Optional[float]:

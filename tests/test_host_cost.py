@@ -6,7 +6,7 @@ from vit_fast.tools import host_cost
 
 def test_host_meter_counts_launches_ops_and_reports_every_path():
     results = host_cost.measure(list(host_cost.PATHS), "vit_tiny_patch16_224", steps=2, warmup=1)
-    fast, per_part, timm = results
+    fast, per_part, timm, floor = results
     depth = 12
     assert fast.step_us > 0 and per_part.step_us > 0 and timm.step_us > 0
     assert 0 < fast.gemm_us < fast.step_us and 0 < timm.gemm_us < timm.step_us
@@ -16,10 +16,14 @@ def test_host_meter_counts_launches_ops_and_reports_every_path():
     assert timm.aten_calls > per_part.aten_calls > fast.aten_calls
     # the one-Function blocks: one autograd node per block where the per-part path runs its parts' and the GEMMs'
     assert per_part.autograd_nodes - fast.autograd_nodes >= 5 * (depth - 1)
+    # the floor: one node per block and the embedding, as many launches as the kernels' fused step, no custom ops
+    assert floor.custom_ops == 0 and 6 * depth <= floor.launches <= fast.launches
+    assert floor.autograd_nodes <= fast.autograd_nodes and floor.aten_calls <= fast.aten_calls
     ops = {name: calls for name, calls, _ in fast.per_op}
     assert ops["vit_fast::attention_fwd"] == ops["vit_fast::attention_bwd"] == depth
     text = host_cost.format_report("vit_tiny_patch16_224", results)
     assert "vit_fast / timm eager host time:" in text and "vit_fast_per_part / timm eager" in text
+    assert "floor / timm eager host time:" in text
     assert "without the GEMMs' CPU time" in text and host_cost.host_ratio(fast, timm) > 0
     assert "not a GPU timing" in text
 

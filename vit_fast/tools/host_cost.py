@@ -10,6 +10,11 @@ work does not read). Not included: Triton's own launcher on a GPU (argument bind
 counted here as launches) and the CUDA launch of each aten op (counted as aten calls). A check of where the
 time goes, not a GPU speed figure.
 
+``floor`` (``_Floor``): the least host work a fused step can do in vit_fast's design, a timm model's parameters run
+by one autograd Function per block holding only the GEMMs, the kernels' output allocations and one call per launch:
+vit_fast above it is its own Python (checks, plans, launch arguments); timm eager's step above it is the cost of its
+many small ops.
+
 Per op: torch.profiler's CPU time per vit_fast custom op (inclusive) and per top-level aten op, with call counts.
 The aten GEMMs still do their arithmetic here (a few tens of microseconds each at these shapes, on every path):
 the report gives their self time from the least of three profiled steps apart, a rough figure.
@@ -38,7 +43,7 @@ from vit_fast.tools import preset_name
 # Shapes: the preset's depth, heads and head dim at two heads' width, one 32 px image of 16 px patches (5 tokens):
 # the host path is the one the full model takes (same ops, same branches); the aten GEMMs' arithmetic is reported apart.
 HOST_OVERRIDES = dict(img_size=32, num_classes=10)
-PATHS = ("vit_fast", "vit_fast_per_part", "timm_eager")
+PATHS = ("vit_fast", "vit_fast_per_part", "timm_eager", "floor")
 COMPILED_PATHS = ("vit_fast_compile", "timm_compile")
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 
@@ -68,13 +73,132 @@ def shapes(preset: str) -> dict:
 def _model(path: str, preset: str) -> torch.nn.Module:
     torch.manual_seed(0)
     overrides = shapes(preset)
-    if path.startswith("timm"):
+    if path.startswith("timm") or path == "floor":
         import timm
 
-        return timm.create_model(preset, pretrained=False, **overrides).train()
+        model = timm.create_model(preset, pretrained=False, **overrides).train()
+        return _Floor(model) if path == "floor" else model
     import vit_fast
 
     return vit_fast.create_model(preset, backend="triton", **overrides).train()
+
+
+def _stub_launch(*tensors: torch.Tensor) -> None:
+    """The floor's kernel launch: one Python call, counted as the meter's stubbed Triton entry counts one."""
+    counter = _StubbedLaunches.current
+    if counter is not None:
+        counter.count += 1
+
+
+class _FloorBlock(torch.autograd.Function):
+    """The least host work vit_fast's fused design can do for one block (``FusedBlockFunction``): one autograd node,
+    the three cuBLAS GEMMs forward and six backward in its layouts, the kernels' outputs allocated and one call per
+    launch (attention, the two joins, fc1 with its activation; their backwards and the parameter gradients' row
+    sums), no checks, plans or configs. Its outputs are garbage, as the stubbed kernels'."""
+
+    @staticmethod
+    def forward(ctx, hidden, residual, qkv_w, qkv_b, proj_w, proj_b, norm2_w, norm2_b, fc1_w, fc1_b, fc2_w, fc2_b,
+                next_w, next_b):
+        b, n, d = hidden.shape
+        qkv = F.linear(hidden, qkv_w, qkv_b)
+        out, lse = torch.empty_like(hidden), torch.empty((b, 1, n))
+        _stub_launch(qkv, out, lse)
+        branch = F.linear(out, proj_w)
+        normed2, stream2, stats1 = torch.empty_like(branch), torch.empty_like(branch), torch.empty((2, b * n))
+        _stub_launch(branch, residual, normed2, stream2, stats1)
+        hid = torch.empty((b, n, fc1_w.shape[0]))
+        dact = torch.empty_like(hid)
+        _stub_launch(normed2, fc1_w, fc1_b, hid, dact)
+        y = F.linear(hid, fc2_w)
+        normed, stream, stats2 = torch.empty_like(y), torch.empty_like(y), torch.empty((2, b * n))
+        _stub_launch(y, stream2, normed, stream, stats2)
+        ctx.save_for_backward(qkv, lse, hidden, qkv_w, out, proj_w, stream2, branch, norm2_w, stats1, normed2,
+                              fc1_w, hid, dact, fc2_w, stream, y, next_w, stats2)
+        return normed, stream
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_normed, d_stream):
+        (qkv, lse, hidden, qkv_w, out, proj_w, stream2, branch, norm2_w, stats1, normed2,
+         fc1_w, hid, dact, fc2_w, stream, y, next_w, stats2) = ctx.saved_tensors
+        shape, d = y.shape, y.shape[-1]
+        dy, d_stream2, partial = torch.empty_like(y), torch.empty_like(y), torch.empty((3, 1, d))
+        _stub_launch(d_normed, d_stream, stream, y, next_w, stats2, dy, d_stream2, partial)
+        d_next = torch.empty((3, d))
+        _stub_launch(partial, d_next)
+        d_next_w, d_next_b, d_fc2_b = d_next.unbind(0)
+        dy2 = dy.reshape(-1, d)
+        d_fc2_w = dy2.t().mm(hid.reshape(-1, hid.shape[-1]))
+        du, d_fc1_b = torch.empty_like(hid), torch.empty(hid.shape[-1])
+        _stub_launch(dy2, dact, fc2_w, du, d_fc1_b)
+        du2 = du.reshape(-1, du.shape[-1])
+        d_normed2 = du2.mm(fc1_w).view(shape)
+        d_fc1_w = du2.t().mm(normed2.reshape(-1, d))
+        d_branch, d_residual, partial = torch.empty_like(y), torch.empty_like(y), torch.empty((3, 1, d))
+        _stub_launch(d_normed2, d_stream2, stream2, branch, norm2_w, stats1, d_branch, d_residual, partial)
+        d_norm2 = torch.empty((3, d))
+        _stub_launch(partial, d_norm2)
+        d_norm2_w, d_norm2_b, d_proj_b = d_norm2.unbind(0)
+        d_branch2 = d_branch.reshape(-1, d)
+        d_out = d_branch2.mm(proj_w).view(shape)
+        d_proj_w = d_branch2.t().mm(out.reshape(-1, d))
+        d_qkv, d_qkv_b = torch.empty_like(qkv), torch.empty(qkv.shape[-1])
+        _stub_launch(d_out, qkv, out, lse, d_qkv, d_qkv_b)
+        d_qkv2 = d_qkv.reshape(-1, qkv.shape[-1])
+        d_hidden = d_qkv2.mm(qkv_w).view(shape)
+        d_qkv_w = d_qkv2.t().mm(hidden.reshape(-1, d))
+        return (d_hidden, d_residual, d_qkv_w, d_qkv_b, d_proj_w, d_proj_b, d_norm2_w, d_norm2_b, d_fc1_w, d_fc1_b,
+                d_fc2_w, d_fc2_b, d_next_w, d_next_b)
+
+
+class _FloorEmbed(torch.autograd.Function):
+    """The patch-embedding kernel's floor: tokens (class token and position embedding added) and the normed stream
+    for block 0 in one launch; its backward one launch and the weight gradient's GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pos_embed, cls_token, norm_w, norm_b):
+        tokens = torch.empty((x.shape[0], pos_embed.shape[1], weight.shape[0]))
+        normed = torch.empty_like(tokens)
+        _stub_launch(x, weight, bias, pos_embed, cls_token, norm_w, norm_b, tokens, normed)
+        ctx.save_for_backward(x, weight)
+        return normed, tokens
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_normed, d_tokens):
+        x, weight = ctx.saved_tensors
+        patches = torch.empty((d_tokens.shape[0] * (d_tokens.shape[1] - 1), weight[0].numel()))
+        d_patch = torch.empty((patches.shape[0], weight.shape[0]))
+        _stub_launch(d_normed, d_tokens, x, patches, d_patch)
+        d_weight = d_patch.t().mm(patches).view(weight.shape)
+        d_rest = torch.empty((3, weight.shape[0]))
+        _stub_launch(d_patch, d_rest)
+        d_bias, d_cls, d_norm_w = d_rest.unbind(0)
+        return (None, d_weight, d_bias, torch.empty_like(d_tokens[:1]), d_cls.view(1, 1, -1), d_norm_w,
+                torch.empty_like(d_norm_w))
+
+
+class _Floor(torch.nn.Module):
+    """``floor``: a timm ViT's parameters run by ``_FloorEmbed`` and ``_FloorBlock`` per block, then timm's head on
+    the class token: the host work a fused step cannot go below in this design."""
+
+    def __init__(self, timm_model: torch.nn.Module):
+        super().__init__()
+        self.timm = timm_model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.timm
+        blocks = list(m.blocks)
+        hidden, residual = _FloorEmbed.apply(x, m.patch_embed.proj.weight, m.patch_embed.proj.bias, m.pos_embed,
+                                             m.cls_token, blocks[0].norm1.weight, blocks[0].norm1.bias)
+        for i, blk in enumerate(blocks):
+            following = blocks[i + 1].norm1 if i + 1 < len(blocks) else m.norm
+            attn, mlp = blk.attn, blk.mlp
+            hidden, residual = _FloorBlock.apply(hidden, residual, attn.qkv.weight, attn.qkv.bias, attn.proj.weight,
+                                                 attn.proj.bias, blk.norm2.weight, blk.norm2.bias, mlp.fc1.weight,
+                                                 mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, following.weight,
+                                                 following.bias)
+        return m.head(hidden[:, 0])
 
 
 class _StubbedLaunches:
@@ -93,10 +217,14 @@ class _StubbedLaunches:
             self.count += 0 if warmup else 1
 
         self.function.run = counted
+        _StubbedLaunches.current = self
         return self
 
     def __exit__(self, *exc):
         self.function.run = self.real
+        _StubbedLaunches.current = None
+
+    current: "_StubbedLaunches | None" = None  # the one in use (the floor's launches count with it)
 
 
 class _quiet_stderr:
@@ -222,11 +350,15 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
     by = {r.path: r for r in results}
     lines.append("(of it GEMMs: the aten GEMMs' self CPU time in the least of 3 profiled steps, mostly their "
                  "arithmetic, which a GPU runs as one launch each; a rough figure)")
-    for path, base in (("vit_fast", "timm_eager"), ("vit_fast_per_part", "timm_eager"),
+    for path, base in (("vit_fast", "timm_eager"), ("vit_fast_per_part", "timm_eager"), ("floor", "timm_eager"),
                        ("vit_fast_compile", "timm_compile")):
         if path in by and base in by:
             lines.append(f"{path} / {base.replace('_', ' ')} host time: {by[path].step_us / by[base].step_us:.2f}x; "
                          f"without the GEMMs' CPU time: {host_ratio(by[path], by[base]):.2f}x")
+    if "floor" in by:
+        lines.append("(floor: the least host work a fused step can do in vit_fast's design: per block one autograd "
+                     "node, its cuBLAS GEMMs, the kernels' outputs allocated and one call per launch, nothing else; "
+                     "what vit_fast takes above it is its own Python)")
     lines.append("(without the GEMMs: nearer a GPU's host work, where each GEMM is one launch; on the H200 of "
                  "2026-11-27, ViT-S/16 at batch 1 took vit_fast 35.9 ms per eager step and timm 20.3: 1.77x)")
     lines.append("(Triton's launcher and the CUDA launches, not run here, add to both on a GPU)")

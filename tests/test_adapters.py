@@ -293,6 +293,25 @@ def test_hf_parts_replaced_or_wrapped_run_as_on_the_source(backend):
         assert_close(*_logits(model, ref), RTOL, name=what)
 
 
+def test_hf_compiles_fullgraph_and_names_the_eager_call_a_layer_edit_needs():
+    """An optimized transformers model under torch.compile(fullgraph=True) matches the source; after a layer is
+    removed the linked model must be rebuilt, which dynamo cannot trace (it failed on an unsupported context
+    manager): the error says to call the model once outside torch.compile, after which the compiled model follows."""
+    source = hf_vit(num_hidden_layers=3)
+    model = vit_fast.optimize(copy.deepcopy(source), backend="torch")
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        assert_close(compiled(pixel_values=images()).logits, source(pixel_values=images()).logits, RTOL,
+                     name="compiled")
+        for m in (source, model):
+            del m.vit.layers[0]
+        with pytest.raises(RuntimeError, match="call the model once outside torch.compile"):
+            compiled(pixel_values=images())
+        model(pixel_values=images())
+        assert_close(compiled(pixel_values=images()).logits, source(pixel_values=images()).logits, RTOL,
+                     name="compiled after the edit and one eager call")
+
+
 def test_hf_dropout_rates_and_modes_set_on_the_source_modules_apply():
     """Dropout set on the source's own modules after optimize: a rate (p = 1, deterministic) on the embeddings,
     a layer's dropout or its attention, and a backbone put in eval under a training classifier (a linear probe);

@@ -49,6 +49,11 @@ class HFLinked:
         old = self.__dict__.get("_vit_fast_model")
         if old is not None and links_to(old, self):
             return old
+        if old is not None and torch.compiler.is_compiling():  # the link builds modules, which dynamo cannot trace
+            raise RuntimeError(f"vit_fast: {type(self).__name__}'s layers changed (added, removed, replaced or "
+                               "wrapped) since its last call, and the model it links to them cannot be rebuilt "
+                               "inside torch.compile: call the model once outside torch.compile after editing its "
+                               "layers (or read model.vit_fast_model), then the compiled model")
         try:
             model = linked_model(self, self.vit_fast_config(), self.vit_fast_layout, self.configured_activation())
         except AttributeError as e:  # raised inside a property it would read as "no vit_fast_model"

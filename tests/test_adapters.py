@@ -293,6 +293,30 @@ def test_hf_parts_replaced_or_wrapped_run_as_on_the_source(backend):
         assert_close(*_logits(model, ref), RTOL, name=what)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_global_module_hooks_fire_as_on_the_source(backend):
+    """A global module hook (torch.nn.modules.module.register_module_forward_hook) fires on every module transformers
+    calls: the optimized model runs transformers' forward while one is set, and its fast path again after."""
+    source = hf_vit()
+    model = vit_fast.optimize(copy.deepcopy(source), backend=backend)
+    calls = []
+
+    def scale_linears(module, args, out):
+        calls.append(type(module).__name__)
+        return out * 1.01 if isinstance(module, nn.Linear) else None
+    handle = torch.nn.modules.module.register_module_forward_hook(scale_linears)
+    try:
+        with torch.no_grad():
+            expected = source(pixel_values=images()).logits
+            fired = len(calls)
+            assert_close(model(pixel_values=images()).logits, expected, RTOL, name="logits, a global hook")
+        assert len(calls) == 2 * fired and fired > 10, calls
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        assert_close(*_logits(model, source), RTOL, name="logits, the global hook removed")
+
+
 def test_hf_compiles_fullgraph_and_names_the_eager_call_a_layer_edit_needs():
     """An optimized transformers model under torch.compile(fullgraph=True) matches the source; after a layer is
     removed the linked model must be rebuilt, which dynamo cannot trace (it failed on an unsupported context

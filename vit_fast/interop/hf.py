@@ -23,7 +23,7 @@ import transformers
 from transformers import PreTrainedModel, ViTConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
-from ..layers import has_hooks
+from ..layers.common import global_module_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
 from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, own_source_hooks
@@ -98,7 +98,7 @@ class HFLinked:
         for module in (getattr(self, "pooler", None), getattr(layout.encoder(self), "pooler", None)):
             if module is not None:
                 called.append(module)
-        if has_hooks(nn.Identity()):  # global module hooks fire on every module transformers calls
+        if global_module_hooks():  # global module hooks fire on every module transformers calls
             return True
         stack = list(self._modules.values())
         while stack:

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..adapters import PackedLinear
 from ..layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, SwiGLUPackedMlp, has_hooks
+from ..layers.common import global_module_hooks
 from ..model import VisionTransformer
 from ..presets import ViTConfig
 
@@ -58,7 +59,7 @@ def own_source_hooks(module: nn.Module) -> bool:
 def source_hooks(module: nn.Module) -> bool:
     """Whether hooks other than transformers' capture hooks sit on ``module`` or below it, global module hooks
     included."""
-    if has_hooks(nn.Identity()):
+    if global_module_hooks():
         return True
     stack = [module]
     while stack:

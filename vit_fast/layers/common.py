@@ -20,16 +20,22 @@ def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(x), int(x)
 
 
+def global_module_hooks() -> bool:
+    """Whether global module hooks (``torch.nn.modules.module.register_module_forward_hook`` and its kin) are set:
+    they fire on every module called."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks)
+
+
 def has_hooks(module: nn.Module, inside: bool = False) -> bool:
     """Whether calling ``module`` (with ``inside``: any module below it, not counting itself) would do more than its
     class's forward: forward or backward hooks on it, global module hooks included, or a forward set on the
     instance (accelerate's hooks, which move offloaded weights in, and a user's patch). The fused paths call
     GEMMs and kernels directly, so such modules (FSDP2's fully_shard registers hooks) are run through ``__call__``.
     Asked on every forward: a plain walk of the module dicts (Module.modules() costs several times more)."""
-    from torch.nn.modules import module as torch_module
-
-    if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
-            or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks):
+    if global_module_hooks():
         return True
     stack = list(module._modules.values()) if inside else [module]
     while stack:

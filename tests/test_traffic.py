@@ -206,3 +206,16 @@ def test_batch_spanning_gemm_counts_rows_with_data_not_tile_padding():
     assert len(fwd) == 1 and len(bwd) == 1
     assert fwd[0].flops == 2 * 50 * 64 * 96  # x @ w1^T
     assert bwd[0].flops == 2 * 50 * 64 * 96  # dy @ w2
+
+
+def test_stored_predict_names_a_path_it_leaves_out(capsys, monkeypatch):
+    """`--predict --stored` with a path the shipped counts lack: a line names the path and why (it was dropped
+    silently), and the stored paths are still predicted."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b16 = "vit_base_patch16_224"
+    assert traffic.main(["--model", b16, "--paths", "timm_eager", "vit_fast_bf16_residual", "--predict",
+                         "--stored"]) == 0
+    out = capsys.readouterr().out
+    left_out = traffic.PATH_LABELS["vit_fast_bf16_residual"]
+    assert f"{b16}: {left_out}: left out: no stored counts for this path" in out
+    assert f"{b16}: {traffic.PATH_LABELS['timm_eager']}" in out

@@ -662,6 +662,9 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
             if stored[next(iter(stored))].batch != args.batch:
                 raise SystemExit(f"vit-fast traffic --stored: {model}'s stored counts are at batch "
                                  f"{stored[next(iter(stored))].batch}, not {args.batch}; count it without --stored")
+            for path in [p for p in args.paths if p not in stored]:
+                print(f"{model}: {PATH_LABELS[path]}: left out: no stored counts for this path (stored: "
+                      f"{', '.join(stored)}); count it without --stored\n")
             for r in by_model[model]:
                 print(f"{model}: " + format_path(r) + "\n", flush=True)
     for model in [] if args.stored else models:

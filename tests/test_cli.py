@@ -55,6 +55,19 @@ def test_bench_campaign_flags_are_documented(capsys):
     assert all(flag in out for flag in ("--campaign", "--dry-run", "--budget", "--out"))
 
 
+@pytest.mark.parametrize("option, value", [("--models", "vit_nope"), ("--batches", "0"), ("--steps", "0"),
+                                           ("--warmup", "-1"), ("--peak-tflops", "-5"), ("--budget", "0")])
+def test_bench_checks_its_options_before_saying_there_is_no_gpu(monkeypatch, capsys, option, value):
+    """Without CUDA a bad value is argparse's usage error (exit 2), as with a GPU; it was the no-GPU line, exit 0."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", option, value])
+    assert exit_info.value.code == 2
+    assert f"vit-fast bench: error: argument {option}: " in capsys.readouterr().err
+
+
 def test_info_refuses_the_triton_backend_on_cpu_outside_the_interpreter(monkeypatch, capsys):
     """The forward runs on CPU tensors: without TRITON_INTERPRET=1 a usage error says what to do, not a traceback."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")

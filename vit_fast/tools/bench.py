@@ -29,6 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from vit_fast.tools import NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, preset_name
+
 PATHS = ("timm_eager", "timm_compile", "vit_fast", "vit_fast_sdpa", "vit_fast_short", "vit_fast_compile",
          "vit_fast_graph", "vit_fast_bf16_residual", "vit_fast_per_part")
 # vit_fast with one part on another route than the measured default (vit_fast/route.py)
@@ -298,19 +300,20 @@ def plot(rows: list[dict], path: str, paths: tuple = PATHS, note: str = "") -> s
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="vit-fast bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=None,
+    parser.add_argument("--models", nargs="+", default=None, type=preset_name,
                         help=f"presets (default {' '.join(DEFAULT_MODELS)}; with --campaign: the throughput stage's, "
                              "default ViT-B/16, S/16 and L/16)")
-    parser.add_argument("--batches", nargs="+", type=int, default=None,
+    parser.add_argument("--batches", nargs="+", type=POSITIVE_INT, default=None,
                         help=f"(default {' '.join(map(str, DEFAULT_BATCHES))}; with --campaign: the throughput "
                              "stage's, default 64 and 256)")
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
     parser.add_argument("--paths", nargs="+", default=None, choices=list(PATHS) + ["timm_graph"],
                         help="(default all but timm_graph; with --campaign: the throughput stage's, default the "
                              "headline's paths, then the route candidates)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="dense peak for MFU if the GPU is not known")
+    parser.add_argument("--steps", type=POSITIVE_INT, default=30, help="timed steps per case")
+    parser.add_argument("--warmup", type=NONNEG_INT, default=10, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--peak-tflops", type=POSITIVE_FLOAT, default=None,
+                        help="dense peak for MFU if the GPU is not known")
     parser.add_argument("--out", default="bench/results", help="folder for the CSV, JSON and PNG")
     campaign = parser.add_argument_group("campaign (`vit-fast bench --campaign --out DIR`, "
                                          "see vit_fast/tools/campaign.py)")
@@ -329,7 +332,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     campaign.add_argument("--dry-run", action="store_true",
                           help="with --campaign: every stage on CPU with tiny shapes in about a minute (figures "
                                "meaningless; proves the command works before a GPU sees it)")
-    campaign.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    campaign.add_argument("--budget", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
                           help="with --campaign: total time budget, split over the stages in proportion (default 540)")
     return parser
 

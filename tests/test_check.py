@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,18 @@ def test_nan_never_passes(monkeypatch, capsys):
 def test_bad_arguments(capsys):
     assert check.main(["--model", "vit_nope", "--ops", "layer_norm"]) == 2
     assert "vit_nope" in capsys.readouterr().err
+
+
+def test_table_header_says_the_bound_is_relative(capsys):
+    """The bound column bounds the relative error ||out - ref|| / ||ref||: its header says so (it read "bound"), the
+    value sits under it, and the README's excerpt quotes the same columns."""
+    check.print_table([check.Row("layer_norm dweight", (768,), torch.float32, 1.27e-6, 8.03e-8, 1e-6)])
+    header, row = capsys.readouterr().out.splitlines()
+    assert "rel err  rel. bound  result" in header
+    assert header.index("rel. bound") + len("rel. bound") == row.index("1.0e-06") + len("1.0e-06")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quoted = next(line for line in readme.splitlines() if line.startswith("op ") and "max abs err" in line)
+    assert re.split(r"\s{2,}", quoted) == re.split(r"\s{2,}", header)
 
 
 def test_check_leaves_the_tf32_flags_as_it_found_them(monkeypatch):

@@ -4,7 +4,7 @@ Every kernel's forward output and every input gradient (layer_norm, add_layer_no
 linear_act, bias_dropout_add, attention, patch_embed), then the whole model's logits and parameter gradients with
 backend 'triton', are compared on random inputs with the same computation in float64 (the ``_ref``
 functions / the model on backend 'torch'). One table: op, shape, dtype, max abs error, relative error
-||out - ref|| / ||ref||, bound, PASS/FAIL; exit status 1 on any failure.
+||out - ref|| / ||ref||, its bound (rel. bound), PASS/FAIL; exit status 1 on any failure.
 
 Bounds (CONTRIBUTING.md 4, vit_fast.tools.numerics): fp32 1e-6 elementwise / 1e-5 with a dot (TF32 is switched off
 for the check); fp16 1e-3; bf16 1e-2. In fp16/bf16 a kernel must also stay within 2x the error of eager
@@ -240,10 +240,11 @@ def print_table(rows: list[Row], out=None) -> None:
     out = out or sys.stdout
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     width = max(len(r.op) for r in rows) + 2
-    print(f"{'op':<{width}}{'shape':<20}{'dtype':<7}{'max abs err':>12}{'rel err':>11}{'bound':>10}  result", file=out)
+    print(f"{'op':<{width}}{'shape':<20}{'dtype':<7}{'max abs err':>12}{'rel err':>11}{'rel. bound':>12}  result",
+          file=out)
     for r in rows:
         shape = "x".join(map(str, r.shape)) or "scalar"
-        print(f"{r.op:<{width}}{shape:<20}{names[r.dtype]:<7}{r.max_abs:>12.2e}{r.rel:>11.2e}{r.bound:>10.1e}  "
+        print(f"{r.op:<{width}}{shape:<20}{names[r.dtype]:<7}{r.max_abs:>12.2e}{r.rel:>11.2e}{r.bound:>12.1e}  "
               f"{'PASS' if r.ok else 'FAIL'}", file=out)
 
 

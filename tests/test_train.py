@@ -3,6 +3,7 @@
 Tiny runs: digits at 16 px, patch 4 (17 tokens), 2 blocks of width 32, global batch 32 -> 44 steps per
 epoch, the reference backend, 1 CPU thread. Each in-process run takes a second or two.
 """
+import itertools
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -196,6 +198,24 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path):
     assert 5 <= state["step"] < 100 * 44
     again = run(tmp_path, "--epochs", "100", "--resume", "auto", "--stop-at-step", str(state["step"] + 3))
     assert again["steps"] == state["step"] + 3
+
+
+def test_resumed_run_rates_count_only_its_own_steps(tmp_path, monkeypatch, capsys):
+    """Resumed at step 82 (mid-window, --log-every 5): the done line counts the 6 steps this process ran (it said
+    "88 steps in" this process's seconds) and the step-85 record's img/s the 3 steps timed here (the 2 carried in the
+    window from the earlier run were counted too). A clock that ticks 1 s per read makes a window 1 s long."""
+    run(tmp_path, "--stop-at-step", "82")
+    ticks = itertools.count()
+    monkeypatch.setattr(vt, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)),
+                                                          strftime=time.strftime))
+    capsys.readouterr()
+    resumed = run(tmp_path, "--resume", "auto")
+    done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done:"))
+    assert f"6 steps (resumed at step 82, now {STEPS}) in" in done
+    assert f"({6 / resumed['train_seconds']:.1f} steps/s, " in done
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    step_85 = next(r for r in records if r["kind"] == "train" and r["step"] == 85)
+    assert step_85["img_per_s"] == 3 * 32
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])

@@ -529,6 +529,7 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
     graph_step = None  # --cuda-graph: captured on the first batch
     stop = StopSignal()
     stopped, train_images, t_train = False, 0, time.perf_counter()
+    first_step = step   # a resumed run's rates count only the steps this process runs
     wrapped.train()
     with stop:
         for epoch in range(step // steps_per_epoch, args.epochs):
@@ -543,7 +544,7 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             if resumed_window is not None:   # resumed mid-window: the next record covers the same steps
                 window.copy_(resumed_window.to(window))
                 resumed_window = None
-            t_window = time.perf_counter()
+            t_window, window_first_step = time.perf_counter(), step
             for _ in range(start, steps_per_epoch):
                 for micro in range(accum):
                     images, labels = next(batches)
@@ -577,12 +578,14 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
                     loss_sum, correct, count = world.all_reduce(window).tolist()
                     last_train = {"loss": loss_sum / count, "acc": correct / count,
                                   "lr": float(scheduler.get_last_lr()[0]),
-                                  "img_per_s": count / (time.perf_counter() - t_window)}
+                                  # a resumed window's count holds the earlier run's images: not timed here
+                                  "img_per_s": (step - window_first_step) * global_batch
+                                  / (time.perf_counter() - t_window)}
                     metrics.write({"kind": "train", "step": step, "epoch": epoch + 1, **last_train})
                     bar.set_postfix(loss=f"{last_train['loss']:.3f}", acc=f"{last_train['acc']:.3f}",
                                     lr=f"{last_train['lr']:.2e}", img_s=f"{last_train['img_per_s']:.0f}")
                     window.zero_()
-                    t_window = time.perf_counter()
+                    t_window, window_first_step = time.perf_counter(), step
                 stopped = stop.signum is not None or step == args.stop_at_step
                 if world.enabled:   # every rank must stop after the same step
                     stopped = bool(world.all_reduce(torch.tensor([int(stopped)], device=world.device)).item())
@@ -620,9 +623,11 @@ def _train(args: argparse.Namespace, world: Dist) -> dict[str, Any]:
             print(f"stopped at step {step}/{total_steps}; checkpoint in {run_dir / 'checkpoints'}; "
                   f"continue with --resume auto --output-dir {run_dir}", flush=True)
         else:
-            acc = summary["test_acc"]
-            print(f"done: {args.dataset} {args.model}, {step} steps in {summary['train_seconds']:.1f} s "
-                  f"({summary['img_per_s']:.0f} img/s), test acc {acc:.2%} (best {best_acc:.2%}), "
+            acc, seconds = summary["test_acc"], summary["train_seconds"]
+            resumed_at = f" (resumed at step {first_step}, now {step})" if first_step else ""
+            print(f"done: {args.dataset} {args.model}, {step - first_step} steps{resumed_at} in {seconds:.1f} s "
+                  f"({(step - first_step) / max(seconds, 1e-9):.1f} steps/s, {summary['img_per_s']:.0f} img/s), "
+                  f"test acc {acc:.2%} (best {best_acc:.2%}), "
                   f"train loss {summary['train_loss']:.4f}; run dir {run_dir}", flush=True)
     return summary
 

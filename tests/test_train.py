@@ -218,6 +218,19 @@ def test_resumed_run_rates_count_only_its_own_steps(tmp_path, monkeypatch, capsy
     assert step_85["img_per_s"] == 3 * 32
 
 
+def test_fsdp_outside_torchrun_is_argparses_error(monkeypatch, capsys):
+    """--fsdp without torchrun's RANK / WORLD_SIZE: a usage error naming the launch it expects (it was exit 1 without
+    the prefix, after the data had loaded)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        vt.cli_main(["--fsdp", *TINY])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "vit-fast train: error: argument --fsdp: expected a launch by torchrun" in err
+    assert "torchrun --nproc_per_node N -m vit_fast.training.train" in err
+
+
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_amp_and_gradient_accumulation(tmp_path, amp):
     extra = ["--grad-checkpointing", "--bf16-residual"] if amp == "bf16" else []

@@ -167,6 +167,9 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if warmup_given and args.warmup_epochs > args.epochs:   # (a dataset default longer than a short run is kept)
         parser.error(f"argument --warmup-epochs: expected a value <= --epochs ({args.epochs}), "
                      f"got {args.warmup_epochs}")
+    if args.fsdp and not launched_by_torchrun():   # else it failed after loading the data, exit 1
+        parser.error("argument --fsdp: expected a launch by torchrun (RANK and WORLD_SIZE are not set): "
+                     "torchrun --nproc_per_node N -m vit_fast.training.train ... --fsdp")
     if args.cuda_graph:
         wrong = [f"--accum-steps {args.accum_steps} (expected 1)"] * (args.accum_steps != 1) + \
             ["--amp fp16 (its GradScaler synchronises the host; use bf16)"] * (args.amp == "fp16") + \
@@ -179,11 +182,15 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------ distributed
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 class Dist:
     """Rank, world size and device; initialises torch.distributed when launched by torchrun."""
 
     def __init__(self, device: Optional[str]):
-        self.enabled = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        self.enabled = launched_by_torchrun()
         self.rank = int(os.environ.get("RANK", 0)) if self.enabled else 0
         self.world = int(os.environ.get("WORLD_SIZE", 1)) if self.enabled else 1
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -299,10 +306,7 @@ def wrap_model(model: nn.Module, args: argparse.Namespace, world: Dist) -> nn.Mo
         raise ValueError(f"--backend triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU, very slow); this run is "
                          f"on {world.device}: use --backend auto or torch")
     model.to(world.device)
-    if args.fsdp:
-        if not world.enabled:
-            raise SystemExit("--fsdp needs torch.distributed: "
-                             "launch with torchrun --nproc_per_node N -m vit_fast.training.train")
+    if args.fsdp:   # resolve_args refused --fsdp outside torchrun
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:

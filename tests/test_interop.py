@@ -201,6 +201,30 @@ def test_from_hf_refuses_another_familys_state_dict_by_name():
         from_hf({"weight": torch.zeros(2)})
 
 
+@pytest.mark.parametrize("missing", ["absolute", "./relative", "path object"])
+def test_from_pretrained_names_a_missing_local_directory(tmp_path, monkeypatch, missing):
+    """A local directory that does not exist is named (transformers read it as a malformed hub id); a hub id still
+    goes to transformers. CLIP's class takes the same check through the shared from_pretrained."""
+    from vit_fast.interop import hf, hf_families
+
+    monkeypatch.chdir(tmp_path)
+    path = {"absolute": str(tmp_path / "no_such_model"), "./relative": "./no_such_model",
+            "path object": tmp_path / "no_such_model"}[missing]
+    for optimized_class in (vit_fast.HFViT, hf_families.CLIPVisionModel):
+        with pytest.raises(FileNotFoundError, match=r"from_pretrained: no such directory '.*no_such_model'"):
+            optimized_class.from_pretrained(path)
+
+    class ReachedTransformers(Exception):
+        pass
+
+    def config_from_hub(name, *args, **kwargs):
+        raise ReachedTransformers(name)
+
+    monkeypatch.setattr(hf.ViTConfig, "from_pretrained", config_from_hub)
+    with pytest.raises(ReachedTransformers, match="google/vit-base-patch16-224"):
+        vit_fast.HFViT.from_pretrained("google/vit-base-patch16-224")
+
+
 def test_from_hf_and_torchvision_state_dicts_name_what_they_assume():
     """A transformers state dict does not record hidden_act or layer_norm_eps, and no state dict records the head
     count (any count fits the same tensors): each assumption not passed is named in one warning; passed, the model is

@@ -15,6 +15,7 @@ As in Liger-Kernel, the layers stay transformers'; only the forward is vit_fast'
 from __future__ import annotations
 
 import copy
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +28,16 @@ from ..layers.common import global_module_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
 from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, own_source_hooks
+
+
+def require_local_directory(name_or_path) -> None:
+    """A missing local directory, named: transformers takes it for a hub id and reports a malformed repo id.
+    Local means a path object, an absolute path or one starting ./ ../ ~; a bare 'org/name' stays a hub id."""
+    text = os.fspath(name_or_path)
+    local = isinstance(name_or_path, os.PathLike) or os.path.isabs(text) or text.startswith(("./", "../", "~"))
+    if local and not os.path.exists(os.path.expanduser(text)):
+        raise FileNotFoundError(f"from_pretrained: no such directory {text!r}; expected a saved model directory "
+                                f"(config.json and weights) or a hub id such as 'google/vit-base-patch16-224'")
 
 
 class HFLinked:
@@ -155,6 +166,7 @@ class HFLinked:
         """Load with the transformers class this one optimizes, then ``vit_fast.optimize`` it."""
         from .optimize import optimize
 
+        require_local_directory(pretrained_model_name_or_path)
         source = cls.stock_class().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         return optimize(source, backend=backend, residual_in_fp32=residual_in_fp32)
 
@@ -232,6 +244,7 @@ class HFViT(HFLinked):
         config.json) with transformers, then ``vit_fast.optimize`` it."""
         from .optimize import optimize
 
+        require_local_directory(pretrained_model_name_or_path)
         config = kwargs.pop("config", None) or ViTConfig.from_pretrained(pretrained_model_name_or_path)
         classifier = "ViTForImageClassification" in (config.architectures or [])
         source_class = transformers.ViTForImageClassification if classifier else transformers.ViTModel

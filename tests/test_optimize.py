@@ -299,6 +299,20 @@ def test_a_head_replaced_by_hand_is_the_head_converted(head):
     assert_close(model(images()), ref(images()), RTOL, name="logits")
 
 
+@pytest.mark.parametrize("name, cls", [("eva02_tiny_patch14_224", "timm.models.eva.Eva"),
+                                       ("vit_relpos_small_patch16_224",
+                                        "timm.models.vision_transformer_relpos.VisionTransformerRelPos")])
+def test_other_timm_vit_family_is_refused_by_class_with_the_families_taken(name, cls):
+    """A timm ViT of another class (Eva, rel-pos) is named with the timm families optimize takes; it got the
+    generic refusal that listed every library's classes ("expected a timm VisionTransformer ...")."""
+    other = timm.create_model(name, depth=1, embed_dim=32, num_heads=2, img_size=32, num_classes=5)
+    with pytest.raises(ValueError) as info:
+        vit_fast.optimize(other)
+    message = str(info.value)
+    assert message.startswith(f"optimize: {cls} is a timm model family vit_fast does not implement;"), message
+    assert "VisionTransformer and VisionTransformerDistilled" in message and "CLIP, SigLIP and DINOv2" in message
+
+
 def test_unsupported_features_are_listed():
     ref = timm_vit(patch_drop_rate=0.1, pool_include_prefix=True, scale_mlp_norm=True, global_pool="avg")
     with pytest.raises(ValueError) as info:

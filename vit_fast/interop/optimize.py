@@ -136,6 +136,10 @@ def _set_residual_dtype(fast: nn.Module, residual_in_fp32: bool) -> nn.Module:
     return fast
 
 
+# What timm's VisionTransformer / VisionTransformerDistilled build that vit_fast converts (presets: vit_fast/presets.py)
+TIMM_FAMILIES = "ViT, DeiT, DeiT III, DeiT distilled, CLIP, SigLIP and DINOv2"
+
+
 def source_kind(model: nn.Module) -> str:
     """'vit_fast' | 'timm' | 'torchvision' | 'hf' | 'hf_family' | 'open_clip' | 'hf_optimized' for a supported
     ViT class, else a ValueError (naming a supported module inside the model, where there is one)."""
@@ -146,6 +150,10 @@ def source_kind(model: nn.Module) -> str:
     inner = _supported_submodule(model)
     hint = (f". Its {inner} is one: optimize that in place (model.{inner} = vit_fast.optimize(model.{inner})); the "
             f"rest of the model stays as it is") if inner else ""
+    if cls.__module__.startswith("timm."):   # Eva, Beit, VisionTransformerRelPos...: say which timm classes it takes
+        raise ValueError(f"optimize: {cls.__module__}.{cls.__qualname__} is a timm model family vit_fast does not "
+                         f"implement; optimize takes timm's VisionTransformer and VisionTransformerDistilled, the "
+                         f"{TIMM_FAMILIES} families (README: Model families and sources){hint}")
     raise ValueError(f"optimize: expected a timm VisionTransformer (or VisionTransformerDistilled), a torchvision "
                      f"VisionTransformer, a transformers ViTModel / ViTForImageClassification / "
                      f"{' / '.join(HF_FAMILY_CLASSES)}, an open_clip VisionTransformer (model.visual) or a vit_fast "

@@ -139,6 +139,25 @@ def test_report_quick_mode_covers_one_preset_one_dtype_both_archs():
     assert {arch for _, arch, _, _ in quick.values()} == set(report.ARCHS)
 
 
+def test_persistent_tma_kernels_are_not_modelled_rather_than_rated():
+    """The static SASS model counts the persistent TMA GEMMs' epilogue at every K step of their flattened loop: their
+    rows read n/a with the reason (they read a 10% ceiling, and --quick's worst config); other kernels keep theirs."""
+    quick = report.collect_specs(report.QUICK_PRESETS, report.QUICK_DTYPES, report.ARCHS, pure=False)
+    marked = {spec.name for spec, _, _, _ in quick.values() if spec.not_modelled}
+    assert marked == {spec.name for spec, _, _, _ in quick.values() if spec.name.endswith("_tma")} and marked
+    issue_bound = dict(arch=90, num_warps=8, loops=[dict(start=0, end=1, instructions=400, mma=4, mma_kind="HGMMA",
+                                                        flops=1.0, issue_cycles=800.0, mma_cycles=80.0)])
+    persistent = report.Row("linear_act_fwd_tma", "BM=128", 90, "bf16", sass=issue_bound,
+                            not_modelled="persistent: the epilogue is counted per K step")
+    pointer = report.Row("linear_act_fwd", "BM=128", 90, "bf16", sass=issue_bound)
+    assert persistent.ceiling is None and pointer.ceiling == pytest.approx(0.1)
+    assert report.format_ceiling(persistent) == "n/a (persistent)" and report.format_ceiling(pointer) == "10% issue"
+    summary = report.summarize_ceilings([persistent, pointer])
+    assert ("linear_act_fwd_tma           sm_90: n/a, 1 configs not modelled (persistent: the epilogue is counted "
+            "per K step)") in summary
+    assert "1 tensor-core configs analysed, 1 below" in summary and "worst: linear_act_fwd [" in summary
+
+
 def test_report_sees_good_spilling_and_broken_kernels(monkeypatch, tmp_path):
     """The gate can fail: a spilling tile and a kernel that does not compile are both reported.
 

@@ -36,6 +36,9 @@ class AotSpec:
     # them with attrs={(i,): [["tt.divisibility", 16]]}, else the AOT build gets scalar, unvectorised
     # loads and reports registers/spills a real launch does not have.
     divisible_by_16: tuple[str, ...] = ()
+    # Why the SASS instruction-cost model (vit_fast/tools/sass.py) does not read this kernel, '' where it does:
+    # `vit-fast report` prints n/a with the reason instead of a ceiling.
+    not_modelled: str = ""
 
 
 def kernel_signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:

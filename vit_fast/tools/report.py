@@ -85,11 +85,13 @@ class Row:
     note: str = ""
     cached: bool = False
     sass: dict | None = None  # instruction cost of the tensor-core loops (vit_fast.tools.sass.SassCost.to_dict())
+    not_modelled: str = ""  # why the instruction-cost model does not read this kernel (AotSpec.not_modelled)
 
     @property
     def ceiling(self) -> float | None:
-        """Fraction of tensor peak the worst MMA loop can reach (issue-, MUFU- or MMA-bound); None without one."""
-        return _sass_cost(self).ceiling if self.sass else None
+        """Fraction of tensor peak the worst MMA loop can reach (issue-, MUFU- or MMA-bound); None without one or
+        where the model does not read the kernel."""
+        return _sass_cost(self).ceiling if self.sass and not self.not_modelled else None
 
     def problems(self) -> list[str]:
         out = []
@@ -344,6 +346,8 @@ CEILING_BAR = 0.60  # issue 19: every shipped tensor-core config (no dropout) re
 def format_ceiling(row: Row) -> str:
     if not row.sass:
         return "-"
+    if row.not_modelled:
+        return f"n/a ({row.not_modelled.split(':')[0]})"   # the reason in full: summarize_ceilings
     if "error" in row.sass:
         return "?"
     worst = _sass_cost(row).worst
@@ -353,8 +357,14 @@ def format_ceiling(row: Row) -> str:
 def summarize_ceilings(rows: list[Row], bar: float = CEILING_BAR) -> str:
     """Instruction cost: the worst ceiling per kernel and arch, the configs below `bar`, and the worst of all."""
     measured = [r for r in rows if r.ceiling is not None]
+    not_modelled: dict[tuple, list[Row]] = {}
+    for r in rows:
+        if r.sass and r.not_modelled:
+            not_modelled.setdefault((r.kernel, r.arch), []).append(r)
+    unread = [f"  {kernel:28s} sm_{arch}: n/a, {len(rs)} configs not modelled ({rs[0].not_modelled})"
+              for (kernel, arch), rs in sorted(not_modelled.items())]
     if not measured:
-        return "instruction cost: no tensor-core loop analysed"
+        return "\n".join(["instruction cost: no tensor-core loop analysed", *unread])
     out = ["instruction cost (SASS main loop; "
            "ceiling = MMA / max(MMA, issue, MUFU) cycles per iteration, an upper bound):"]
     groups: dict[tuple, list[Row]] = {}
@@ -363,6 +373,7 @@ def summarize_ceilings(rows: list[Row], bar: float = CEILING_BAR) -> str:
     for (kernel, arch), rs in sorted(groups.items()):
         w = min(rs, key=lambda r: r.ceiling)
         out.append(f"  {kernel:28s} sm_{arch}: worst {w.ceiling:4.0%} [{w.config}] {_sass_cost(w).worst.describe()}")
+    out += unread
     low = sorted((r for r in measured if r.ceiling < bar), key=lambda r: r.ceiling)
     out.append(f"{len(measured)} tensor-core configs analysed, {len(low)} below a {bar:.0%} ceiling")
     worst = min(measured, key=lambda r: r.ceiling)
@@ -405,7 +416,7 @@ def compile_entries(entries: dict, workers: int = 2, use_cache: bool = True, pro
     os.makedirs(cache_dir(), exist_ok=True)
     for key, (spec, arch, dtype_name, uses) in entries.items():
         row = Row(kernel=spec.name, config=config_string(spec), arch=arch, dtype=dtype_name, uses=uses,
-                  threads=spec.num_warps * 32, note=spec.note)
+                  threads=spec.num_warps * 32, note=spec.note, not_modelled=getattr(spec, "not_modelled", ""))
         rows[key] = row
         path = os.path.join(cache_dir(), key + ".json")
         cached = _load_cached(path) if use_cache else None

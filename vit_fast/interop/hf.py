@@ -27,7 +27,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 from ..layers.common import global_module_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
-from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, own_source_hooks
+from .linked import Layout, ViTLayout, carry_settings, linked_model, links_to, source_hooks_in
 
 
 def require_local_directory(name_or_path) -> None:
@@ -109,17 +109,8 @@ class HFLinked:
         for module in (getattr(self, "pooler", None), getattr(layout.encoder(self), "pooler", None)):
             if module is not None:
                 called.append(module)
-        if global_module_hooks():  # global module hooks fire on every module transformers calls
-            return True
-        stack = list(self._modules.values())
-        while stack:
-            module = stack.pop()
-            if module is None or any(module is c for c in called):
-                continue
-            if own_source_hooks(module):
-                return True
-            stack.extend(module._modules.values())
-        return False
+        # global module hooks fire on every module transformers calls
+        return global_module_hooks() or source_hooks_in(self._modules.values(), tuple(called))
 
     def transformers_forward(self, *args, **kwargs):
         """transformers' forward of this model's class on its own modules (arguments left as None dropped). Its

@@ -57,17 +57,24 @@ def own_source_hooks(module: nn.Module) -> bool:
 
 
 def source_hooks(module: nn.Module) -> bool:
-    """Whether hooks other than transformers' capture hooks sit on ``module`` or below it, global module hooks
-    included."""
-    if global_module_hooks():
-        return True
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        if m is not None:
-            if own_source_hooks(m):
-                return True
-            stack.extend(m._modules.values())
+    """Whether hooks other than transformers' capture hooks, or a forward set on an instance, sit on ``module`` or
+    below it, global module hooks included."""
+    return global_module_hooks() or source_hooks_in((module,))
+
+
+def source_hooks_in(modules, skip: tuple = ()) -> bool:
+    """``source_hooks`` of ``modules`` and what is below them, without the modules in ``skip`` and below them
+    (compared with ``is``), global hooks not asked: a recursive walk that makes calls only for modules with
+    children or with hooks (most are leaves without)."""
+    for m in modules:
+        if m is None or (skip and any(m is s for s in skip)):
+            continue
+        if ((m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+             or "forward" in m.__dict__) and own_source_hooks(m)):
+            return True
+        children = m._modules
+        if children and source_hooks_in(children.values(), skip):
+            return True
     return False
 
 

@@ -37,15 +37,21 @@ def has_hooks(module: nn.Module, inside: bool = False) -> bool:
     Asked on every forward: a plain walk of the module dicts (Module.modules() costs several times more)."""
     if global_module_hooks():
         return True
-    stack = list(module._modules.values()) if inside else [module]
-    while stack:
-        m = stack.pop()
+    return _any_hooks(module._modules.values() if inside else (module,))
+
+
+def _any_hooks(modules) -> bool:
+    """``has_hooks`` below the global hooks: a recursive walk that makes calls only for modules with children (most
+    of a ViT's modules are leaves)."""
+    for m in modules:
         if m is None:
             continue
         if (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
                 or "forward" in m.__dict__):
             return True
-        stack.extend(m._modules.values())
+        children = m._modules
+        if children and _any_hooks(children.values()):
+            return True
     return False
 
 

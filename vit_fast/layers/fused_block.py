@@ -102,13 +102,19 @@ def _stock_parts(parts: _Parts) -> bool:
     of the methods the per-part path calls pass: a linked transformers model's parts)."""
     layer_scale, drop_path, _ = _block_types()
     attn, mlp = parts.attn, parts.mlp
-    return (all(getattr(type(attn), name) is getattr(Attention, name) for name in _ATTENTION_METHODS)
-            and all(getattr(type(mlp), name) is getattr(Mlp, name) for name in _MLP_METHODS)
+    return (_keeps_methods(type(attn), Attention, _ATTENTION_METHODS) and _keeps_methods(type(mlp), Mlp, _MLP_METHODS)
             and attn.fused_attn and not attn.has_qk_norm() and attn.attn_drop_rate() is not None
             and act_is_stock(mlp) and type(mlp.norm) is nn.Identity
-            and all(joins_read(m, layer_scale) for m in (parts.ls1, parts.ls2))
-            and all(joins_read(m, drop_path) for m in (parts.drop_path1, parts.drop_path2))
-            and all(fusable_linear(m) for m in (parts.qkv, parts.proj, parts.fc1, parts.fc2)))
+            and joins_read(parts.ls1, layer_scale) and joins_read(parts.ls2, layer_scale)
+            and joins_read(parts.drop_path1, drop_path) and joins_read(parts.drop_path2, drop_path)
+            and fusable_linear(parts.qkv) and fusable_linear(parts.proj) and fusable_linear(parts.fc1)
+            and fusable_linear(parts.fc2))
+
+
+def _keeps_methods(cls: type, base: type, names: tuple) -> bool:
+    """``cls`` (``base`` or a subclass) has ``base``'s methods ``names`` (asked per call: ``base`` itself answers at
+    once)."""
+    return cls is base or all(getattr(cls, name) is getattr(base, name) for name in names)
 
 
 _ATTENTION_METHODS = ("branch", "fused", "kernel_family", "join_terms")
@@ -213,8 +219,11 @@ def plan_for(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Opt
     if plan is None:
         return None, None, (), ()
     params = _params(parts, next_norm)
-    return plan, parts, params, (plan, _layout(hidden), _layout(residual),
-                          *((None if p is None else (p.shape, p.dtype, p.device)) for p in params))
+    return plan, parts, params, (plan, _layout(hidden), _layout(residual), *map(_param_layout, params))
+
+
+def _param_layout(p: Optional[torch.Tensor]) -> Optional[tuple]:
+    return None if p is None else (p.shape, p.dtype, p.device)
 
 
 def _layout(t: torch.Tensor) -> tuple:

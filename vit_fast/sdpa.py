@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels._utils import first_order_only
+
 
 def split_packed(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, N, 3 * H * D) -> q, k, v as (B, H, N, D) strided views (timm's [q | k | v] x heads layout)."""
@@ -39,7 +41,7 @@ class PackedSDPAFunction(torch.autograd.Function):
         return out.detach().transpose(1, 2).reshape(B, N, H * D)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, grad_out: torch.Tensor):
         if ctx.graph is None:
             raise RuntimeError("vit_fast's SDPA route (vit_fast/sdpa.py): trying to backward through the attention a "

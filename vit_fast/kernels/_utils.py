@@ -4,6 +4,7 @@ and how many programs fill a GPU. Nothing here touches a device at import time.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -160,6 +161,28 @@ def run_op(op, *args):
         with torch.profiler.record_function(op.qualname):
             return op.function(*args)
     return op.function(*args)
+
+
+SECOND_DERIVATIVE_ERROR = ("vit_fast's fused kernels (and its packed-SDPA route) have no second derivative (a "
+                           "backward under create_graph=True: torch.autograd.grad(..., create_graph=True), "
+                           "Hessian-vector products, torch.autograd.functional.jvp / hvp / hessian); backend='torch' "
+                           "runs the reference path, which autograd differentiates twice, and first-order gradients "
+                           "need no create_graph")
+
+
+def first_order_only(backward):
+    """The decorator of every kernel Function's backward: ``once_differentiable``, and a backward run under
+    create_graph=True raises at once. once_differentiable alone raises only where its error node is reached: a
+    ``torch.autograd.grad`` of the gradients with respect to chosen inputs (a Hessian-vector product, autograd's
+    functional jvp / hvp) prunes that node and silently got the kernels' second-order terms as zeros."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():  # the engine runs a backward in grad mode only under create_graph=True
+            raise RuntimeError(SECOND_DERIVATIVE_ERROR)
+        return once(ctx, *grads)
+    return checked
 
 
 def _dispatched(op, args: tuple):

@@ -68,7 +68,17 @@ from ._rows import (
     param_grad_dtype,
 )
 from ._tuning import KernelLaunch, bucket
-from ._utils import FLOAT_DTYPES, cdiv, check_kernel_device, gpu_arch, kernel_op, next_power_of_2, run_op, unit_stride
+from ._utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_kernel_device,
+    first_order_only,
+    gpu_arch,
+    kernel_op,
+    next_power_of_2,
+    run_op,
+    unit_stride,
+)
 from .bias_gelu import bias_dropout_add_bwd, bias_dropout_add_ref, join_param_grads
 
 MAX_WIDTH = 8192  # one tile per row; beyond this the backward would spill heavily
@@ -428,7 +438,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         return y.view(shape), h.view(shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, dy, dh_out=None):
         h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, seed = ctx.saved_tensors
         n = h.shape[1]

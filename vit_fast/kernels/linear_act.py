@@ -69,6 +69,7 @@ from ._utils import (
     check_float,
     check_kernel_device,
     check_ndim,
+    first_order_only,
     gpu_arch,
     input_precision,
     kernel_op,
@@ -408,7 +409,7 @@ class LinearActFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, dy):
         x2, w1, b1, w2, h, dact = ctx.saved_tensors
         dy2 = as_rows(dy, w2.shape[0]).to(h.dtype)

@@ -79,6 +79,7 @@ from ._utils import (
     check_ndim,
     check_shape,
     compute_dtype_for,
+    first_order_only,
     gpu_arch,
     kernel_op,
     next_power_of_2,
@@ -742,7 +743,7 @@ class PatchEmbedFunction(torch.autograd.Function):
                       pos_embed_covers_prefix, compute_dtype, tokens_dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, dtokens):
         images, weight, bias, pos_embed, cls_token, reg_tokens = ctx.saved_tensors
         needs = ctx.needs_input_grad

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ._rows import RowTile
 from ._tuning import KernelLaunch, LaunchPlans
-from ._utils import cdiv, check_float, check_kernel_device, kernel_op, next_power_of_2, run_op
+from ._utils import cdiv, check_float, check_kernel_device, first_order_only, kernel_op, next_power_of_2, run_op
 
 
 @triton.jit
@@ -151,7 +151,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return run_op(swiglu_fwd, a2, b2).view(a.shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, dy):
         a2, b2 = ctx.saved_tensors
         grad = run_op(swiglu_bwd, _rows(dy), a2, b2, 0)
@@ -171,7 +171,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         return run_op(swiglu_fwd, a2, b2).view(*h.shape[:-1], f)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, dy):
         (h2,) = ctx.saved_tensors
         f = h2.shape[1] // 2

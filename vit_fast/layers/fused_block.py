@@ -29,7 +29,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..adapters import effective_bias, effective_weight, fusable_linear
 from ..kernels._join import stores_dx
 from ..kernels._rows import as_rows
-from ..kernels._utils import compute_dtype_for, direct_ops, env_switch, next_seed, op_caller, run_op, unit_stride
+from ..kernels._utils import (
+    compute_dtype_for,
+    direct_ops,
+    env_switch,
+    first_order_only,
+    next_seed,
+    op_caller,
+    run_op,
+    unit_stride,
+)
 from ..kernels.attention.interface import FAMILY_OPS, _dropout_and_seed
 from ..kernels.bias_gelu import bias_dropout_add_bwd, bias_dropout_add_fwd, join_param_grads
 from ..kernels.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, ln_param_grads
@@ -387,7 +396,7 @@ class FusedBlockFunction(torch.autograd.Function):
         return normed_out, stream_out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, d_normed, d_stream):
         saved = ctx.saved_tensors  # unpacked first: a checkpointed region recomputes here, with every check on
         if torch.compiler.is_compiling():  # compiled autograd traces the parts' custom ops

@@ -22,6 +22,7 @@ from .._utils import (
     compute_dtype_for,
     dropout_rate,
     dropout_threshold,
+    first_order_only,
     gpu_arch,
     kernel_op,
     next_power_of_2,
@@ -604,7 +605,7 @@ class AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, grad_out, grad_lse):
         qkv, qkv_bias, out, lse, seed = ctx.saved_tensors
         dqkv, dbias = run_op(ctx.bwd, grad_out, qkv, qkv_bias, out, lse, *ctx.args, seed)
@@ -622,7 +623,7 @@ class AttentionQKVFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
+    @first_order_only  # a double backward raises instead of returning zeros
     def backward(ctx, grad_out, grad_lse):
         *tensors, seed = ctx.saved_tensors
         return *run_op(attention_qkv_bwd, grad_out, *tensors, *ctx.args, seed), None, None, None

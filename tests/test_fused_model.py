@@ -283,6 +283,31 @@ def test_a_forward_set_on_a_module_instance_runs_as_on_the_reference(where):
     compare_grads(fused, ref, FP32)
 
 
+def test_a_patch_convolution_that_is_not_a_patchify_runs_as_a_module():
+    """A patch projection with padding (the same patch grid) or a Conv2d subclass overriding ``_conv_forward``
+    (weight standardisation) was read by the patch-embedding kernel as kernel = stride = patch, no padding, and its
+    own convolution ignored (logits 0.01-0.17 off)."""
+    class Standardised(torch.nn.Conv2d):
+        def _conv_forward(self, x, weight, bias):
+            return super()._conv_forward(x, (weight - weight.mean()) / weight.std(), bias)
+
+    x = torch.randn(2, 3, 32, 32)
+    for what in ("padding", "_conv_forward"):
+        fused, ref = make_pair(**TINY)
+        for model in (fused, ref):
+            old = model.patch_embed.proj
+            conv = (torch.nn.Conv2d(3, 64, 8, 8, padding=2) if what == "padding" else Standardised(3, 64, 8, 8))
+            with torch.no_grad():
+                conv.weight.copy_(old.weight[:, :, :conv.weight.shape[2], :conv.weight.shape[3]])
+                conv.bias.copy_(old.bias)
+            model.patch_embed.proj = conv
+        out, expected = fused(x), ref(x)
+        assert_close(out, expected, FP32, f"logits, patch convolution with {what}")
+        loss_of(out).backward()
+        loss_of(expected).backward()
+        compare_grads(fused, ref, FP32)
+
+
 def test_blocks_that_are_not_vit_fasts_run_as_modules():
     """A block replaced by timm's Block or nn.Identity runs (an AttributeError on the fused chain), and torch's
     checkpoint_wrapper around each block checkpoints it (the chain called the inner block's forward_pair: nothing

@@ -333,6 +333,46 @@ def test_unsupported_features_are_listed():
         vit_fast.optimize(hf_vit())(images(), bool_masked_pos=torch.zeros(2, 4, dtype=torch.bool))
 
 
+CLASS_PATCHES = {
+    "Linear": (torch.nn.Linear, lambda self, x: torch.nn.functional.linear(x, self.weight * 0.5, self.bias)),
+    "LayerNorm": (torch.nn.LayerNorm, lambda self, x: 2 * torch.nn.functional.layer_norm(
+        x, self.normalized_shape, self.weight, self.bias, self.eps)),
+    "GELU": (torch.nn.GELU, lambda self, x: torch.nn.functional.relu(x)),
+    "Conv2d": (torch.nn.Conv2d, lambda self, x: self._conv_forward(x, self.weight * 0.5, self.bias)),
+    "Dropout": (torch.nn.Dropout, lambda self, x: x * 0.5),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("patched", list(CLASS_PATCHES))
+def test_a_forward_replaced_on_a_torch_class_applies_as_on_timm(patched, backend, monkeypatch):
+    """A library replacing nn.Linear.forward (or GELU's, Conv2d's, Dropout's, LayerNorm's) on the class: timm calls
+    the new forward; the kernels read the modules' weights and rates and ignored it (logits 0.02-0.44 off). Such a
+    module is now called; vit_fast's own LayerNorm computes F.layer_norm as timm's does, on both backends."""
+    cls, forward = CLASS_PATCHES[patched]
+    source = timm_vit().train()  # dropout rates 0: deterministic, but the dropout modules are called in training
+    model = vit_fast.optimize(source, backend=backend)
+    monkeypatch.setattr(cls, "forward", forward)
+    x = images().requires_grad_()
+    out, expected = model(x), source(x)
+    assert_close(out, expected, RTOL, name=f"logits, {patched}.forward replaced")
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), source.parameters()):
+        assert_close(p.grad, q.grad, RTOL, name=f"{name}'s gradient, {patched}.forward replaced")
+
+
+def test_a_patch_convolution_other_than_a_patchify_is_refused_by_name():
+    """The converters rebuild the patch convolution as kernel = stride = patch: one with padding was converted without
+    it (logits 0.17 off timm)."""
+    timm_model, tv = timm_vit(), torchvision_vit()
+    timm_model.patch_embed.proj = torch.nn.Conv2d(3, 64, 16, 16, padding=2)
+    tv.conv_proj = torch.nn.Conv2d(3, 64, 16, 16, dilation=1, padding=(0, 2))
+    for model in (timm_model, tv):
+        with pytest.raises(ValueError, match=r"a patch convolution other than kernel = stride = \(16, 16\).*padding"):
+            vit_fast.optimize(model)
+
+
 def test_hooks_or_forwards_set_on_a_source_that_is_rebuilt_are_refused_by_name():
     """timm and torchvision models are rebuilt of new modules: a hook or a forward set on a source module (a feature
     hook, torch's weight_norm pre-hook, accelerate's hooks) was dropped silently. A transformers model keeps its own

@@ -28,10 +28,35 @@ import torch.nn as nn
 _PLAIN = (nn.Linear, nn.Conv2d)
 
 
+def _torch_forward(cls: type):
+    """``cls.forward`` where it is torch's own (its code in torch/nn/modules), else None (replaced before import)."""
+    forward = cls.__dict__.get("forward")
+    code = getattr(forward, "__code__", None)
+    return forward if code is not None and "torch/nn/modules/" in code.co_filename.replace("\\", "/") else None
+
+
+# torch's forwards of the module classes the fused paths read rather than call, as they were at import
+_TORCH_FORWARDS = {cls: _torch_forward(cls) for cls in (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.GELU, nn.SiLU,
+                                                         nn.Dropout)}
+_CONV_FORWARD = nn.Conv2d._conv_forward
+
+
+def torch_forward_kept(cls: type) -> bool:
+    """Whether ``cls`` (one of torch's module classes) still has torch's forward: a library may replace
+    ``nn.Linear.forward`` (or GELU's, LayerNorm's...) on the class, and a fused path reading the module's weights
+    or rate would ignore it."""
+    return cls.forward is _TORCH_FORWARDS.get(cls) and (cls is not nn.Conv2d or cls._conv_forward is _CONV_FORWARD)
+
+
 def _is_plain(module: nn.Module) -> bool:
-    """An nn.Linear / nn.Conv2d whose forward is the stock one (subclasses that only add attributes pass)."""
+    """An nn.Linear / nn.Conv2d whose forward is torch's (subclasses that only add attributes pass; a Conv2d's
+    ``_conv_forward`` too, which weight-standardising subclasses override)."""
     cls = type(module)
-    return cls in _PLAIN or any(isinstance(module, c) and cls.forward is c.forward for c in _PLAIN)
+    for plain in _PLAIN:
+        if isinstance(module, plain):
+            return (cls.forward is plain.forward and (plain is nn.Linear or cls._conv_forward is _CONV_FORWARD)
+                    and torch_forward_kept(plain))
+    return False
 
 
 def _is_lora(module: nn.Module) -> bool:
@@ -134,3 +159,20 @@ def effective_bias(module: nn.Module) -> Optional[torch.Tensor]:
                 bias = bias + module.lora_B[adapter].bias.to(bias.dtype) * module.scaling[adapter]
     return bias
 
+
+
+def patchify_problem(conv: nn.Module, patch: tuple[int, int]) -> Optional[str]:
+    """Why the convolution ``conv`` (a Conv2d, or a LoRA around one) is not the patch embedding's patchify, one
+    token per non-overlapping ``patch`` (kernel = stride = patch, no padding, dilation or groups), which the
+    ``patch_embed`` kernel and the converters assume; None where it is."""
+    base = conv.base_layer if _is_lora(conv) else conv
+    if not isinstance(base, nn.Conv2d):
+        return None  # a module of another kind is called, never read as a patchify
+    patch = tuple(patch)
+    padding = base.padding if isinstance(base.padding, tuple) else (0, 0) if base.padding == "valid" else None
+    if (tuple(base.kernel_size), tuple(base.stride), padding, tuple(base.dilation), base.groups) != (
+            patch, patch, (0, 0), (1, 1), 1):
+        return (f"a patch convolution other than kernel = stride = {patch} without padding, dilation or groups "
+                f"(kernel {tuple(base.kernel_size)}, stride {tuple(base.stride)}, padding {base.padding!r}, "
+                f"dilation {tuple(base.dilation)}, groups {base.groups})")
+    return None

@@ -17,6 +17,7 @@ from typing import Mapping, Optional
 import torch
 import torch.nn as nn
 
+from ..adapters import patchify_problem
 from ..layers import to_2tuple
 from ..model import VisionTransformer
 from ..presets import ViTConfig, check_fields, mlp_ratio_for
@@ -85,6 +86,11 @@ def _grid_from_tokens(num_patches: int, patch: tuple[int, int]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- timm
+def _patchify_problem_of(patch_embed: Optional[nn.Module]) -> Optional[str]:
+    proj, patch = getattr(patch_embed, "proj", None), getattr(patch_embed, "patch_size", None)
+    return None if proj is None or patch is None else patchify_problem(proj, patch)
+
+
 def timm_unsupported(model: nn.Module) -> list[str]:
     """Every feature of a timm model that vit_fast does not implement, one line each (empty: ``from_timm``
     converts it exactly). Never raises on another kind of model: a VisionTransformer subclass with other
@@ -113,6 +119,7 @@ def timm_unsupported(model: nn.Module) -> list[str]:
     problems += [name for name, bad in [
         ("attention pooling 'prr'", getattr(model, "global_pool", "") == "prr"),
         ("patch_embed.norm", not isinstance(getattr(patch_embed, "norm", nn.Identity()), nn.Identity)),
+        (f"patch_embed.proj: {_patchify_problem_of(patch_embed)}", _patchify_problem_of(patch_embed) is not None),
         ("dynamic_img_pad", getattr(patch_embed, "dynamic_img_pad", False)),
         ("pool_include_prefix=True", getattr(model, "pool_include_prefix", False)),
         ("patch dropout (patch_drop_rate > 0)", not isinstance(getattr(model, "patch_drop", nn.Identity()),
@@ -438,6 +445,9 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
             raise ValueError("from_torchvision: models with representation_size (heads.pre_logits) are not supported")
         if not isinstance(tv.conv_proj, nn.Conv2d):
             raise ValueError("from_torchvision: models with a convolutional stem (conv_stem_configs) are not supported")
+        problem = patchify_problem(tv.conv_proj, (tv.patch_size, tv.patch_size))
+        if problem:
+            raise ValueError(f"from_torchvision: conv_proj is {problem}")
         layer = tv.encoder.layers[0]
         acts = {_torchvision_act(block.mlp[1]) for block in tv.encoder.layers}
         if None in acts or len(acts) > 1:

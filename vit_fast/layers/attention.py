@@ -63,8 +63,8 @@ class Attention(nn.Module):
     def attn_drop_rate(self) -> Optional[float]:
         """The attention dropout rate the kernels and SDPA apply while this module trains: attn_drop's p, 0 for an
         Identity put in its place, None for another module (called on the explicit path)."""
-        if type(self.attn_drop) is nn.Dropout:
-            return self.attn_drop.p
+        if type(self.attn_drop) is nn.Dropout:  # its p, as timm's fused path reads it (a forward replaced on the
+            return self.attn_drop.p              # class is not called there either)
         return 0.0 if type(self.attn_drop) is nn.Identity else None
 
     def kernel_family(self, tokens: int, dtype: torch.dtype) -> str:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..adapters import effective_bias, effective_weight, fusable_linear
+from ..adapters import effective_bias, effective_weight, fusable_linear, torch_forward_kept
 
 
 def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -73,7 +73,7 @@ def dropout_rate(module: nn.Module) -> Optional[float]:
     """The rate a dropout module of a part applies now, by its own mode as torch's: an ``nn.Dropout``'s p while it
     trains (else 0: a module put in eval by hand, or one left training in an eval model for MC dropout, is obeyed),
     0 for an Identity; None for another module, which the fused paths cannot read and call instead."""
-    if type(module) is nn.Dropout:
+    if type(module) is nn.Dropout and torch_forward_kept(nn.Dropout):
         return module.p if module.training else 0.0
     return 0.0 if type(module) is nn.Identity else None
 

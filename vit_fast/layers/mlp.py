@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..adapters import effective_bias, effective_weight, fusable_linear
+from ..adapters import effective_bias, effective_weight, fusable_linear, torch_forward_kept
 from ..backend import check_backend, resolve_backend
 from ..kernels._utils import compute_dtype_for
 from ..kernels.bias_gelu import bias_gelu
@@ -44,8 +44,9 @@ def act_is_stock(mlp: nn.Module) -> bool:
     if name == "quick_gelu":
         return type(act) is QuickGELU
     if name == "silu":
-        return type(act) is nn.SiLU
-    return type(act) is nn.GELU and act.approximate == ("tanh" if name == "gelu_tanh" else "none")
+        return type(act) is nn.SiLU and torch_forward_kept(nn.SiLU)
+    return (type(act) is nn.GELU and act.approximate == ("tanh" if name == "gelu_tanh" else "none")
+            and torch_forward_kept(nn.GELU))
 
 
 class MlpJoin(nn.Module):

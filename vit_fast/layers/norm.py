@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..adapters import torch_forward_kept
 from ..backend import check_backend, resolve_backend
 from ..kernels._utils import compute_dtype_for
 from ..kernels.bias_gelu import bias_dropout_add
@@ -25,13 +26,17 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if resolve_backend(self.backend, x) == "triton":
             return layer_norm_kernel(x, self.weight, self.bias, self.eps)
-        return super().forward(x)
+        # F.layer_norm itself, as timm's LayerNorm: not nn.LayerNorm.forward, which a library may replace
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 def reads_norm(norm: nn.Module) -> bool:
     """Whether the fused kernels may read ``norm``'s parameters in place of calling it: an affine
-    nn.LayerNorm (vit_fast's or torch's, e.g. a transformers model's) with its stock forward."""
-    return (isinstance(norm, nn.LayerNorm) and type(norm).forward in (nn.LayerNorm.forward, LayerNorm.forward)
+    nn.LayerNorm (vit_fast's or torch's, e.g. a transformers model's) with its stock forward (torch's not replaced
+    on the class by a library)."""
+    forward = type(norm).forward
+    return (isinstance(norm, nn.LayerNorm)
+            and (forward is LayerNorm.forward or (forward is nn.LayerNorm.forward and torch_forward_kept(nn.LayerNorm)))
             and norm.weight is not None and norm.bias is not None)
 
 

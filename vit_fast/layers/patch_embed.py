@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..adapters import effective_bias, effective_weight, fusable_linear
+from ..adapters import effective_bias, effective_weight, fusable_linear, patchify_problem
 from ..backend import check_backend, check_image_batch, resolve_backend
 from ..kernels.patch_embed import patch_embed as patch_embed_kernel
 from .common import has_hooks, to_2tuple
@@ -63,7 +63,7 @@ class PatchEmbed(nn.Module):
         """The ``patch_embed`` kernel runs: Triton backend, and ``proj`` is a convolution it can read
         (vit_fast/adapters.py) with no hook on it."""
         return (self.impl == "fused" and resolve_backend(self.backend, x) == "triton" and fusable_linear(self.proj)
-                and not has_hooks(self, inside=True))
+                and patchify_problem(self.proj, self.patch_size) is None and not has_hooks(self, inside=True))
 
     def forward(self, x: torch.Tensor, any_size: bool = False) -> torch.Tensor:
         grid = self.check_input(x, any_size)

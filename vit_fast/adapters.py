@@ -48,10 +48,19 @@ def torch_forward_kept(cls: type) -> bool:
     return cls.forward is _TORCH_FORWARDS.get(cls) and (cls is not nn.Conv2d or cls._conv_forward is _CONV_FORWARD)
 
 
+def parametrized(module: nn.Module) -> bool:
+    """``torch.nn.utils.parametrize`` computes a parameter of ``module`` at each read (weight_norm, spectral_norm,
+    an orthogonal map): such a module is called, which reads it once per forward as the source does (a fused path
+    reads it more often, and spectral_norm's power iteration advances at every read in training)."""
+    return "parametrizations" in module._modules
+
+
 def _is_plain(module: nn.Module) -> bool:
     """An nn.Linear / nn.Conv2d whose forward is torch's (subclasses that only add attributes pass; a Conv2d's
-    ``_conv_forward`` too, which weight-standardising subclasses override)."""
+    ``_conv_forward`` too, which weight-standardising subclasses override), not parametrized."""
     cls = type(module)
+    if parametrized(module):
+        return False
     for plain in _PLAIN:
         if isinstance(module, plain):
             return (cls.forward is plain.forward and (plain is nn.Linear or cls._conv_forward is _CONV_FORWARD)

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..adapters import effective_bias, effective_weight, fusable_linear
+from ..adapters import effective_bias, effective_weight, fusable_linear, parametrized
 from ..kernels._join import stores_dx
 from ..kernels._rows import as_rows
 from ..kernels._utils import (
@@ -137,7 +137,8 @@ def joins_read(module: nn.Module, cls: type) -> bool:
     """The fused joins read ``module`` (an Identity, or ``cls``: LayerScale's gamma, DropPath's sample scale)
     rather than call it: ``cls`` itself or a subclass that keeps its forward (a linked model's part); a module of
     another class (timm's LayerScale), or one with its own forward, is called."""
-    return type(module) is nn.Identity or (isinstance(module, cls) and type(module).forward is cls.forward)
+    return type(module) is nn.Identity or (isinstance(module, cls) and type(module).forward is cls.forward
+                                           and not parametrized(module))
 
 
 def register_block_types(layer_scale: type, drop_path: type, block: type) -> None:

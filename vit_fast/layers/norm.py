@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..adapters import torch_forward_kept
+from ..adapters import parametrized, torch_forward_kept
 from ..backend import check_backend, resolve_backend
 from ..kernels._utils import compute_dtype_for
 from ..kernels.bias_gelu import bias_dropout_add
@@ -35,7 +35,7 @@ def reads_norm(norm: nn.Module) -> bool:
     nn.LayerNorm (vit_fast's or torch's, e.g. a transformers model's) with its stock forward (torch's not replaced
     on the class by a library)."""
     forward = type(norm).forward
-    return (isinstance(norm, nn.LayerNorm)
+    return (isinstance(norm, nn.LayerNorm) and not parametrized(norm)
             and (forward is LayerNorm.forward or (forward is nn.LayerNorm.forward and torch_forward_kept(nn.LayerNorm)))
             and norm.weight is not None and norm.bias is not None)
 

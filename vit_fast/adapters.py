@@ -59,12 +59,12 @@ def _is_plain(module: nn.Module) -> bool:
     """An nn.Linear / nn.Conv2d whose forward is torch's (subclasses that only add attributes pass; a Conv2d's
     ``_conv_forward`` too, which weight-standardising subclasses override), not parametrized."""
     cls = type(module)
-    if parametrized(module):
-        return False
+    if cls is nn.Linear:  # the common case first (a parametrized module has a class of its own)
+        return cls.forward is _TORCH_FORWARDS[nn.Linear]
     for plain in _PLAIN:
         if isinstance(module, plain):
-            return (cls.forward is plain.forward and (plain is nn.Linear or cls._conv_forward is _CONV_FORWARD)
-                    and torch_forward_kept(plain))
+            return (not parametrized(module) and cls.forward is plain.forward
+                    and (plain is nn.Linear or cls._conv_forward is _CONV_FORWARD) and torch_forward_kept(plain))
     return False
 
 

@@ -137,8 +137,9 @@ def joins_read(module: nn.Module, cls: type) -> bool:
     """The fused joins read ``module`` (an Identity, or ``cls``: LayerScale's gamma, DropPath's sample scale)
     rather than call it: ``cls`` itself or a subclass that keeps its forward (a linked model's part); a module of
     another class (timm's LayerScale), or one with its own forward, is called."""
-    return type(module) is nn.Identity or (isinstance(module, cls) and type(module).forward is cls.forward
-                                           and not parametrized(module))
+    kind = type(module)
+    return kind is nn.Identity or kind is cls or (isinstance(module, cls) and kind.forward is cls.forward
+                                                  and not parametrized(module))
 
 
 def register_block_types(layer_scale: type, drop_path: type, block: type) -> None:

@@ -34,10 +34,12 @@ def reads_norm(norm: nn.Module) -> bool:
     """Whether the fused kernels may read ``norm``'s parameters in place of calling it: an affine
     nn.LayerNorm (vit_fast's or torch's, e.g. a transformers model's) with its stock forward (torch's not replaced
     on the class by a library)."""
-    forward = type(norm).forward
-    return (isinstance(norm, nn.LayerNorm) and not parametrized(norm)
-            and (forward is LayerNorm.forward or (forward is nn.LayerNorm.forward and torch_forward_kept(nn.LayerNorm)))
-            and norm.weight is not None and norm.bias is not None)
+    cls = type(norm)
+    if cls is not LayerNorm and not (  # vit_fast's own (a parametrized module has a class of its own)
+            isinstance(norm, nn.LayerNorm) and not parametrized(norm) and (cls.forward is LayerNorm.forward or (
+                cls.forward is nn.LayerNorm.forward and torch_forward_kept(nn.LayerNorm)))):
+        return False
+    return norm.weight is not None and norm.bias is not None
 
 
 def layer_norm_with_input(norm: nn.LayerNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

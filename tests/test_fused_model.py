@@ -283,6 +283,19 @@ def test_a_forward_set_on_a_module_instance_runs_as_on_the_reference(where):
     compare_grads(fused, ref, FP32)
 
 
+def test_the_class_forward_set_back_on_an_instance_keeps_the_fused_chain():
+    """accelerate's remove_hook_from_module leaves the class's own forward, bound, on the instance: that module's
+    calls do nothing more than its class's, so the blocks still run as the fused chain, and optimize accepts it."""
+    fused, ref = make_pair(**TINY)
+    x = torch.randn(2, 3, 32, 32)
+    for model in (fused, ref):
+        mlp = model.blocks[0].mlp
+        mlp.forward = mlp.forward  # what remove_hook_from_module does: module.forward = module._old_forward
+    assert "forward" in fused.blocks[0].mlp.__dict__ and fused._fuses_across_blocks(fused.embed(x))
+    assert_close(fused(x), ref(x), FP32, "logits, the class's forward set back")
+    vit_fast.optimize(fused, backend="triton")
+
+
 def test_parametrized_weights_are_read_once_per_forward_as_on_the_reference():
     """torch.nn.utils.parametrize computes a weight at each read; the fused paths read some several times per forward
     (twice for qkv, fc1, the norms), so spectral_norm's power iteration, which advances at every read in training,

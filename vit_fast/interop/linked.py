@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..adapters import PackedLinear
 from ..layers import Attention, Block, DropPath, LayerScale, Mlp, PatchEmbed, SwiGLUPackedMlp, has_hooks
-from ..layers.common import global_module_hooks
+from ..layers.common import global_module_hooks, instance_forward
 from ..model import VisionTransformer
 from ..presets import ViTConfig
 
@@ -47,7 +47,7 @@ def _is_capture_hook(hook) -> bool:
 def own_source_hooks(module: nn.Module) -> bool:
     """Whether hooks other than transformers' capture hooks, or a forward set on the instance (accelerate's
     hooks: ``device_map``, offloading), sit on ``module`` itself."""
-    if "forward" in module.__dict__:
+    if instance_forward(module):
         return True
     for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
                   module._backward_hooks):
@@ -70,7 +70,7 @@ def source_hooks_in(modules, skip: tuple = ()) -> bool:
         if m is None or (skip and any(m is s for s in skip)):
             continue
         if ((m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
-             or "forward" in m.__dict__) and own_source_hooks(m)):
+             or "forward" in m.__dict__) and own_source_hooks(m)):  # the cheap test first
             return True
         children = m._modules
         if children and source_hooks_in(children.values(), skip):

@@ -47,7 +47,7 @@ def _any_hooks(modules) -> bool:
         if m is None:
             continue
         if (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
-                or "forward" in m.__dict__):
+                or ("forward" in m.__dict__ and instance_forward(m))):
             return True
         children = m._modules
         if children and _any_hooks(children.values()):
@@ -66,7 +66,17 @@ def own_hooks(module: nn.Module) -> bool:
     """Whether ``module`` itself (not what is below it) holds forward or backward hooks or a forward set on the
     instance (``has_hooks``)."""
     return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
-                or module._backward_hooks or "forward" in module.__dict__)
+                or module._backward_hooks or ("forward" in module.__dict__ and instance_forward(module)))
+
+
+def instance_forward(module: nn.Module) -> bool:
+    """Whether a forward set on ``module`` itself (accelerate's hooks, a user's patch) replaces its class's: not
+    the class's own forward bound to it, which accelerate's ``remove_hook_from_module`` leaves there."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    own = getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
+    return not own
 
 
 def dropout_rate(module: nn.Module) -> Optional[float]:

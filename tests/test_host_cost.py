@@ -1,6 +1,8 @@
 """`vit-fast host`: the host work of a training step with the kernel launches stubbed, for vit_fast (its blocks as
 one autograd Function each, and per part) and timm eager at the same shapes (vit_fast/tools/host_cost.py). Counts
 are checked; no time is asserted."""
+import pytest
+
 from vit_fast.tools import host_cost
 
 
@@ -38,3 +40,20 @@ def test_host_meter_flushes_denormals_while_it_measures(monkeypatch):
     monkeypatch.setattr(host_cost, "_measure", flushed)
     assert host_cost.measure(["timm_eager"], "vit_tiny_patch16_224") is True
     assert torch.tensor([1e-39]).mul(1.0).item() != 0.0  # torch's default again afterwards
+
+
+@pytest.mark.parametrize("preset", ["vit_base_patch16_clip_224", "vit_base_patch16_siglip_224",
+                                    "vit_base_patch16_reg4_gap_256", "vit_giant_patch14_dinov2"])
+def test_the_floor_steps_every_kind_of_preset(preset):
+    """The floor path on presets without a patch bias (CLIP), a class token (SigLIP), a final norm (average pooling:
+    fc_norm) or with a gated MLP (DINOv2-g's SwiGLU): a training step runs and reaches the blocks' and the patch
+    projection's weights."""
+    import torch
+    import torch.nn.functional as F
+
+    floor = host_cost._model("floor", preset)
+    F.cross_entropy(floor(torch.randn(1, 3, 32, 32)).float(), torch.tensor([1])).backward()
+    model = floor.timm
+    for p in (model.patch_embed.proj.weight, model.blocks[0].attn.qkv.weight, model.blocks[-1].mlp.fc1.weight,
+              model.blocks[-1].mlp.fc2.weight, model.head.weight):
+        assert p.grad is not None and p.grad.shape == p.shape

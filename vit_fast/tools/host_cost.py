@@ -106,8 +106,8 @@ class _FloorBlock(torch.autograd.Function):
         branch = F.linear(out, proj_w)
         normed2, stream2, stats1 = torch.empty_like(branch), torch.empty_like(branch), torch.empty((2, b * n))
         _stub_launch(branch, residual, normed2, stream2, stats1)
-        hid = torch.empty((b, n, fc1_w.shape[0]))
-        dact = torch.empty_like(hid)
+        hid = torch.empty((b, n, fc2_w.shape[1]))  # fc1's width, or half of it for a gated (SwiGLU) MLP
+        dact = torch.empty((b, n, fc1_w.shape[0]))
         _stub_launch(normed2, fc1_w, fc1_b, hid, dact)
         y = F.linear(hid, fc2_w)
         normed, stream, stats2 = torch.empty_like(y), torch.empty_like(y), torch.empty((2, b * n))
@@ -129,7 +129,7 @@ class _FloorBlock(torch.autograd.Function):
         d_next_w, d_next_b, d_fc2_b = d_next.unbind(0)
         dy2 = dy.reshape(-1, d)
         d_fc2_w = dy2.t().mm(hid.reshape(-1, hid.shape[-1]))
-        du, d_fc1_b = torch.empty_like(hid), torch.empty(hid.shape[-1])
+        du, d_fc1_b = torch.empty_like(dact), torch.empty(dact.shape[-1])
         _stub_launch(dy2, dact, fc2_w, du, d_fc1_b)
         du2 = du.reshape(-1, du.shape[-1])
         d_normed2 = du2.mm(fc1_w).view(shape)
@@ -147,8 +147,9 @@ class _FloorBlock(torch.autograd.Function):
         d_qkv2 = d_qkv.reshape(-1, qkv.shape[-1])
         d_hidden = d_qkv2.mm(qkv_w).view(shape)
         d_qkv_w = d_qkv2.t().mm(hidden.reshape(-1, d))
-        return (d_hidden, d_residual, d_qkv_w, d_qkv_b, d_proj_w, d_proj_b, d_norm2_w, d_norm2_b, d_fc1_w, d_fc1_b,
-                d_fc2_w, d_fc2_b, d_next_w, d_next_b)
+        grads = (d_hidden, d_residual, d_qkv_w, d_qkv_b, d_proj_w, d_proj_b, d_norm2_w, d_norm2_b, d_fc1_w, d_fc1_b,
+                 d_fc2_w, d_fc2_b, d_next_w, d_next_b)
+        return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad))  # biases may be None
 
 
 class _FloorEmbed(torch.autograd.Function):
@@ -174,8 +175,18 @@ class _FloorEmbed(torch.autograd.Function):
         d_rest = torch.empty((3, weight.shape[0]))
         _stub_launch(d_patch, d_rest)
         d_bias, d_cls, d_norm_w = d_rest.unbind(0)
-        return (None, d_weight, d_bias, torch.empty_like(d_tokens[:1]), d_cls.view(1, 1, -1), d_norm_w,
-                torch.empty_like(d_norm_w))
+        grads = (None, d_weight, d_bias, torch.empty_like(d_tokens[:1]), d_cls.view(1, 1, -1), d_norm_w,
+                 torch.empty_like(d_norm_w))
+        return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad))  # no bias, class token
+
+
+def _final_norm(model: torch.nn.Module, last_block: torch.nn.Module) -> torch.nn.Module:
+    """The LayerNorm after the last block (the final norm, else fc_norm), or the last block's norm2 as a stand-in of
+    the same width where neither is one."""
+    for norm in (getattr(model, "norm", None), getattr(model, "fc_norm", None)):
+        if isinstance(norm, torch.nn.LayerNorm):
+            return norm
+    return last_block.norm2
 
 
 class _Floor(torch.nn.Module):
@@ -192,7 +203,8 @@ class _Floor(torch.nn.Module):
         hidden, residual = _FloorEmbed.apply(x, m.patch_embed.proj.weight, m.patch_embed.proj.bias, m.pos_embed,
                                              m.cls_token, blocks[0].norm1.weight, blocks[0].norm1.bias)
         for i, blk in enumerate(blocks):
-            following = blocks[i + 1].norm1 if i + 1 < len(blocks) else m.norm
+            # the last join's LayerNorm: the final norm (or fc_norm for average pooling)
+            following = blocks[i + 1].norm1 if i + 1 < len(blocks) else _final_norm(m, blk)
             attn, mlp = blk.attn, blk.mlp
             hidden, residual = _FloorBlock.apply(hidden, residual, attn.qkv.weight, attn.qkv.bias, attn.proj.weight,
                                                  attn.proj.bias, blk.norm2.weight, blk.norm2.bias, mlp.fc1.weight,

@@ -202,6 +202,11 @@ def test_open_clip_refuses_what_it_cannot_map():
                                   pool_type="avg", output_dim=8)
     with pytest.raises(ValueError, match="pool_type other than 'tok'"):
         families.open_clip_config(visual)
+    padded = oc.VisionTransformer(image_size=32, patch_size=8, width=64, layers=1, heads=4, mlp_ratio=4.0,
+                                  output_dim=8)
+    padded.conv1 = nn.Conv2d(3, 64, 8, 8, padding=1, bias=False)  # rebuilt without its padding, 0.17 off
+    with pytest.raises(ValueError, match=r"conv1: a patch convolution other than kernel = stride = \(8, 8\)"):
+        families.open_clip_config(padded)
     with pytest.raises(ValueError, match="expected an open_clip VisionTransformer"):
         families.open_clip_config(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="from_open_clip: expected an open_clip model or its .visual, got a state"):

@@ -41,7 +41,7 @@ class PackedSDPAFunction(torch.autograd.Function):
         return out.detach().transpose(1, 2).reshape(B, N, H * D)
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, grad_out: torch.Tensor):
         if ctx.graph is None:
             raise RuntimeError("vit_fast's SDPA route (vit_fast/sdpa.py): trying to backward through the attention a "

@@ -116,10 +116,11 @@ def timm_unsupported(model: nn.Module) -> list[str]:
             foreign.setdefault(type(module).__name__, []).append(path)
     problems = [f"module {name} ({len(paths)}x, e.g. {paths[0]!r})" for name, paths in foreign.items()]
     patch_embed = getattr(model, "patch_embed", None)
+    patchify = _patchify_problem_of(patch_embed)
     problems += [name for name, bad in [
         ("attention pooling 'prr'", getattr(model, "global_pool", "") == "prr"),
         ("patch_embed.norm", not isinstance(getattr(patch_embed, "norm", nn.Identity()), nn.Identity)),
-        (f"patch_embed.proj: {_patchify_problem_of(patch_embed)}", _patchify_problem_of(patch_embed) is not None),
+        (f"patch_embed.proj: {patchify}", patchify is not None),
         ("dynamic_img_pad", getattr(patch_embed, "dynamic_img_pad", False)),
         ("pool_include_prefix=True", getattr(model, "pool_include_prefix", False)),
         ("patch dropout (patch_drop_rate > 0)", not isinstance(getattr(model, "patch_drop", nn.Identity()),

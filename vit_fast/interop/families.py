@@ -34,6 +34,8 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from ..adapters import patchify_problem
+from ..layers.common import to_2tuple
 from ..presets import mlp_ratio_for
 
 FAMILY_DEFAULTS = dict(pre_norm=False, act="gelu", mlp_layer="mlp", head_bias=True, distilled=False)
@@ -399,6 +401,9 @@ def open_clip_config(visual: nn.Module) -> dict:
         ("no ln_pre", isinstance(visual.ln_pre, nn.Identity)),
         ("output_tokens", visual.output_tokens),
     ] if bad]
+    problem = patchify_problem(visual.conv1, to_2tuple(visual.patch_size))
+    if problem:
+        problems.append(f"conv1: {problem}")
     blocks = visual.transformer.resblocks
     blk = blocks[0]
     if type(blk).__name__ != "ResidualAttentionBlock" or not isinstance(blk.attn, nn.MultiheadAttention):

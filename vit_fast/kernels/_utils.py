@@ -174,7 +174,7 @@ def first_order_only(backward):
     """The decorator of every kernel Function's backward: ``once_differentiable``, and a backward run under
     create_graph=True raises at once. once_differentiable alone raises only where its error node is reached: a
     ``torch.autograd.grad`` of the gradients with respect to chosen inputs (a Hessian-vector product, autograd's
-    functional jvp / hvp) prunes that node and silently got the kernels' second-order terms as zeros."""
+    functional jvp / hvp) prunes that node and would get the kernels' second-order terms as zeros."""
     once = torch.autograd.function.once_differentiable(backward)
 
     @functools.wraps(backward)
@@ -188,12 +188,12 @@ def first_order_only(backward):
 def _dispatched(op, args: tuple):
     """``op(*args)`` through the dispatcher (a dispatch mode, a tensor subclass), refusing a call that autograd
     would have to differentiate: the operators have no autograd kernel (their Functions own the gradients), and
-    torch's fallback would only warn and leave the gradients None. It happens with a backward run under
-    ``create_graph=True`` (a double backward)."""
+    torch's fallback would only warn and leave the gradients None. It happens with an operator called directly on
+    inputs that require grad in grad mode (a backward under create_graph=True raises before, in
+    ``first_order_only``)."""
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        raise RuntimeError(f"{op.qualname}: vit_fast's fused kernels have no second derivative (a backward under "
-                           "create_graph=True, or an operator called with inputs that require grad in grad mode); "
-                           "backend='torch' runs the reference path, which autograd differentiates twice")
+        raise RuntimeError(f"{op.qualname}: an operator called on inputs that require grad in grad mode: "
+                           + SECOND_DERIVATIVE_ERROR)
     return op(*args)
 
 

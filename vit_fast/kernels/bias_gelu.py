@@ -434,7 +434,7 @@ class BiasGeluFunction(torch.autograd.Function):
         return run_op(bias_gelu_fwd, x2, bias, approximate).view(shape)
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, dy):
         x2, bias = ctx.saved_tensors
         dx, dbias = run_op(bias_gelu_bwd, as_rows(dy, x2.shape[1]), x2, bias, ctx.approximate)
@@ -452,7 +452,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         return run_op(bias_dropout_add_fwd, x2.view(x.shape), bias, residual, gamma, sample_scale, p, seed)
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, dout):
         x2, bias, gamma, sample_scale, seed = ctx.saved_tensors
         dout2 = as_rows(dout, x2.shape[1])

@@ -438,7 +438,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         return y.view(shape), h.view(shape)
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, dy, dh_out=None):
         h, x2, weight, bias, branch_bias, gamma, sample_scale, mean, rstd, seed = ctx.saved_tensors
         n = h.shape[1]

@@ -409,7 +409,7 @@ class LinearActFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, dy):
         x2, w1, b1, w2, h, dact = ctx.saved_tensors
         dy2 = as_rows(dy, w2.shape[0]).to(h.dtype)

@@ -743,7 +743,7 @@ class PatchEmbedFunction(torch.autograd.Function):
                       pos_embed_covers_prefix, compute_dtype, tokens_dtype)
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, dtokens):
         images, weight, bias, pos_embed, cls_token, reg_tokens = ctx.saved_tensors
         needs = ctx.needs_input_grad

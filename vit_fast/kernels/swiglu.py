@@ -151,7 +151,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return run_op(swiglu_fwd, a2, b2).view(a.shape)
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, dy):
         a2, b2 = ctx.saved_tensors
         grad = run_op(swiglu_bwd, _rows(dy), a2, b2, 0)
@@ -171,7 +171,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         return run_op(swiglu_fwd, a2, b2).view(*h.shape[:-1], f)
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, dy):
         (h2,) = ctx.saved_tensors
         f = h2.shape[1] // 2

@@ -398,7 +398,7 @@ class FusedBlockFunction(torch.autograd.Function):
         return normed_out, stream_out
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, d_normed, d_stream):
         saved = ctx.saved_tensors  # unpacked first: a checkpointed region recomputes here, with every check on
         if torch.compiler.is_compiling():  # compiled autograd traces the parts' custom ops

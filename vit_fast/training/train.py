@@ -167,7 +167,7 @@ def resolve_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if warmup_given and args.warmup_epochs > args.epochs:   # (a dataset default longer than a short run is kept)
         parser.error(f"argument --warmup-epochs: expected a value <= --epochs ({args.epochs}), "
                      f"got {args.warmup_epochs}")
-    if args.fsdp and not launched_by_torchrun():   # else it failed after loading the data, exit 1
+    if args.fsdp and not launched_by_torchrun():   # refused before any data loads
         parser.error("argument --fsdp: expected a launch by torchrun (RANK and WORLD_SIZE are not set): "
                      "torchrun --nproc_per_node N -m vit_fast.training.train ... --fsdp")
     if args.cuda_graph:

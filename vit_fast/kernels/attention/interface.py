@@ -605,7 +605,7 @@ class AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, grad_out, grad_lse):
         qkv, qkv_bias, out, lse, seed = ctx.saved_tensors
         dqkv, dbias = run_op(ctx.bwd, grad_out, qkv, qkv_bias, out, lse, *ctx.args, seed)
@@ -623,7 +623,7 @@ class AttentionQKVFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @first_order_only  # a double backward raises instead of returning zeros
+    @first_order_only  # a gradient under create_graph=True raises: no second derivative
     def backward(ctx, grad_out, grad_lse):
         *tensors, seed = ctx.saved_tensors
         return *run_op(attention_qkv_bwd, grad_out, *tensors, *ctx.args, seed), None, None, None

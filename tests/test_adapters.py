@@ -247,7 +247,7 @@ def test_hf_hooks_on_any_module_fire_and_edit_as_on_the_source(backend):
 def test_hf_a_forward_set_on_a_module_instance_runs_as_on_the_source(backend):
     """A forward set on a module instance (what accelerate's hooks do for device_map and offloading; a user's
     patch) on a leaf the linked parts read (q_proj, fc1, a LayerNorm), a layer part, or a module outside the
-    layers: the linked forward read the weights and skipped it (logits 0.02-0.4 off)."""
+    layers: each is called as on the source (reading the weights instead is 0.02-0.4 off)."""
     source = hf_vit()
     for where in ("vit.layers.0.attention.q_proj", "vit.layers.1.mlp.fc1", "vit.layers.0.layernorm_after",
                   "vit.layers.1.mlp", "vit.embeddings.patch_embeddings", "vit.layernorm"):
@@ -319,8 +319,8 @@ def test_hf_global_module_hooks_fire_as_on_the_source(backend):
 
 def test_hf_compiles_fullgraph_and_names_the_eager_call_a_layer_edit_needs():
     """An optimized transformers model under torch.compile(fullgraph=True) matches the source; after a layer is
-    removed the linked model must be rebuilt, which dynamo cannot trace (it failed on an unsupported context
-    manager): the error says to call the model once outside torch.compile, after which the compiled model follows."""
+    removed the linked model must be rebuilt, which dynamo cannot trace: the error says to call the model once
+    outside torch.compile, after which the compiled model follows."""
     source = hf_vit(num_hidden_layers=3)
     model = vit_fast.optimize(copy.deepcopy(source), backend="torch")
     compiled = torch.compile(model, fullgraph=True)

@@ -78,7 +78,7 @@ def test_bad_arguments(capsys):
 
 
 def test_table_header_says_the_bound_is_relative(capsys):
-    """The bound column bounds the relative error ||out - ref|| / ||ref||: its header says so (it read "bound"), the
+    """The bound column bounds the relative error ||out - ref|| / ||ref||: its header says so ("rel. bound"), the
     value sits under it, and the README's excerpt quotes the same columns."""
     check.print_table([check.Row("layer_norm dweight", (768,), torch.float32, 1.27e-6, 8.03e-8, 1e-6)])
     header, row = capsys.readouterr().out.splitlines()

@@ -58,7 +58,7 @@ def test_bench_campaign_flags_are_documented(capsys):
 @pytest.mark.parametrize("option, value", [("--models", "vit_nope"), ("--batches", "0"), ("--steps", "0"),
                                            ("--warmup", "-1"), ("--peak-tflops", "-5"), ("--budget", "0")])
 def test_bench_checks_its_options_before_saying_there_is_no_gpu(monkeypatch, capsys, option, value):
-    """Without CUDA a bad value is argparse's usage error (exit 2), as with a GPU; it was the no-GPU line, exit 0."""
+    """Without CUDA a bad value is argparse's usage error (exit 2), as with a GPU, before the no-GPU line."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -338,8 +338,8 @@ def test_parametrized_weights_are_read_once_per_forward_as_on_the_reference():
 
 def test_a_patch_convolution_that_is_not_a_patchify_runs_as_a_module():
     """A patch projection with padding (the same patch grid) or a Conv2d subclass overriding ``_conv_forward``
-    (weight standardisation) was read by the patch-embedding kernel as kernel = stride = patch, no padding, and its
-    own convolution ignored (logits 0.01-0.17 off)."""
+    (weight standardisation) runs as a module: the patch-embedding kernel assumes kernel = stride = patch, no
+    padding, and would ignore its own convolution (logits 0.01-0.17 off)."""
     class Standardised(torch.nn.Conv2d):
         def _conv_forward(self, x, weight, bias):
             return super()._conv_forward(x, (weight - weight.mean()) / weight.std(), bias)
@@ -657,9 +657,9 @@ def test_torch_compile_with_dropout_fullgraph(monkeypatch):
 @pytest.mark.parametrize("fused_blocks", [True, False], ids=["one_function_blocks", "per_part"])
 def test_a_gradient_penalty_through_the_fused_model_raises_instead_of_being_dropped(fused_blocks):
     """A gradient taken with create_graph=True (a gradient penalty, a Hessian-vector product) cannot be
-    differentiated through the fused kernels: it raises as it is taken, where it used to be a constant (the penalty
-    silently zero) or, for a Hessian-vector product asked of chosen inputs, silently missed the kernels' terms (the
-    error node once_differentiable hangs on the gradients is not on the path to them)."""
+    differentiated through the fused kernels: it raises as it is taken, naming backend='torch'. once_differentiable
+    alone would leave a Hessian-vector product asked of chosen inputs without the kernels' terms (its error node
+    hangs on the gradients, off the path to those inputs)."""
     from vit_fast.tools.bench import _block_function
 
     fused, ref = make_pair(**TINY)

@@ -63,10 +63,9 @@ def test_a_kernel_op_defined_again_replaces_the_first_and_takes_keywords():
 
 
 def test_a_double_backward_raises_instead_of_returning_zeros():
-    """The fused kernels have one derivative: a gradient taken with create_graph=True raises as it is taken (it used
-    to be a constant, so a gradient penalty was dropped without a word, and a Hessian-vector product asked of chosen
-    inputs missed the kernels' terms), with and without a dispatch mode; an operator called directly on inputs that
-    require grad is refused, naming the fix."""
+    """The fused kernels have one derivative: a gradient taken with create_graph=True raises as it is taken, with and
+    without a dispatch mode, never a silent constant; an operator called directly on inputs that require grad is
+    refused, naming the fix."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -303,8 +303,8 @@ def test_a_head_replaced_by_hand_is_the_head_converted(head):
                                        ("vit_relpos_small_patch16_224",
                                         "timm.models.vision_transformer_relpos.VisionTransformerRelPos")])
 def test_other_timm_vit_family_is_refused_by_class_with_the_families_taken(name, cls):
-    """A timm ViT of another class (Eva, rel-pos) is named with the timm families optimize takes; it got the
-    generic refusal that listed every library's classes ("expected a timm VisionTransformer ...")."""
+    """A timm ViT of another class (Eva, rel-pos) is named with the timm families optimize takes, not with the
+    generic refusal that lists every library's classes."""
     other = timm.create_model(name, depth=1, embed_dim=32, num_heads=2, img_size=32, num_classes=5)
     with pytest.raises(ValueError) as info:
         vit_fast.optimize(other)
@@ -347,8 +347,8 @@ CLASS_PATCHES = {
 @pytest.mark.parametrize("patched", list(CLASS_PATCHES))
 def test_a_forward_replaced_on_a_torch_class_applies_as_on_timm(patched, backend, monkeypatch):
     """A library replacing nn.Linear.forward (or GELU's, Conv2d's, Dropout's, LayerNorm's) on the class: timm calls
-    the new forward; the kernels read the modules' weights and rates and ignored it (logits 0.02-0.44 off). Such a
-    module is now called; vit_fast's own LayerNorm computes F.layer_norm as timm's does, on both backends."""
+    the new forward, and so does vit_fast: such a module is called (reading its weights and rates instead is 0.02-0.44
+    off); vit_fast's own LayerNorm computes F.layer_norm as timm's does, on both backends."""
     cls, forward = CLASS_PATCHES[patched]
     source = timm_vit().train()  # dropout rates 0: deterministic, but the dropout modules are called in training
     model = vit_fast.optimize(source, backend=backend)
@@ -363,8 +363,8 @@ def test_a_forward_replaced_on_a_torch_class_applies_as_on_timm(patched, backend
 
 
 def test_a_patch_convolution_other_than_a_patchify_is_refused_by_name():
-    """The converters rebuild the patch convolution as kernel = stride = patch: one with padding was converted without
-    it (logits 0.17 off timm)."""
+    """The converters rebuild the patch convolution as kernel = stride = patch: one with padding is refused by name
+    (converted without it, logits would be 0.17 off timm)."""
     timm_model, tv = timm_vit(), torchvision_vit()
     timm_model.patch_embed.proj = torch.nn.Conv2d(3, 64, 16, 16, padding=2)
     tv.conv_proj = torch.nn.Conv2d(3, 64, 16, 16, dilation=1, padding=(0, 2))
@@ -375,8 +375,8 @@ def test_a_patch_convolution_other_than_a_patchify_is_refused_by_name():
 
 def test_hooks_or_forwards_set_on_a_source_that_is_rebuilt_are_refused_by_name():
     """timm and torchvision models are rebuilt of new modules: a hook or a forward set on a source module (a feature
-    hook, torch's weight_norm pre-hook, accelerate's hooks) was dropped silently. A transformers model keeps its own
-    modules, hooks included."""
+    hook, torch's weight_norm pre-hook, accelerate's hooks) would be dropped: it is refused by name. A transformers
+    model keeps its own modules, hooks included."""
     hooked, patched, tv = timm_vit(), timm_vit(), torchvision_vit()
     hooked.blocks[1].register_forward_hook(lambda m, args, out: out * 2)
     patched.blocks[0].mlp.forward = lambda x: x

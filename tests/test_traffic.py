@@ -209,7 +209,7 @@ def test_batch_spanning_gemm_counts_rows_with_data_not_tile_padding():
 
 
 def test_stored_predict_names_a_path_it_leaves_out(capsys, monkeypatch):
-    """`--predict --stored` with a path the shipped counts lack: a line names the path and why (it was dropped
+    """`--predict --stored` with a path the shipped counts lack: a line names the path and why (never dropped
     silently), and the stored paths are still predicted."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     b16 = "vit_base_patch16_224"

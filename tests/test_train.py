@@ -201,9 +201,9 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path):
 
 
 def test_resumed_run_rates_count_only_its_own_steps(tmp_path, monkeypatch, capsys):
-    """Resumed at step 82 (mid-window, --log-every 5): the done line counts the 6 steps this process ran (it said
-    "88 steps in" this process's seconds) and the step-85 record's img/s the 3 steps timed here (the 2 carried in the
-    window from the earlier run were counted too). A clock that ticks 1 s per read makes a window 1 s long."""
+    """Resumed at step 82 (mid-window, --log-every 5): the done line counts the 6 steps this process ran (not the
+    run's 88) and the step-85 record's img/s the 3 steps timed here (not the 2 carried in the window from the earlier
+    run). A clock that ticks 1 s per read makes a window 1 s long."""
     run(tmp_path, "--stop-at-step", "82")
     ticks = itertools.count()
     monkeypatch.setattr(vt, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)),
@@ -219,8 +219,8 @@ def test_resumed_run_rates_count_only_its_own_steps(tmp_path, monkeypatch, capsy
 
 
 def test_fsdp_outside_torchrun_is_argparses_error(monkeypatch, capsys):
-    """--fsdp without torchrun's RANK / WORLD_SIZE: a usage error naming the launch it expects (it was exit 1 without
-    the prefix, after the data had loaded)."""
+    """--fsdp without torchrun's RANK / WORLD_SIZE: a usage error naming the launch it expects, before any
+    data loads."""
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as exit_info:

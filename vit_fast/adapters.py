@@ -28,17 +28,17 @@ import torch.nn as nn
 _PLAIN = (nn.Linear, nn.Conv2d)
 
 
-def _torch_forward(cls: type):
-    """``cls.forward`` where it is torch's own (its code in torch/nn/modules), else None (replaced before import)."""
-    forward = cls.__dict__.get("forward")
-    code = getattr(forward, "__code__", None)
-    return forward if code is not None and "torch/nn/modules/" in code.co_filename.replace("\\", "/") else None
+def _torch_forward(cls: type, name: str = "forward"):
+    """``cls.<name>`` where it is torch's own (its code in torch/nn/modules), else None (replaced before import)."""
+    method = cls.__dict__.get(name)
+    code = getattr(method, "__code__", None)
+    return method if code is not None and "torch/nn/modules/" in code.co_filename.replace("\\", "/") else None
 
 
 # torch's forwards of the module classes the fused paths read rather than call, as they were at import
 _TORCH_FORWARDS = {cls: _torch_forward(cls) for cls in (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.GELU, nn.SiLU,
                                                          nn.Dropout)}
-_CONV_FORWARD = nn.Conv2d._conv_forward
+_CONV_FORWARD = _torch_forward(nn.Conv2d, "_conv_forward")
 
 
 def torch_forward_kept(cls: type) -> bool:

@@ -317,6 +317,23 @@ def test_hf_global_module_hooks_fire_as_on_the_source(backend):
         assert_close(*_logits(model, source), RTOL, name="logits, the global hook removed")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_a_forward_replaced_on_a_torch_class_runs_as_on_the_source(backend, monkeypatch):
+    """A library replacing nn.GELU's, nn.Dropout's, nn.Linear's or nn.LayerNorm's forward on the class: transformers'
+    modules run it where transformers calls them (its GELU is its own class, which calls F.gelu); the linked parts'
+    activation and dropout stand-ins would run it elsewhere, so the model runs transformers' forward meanwhile."""
+    source = hf_vit()
+    model = vit_fast.optimize(copy.deepcopy(source), backend=backend)
+    for cls in (nn.GELU, nn.Dropout, nn.Linear, nn.LayerNorm):
+        with monkeypatch.context() as patch:
+            original = cls.forward
+            patch.setattr(cls, "forward", lambda self, x, original=original: original(self, x) * 1.1)
+            with torch.no_grad():
+                assert_close(*_logits(model, source), RTOL, name=f"logits, {cls.__name__}.forward replaced")
+            assert model.runs_as_transformers()
+        assert not model.runs_as_transformers()
+
+
 def test_hf_compiles_fullgraph_and_names_the_eager_call_a_layer_edit_needs():
     """An optimized transformers model under torch.compile(fullgraph=True) matches the source; after a layer is
     removed the linked model must be rebuilt, which dynamo cannot trace: the error says to call the model once

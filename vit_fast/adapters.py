@@ -55,6 +55,12 @@ def parametrized(module: nn.Module) -> bool:
     return "parametrizations" in module._modules
 
 
+def torch_forwards_kept() -> bool:
+    """Every torch module class the fused paths read keeps torch's forward (``torch_forward_kept``)."""
+    return all(cls.forward is forward for cls, forward in _TORCH_FORWARDS.items()) and (
+        nn.Conv2d._conv_forward is _CONV_FORWARD)
+
+
 def _is_plain(module: nn.Module) -> bool:
     """An nn.Linear / nn.Conv2d whose forward is torch's (subclasses that only add attributes pass; a Conv2d's
     ``_conv_forward`` too, which weight-standardising subclasses override), not parametrized."""

@@ -24,6 +24,7 @@ import transformers
 from transformers import PreTrainedModel, ViTConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
+from ..adapters import torch_forwards_kept
 from ..layers.common import global_module_hooks
 from ..model import VisionTransformer
 from .convert import hf_vit_config
@@ -109,8 +110,11 @@ class HFLinked:
         for module in (getattr(self, "pooler", None), getattr(layout.encoder(self), "pooler", None)):
             if module is not None:
                 called.append(module)
-        # global module hooks fire on every module transformers calls
-        return global_module_hooks() or source_hooks_in(self._modules.values(), tuple(called))
+        # global module hooks fire on every module transformers calls; a torch class's forward replaced by a
+        # library runs in transformers' modules, where the linked parts' own activation and dropout stand-ins would
+        # run it in other places
+        return (global_module_hooks() or not torch_forwards_kept()
+                or source_hooks_in(self._modules.values(), tuple(called)))
 
     def transformers_forward(self, *args, **kwargs):
         """transformers' forward of this model's class on its own modules (arguments left as None dropped). Its

@@ -334,6 +334,31 @@ def test_hf_a_forward_replaced_on_a_torch_class_runs_as_on_the_source(backend, m
         assert not model.runs_as_transformers()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accelerate_offloading_before_or_after_optimize_gives_the_sources_numbers(backend):
+    """accelerate's cpu_offload (weights on the meta device, brought in by hooks set as instance forwards) around an
+    optimized timm model, an optimized transformers model, and a transformers model offloaded before optimize (its
+    modules and hooks are kept; it was refused with device advice): the source's logits."""
+    from accelerate import cpu_offload
+
+    cpu = torch.device("cpu")
+    timm_source, hf_source = timm_vit(), hf_vit()
+    with torch.no_grad():
+        expected = timm_source(images()), hf_source(pixel_values=images()).logits
+    optimized = [vit_fast.optimize(copy.deepcopy(timm_source), backend=backend),
+                 vit_fast.optimize(copy.deepcopy(hf_source), backend=backend)]
+    for model in optimized:
+        cpu_offload(model, execution_device=cpu)
+    offloaded_first = copy.deepcopy(hf_source)
+    cpu_offload(offloaded_first, execution_device=cpu)
+    if backend == "torch":  # optimize's device check stays for 'triton', which needs the weights' device
+        optimized.append(vit_fast.optimize(offloaded_first, backend=backend))
+    with torch.no_grad():
+        assert_close(optimized[0](images()), expected[0], RTOL, name="timm, optimized then offloaded")
+        for model in optimized[1:]:
+            assert_close(model(pixel_values=images()).logits, expected[1], RTOL, name="transformers, offloaded")
+
+
 def test_hf_compiles_fullgraph_and_names_the_eager_call_a_layer_edit_needs():
     """An optimized transformers model under torch.compile(fullgraph=True) matches the source; after a layer is
     removed the linked model must be rebuilt, which dynamo cannot trace: the error says to call the model once

@@ -60,6 +60,9 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
     kind = source_kind(model)
     if kind == "hf_optimized":
         return _apply_tune(_set_residual_dtype(model.set_backend(backend), residual_in_fp32), tune)
+    if (kind in ("hf", "hf_family") and backend != "triton"
+            and any(own_hooks(module) for module in model.modules())):  # offloaded by accelerate: its modules, kept
+        return _optimize_transformers(model, backend, residual_in_fp32, tune)  # with their hooks, hold no device
     device, dtype = _device_and_dtype(model)
     if backend == "triton" and not kernels_can_run_on(device):
         raise RuntimeError(f"optimize: backend='triton' needs a model on CUDA (or CPU with TRITON_INTERPRET=1); "
@@ -96,14 +99,19 @@ def optimize(model: nn.Module, backend: str = "auto", residual_in_fp32: bool = T
     elif kind == "torchvision":
         fast = from_torchvision(model)
         names = _mapped_names(model, torchvision_to_timm_state_dict)
-    else:  # transformers ViT, CLIP, SigLIP, DINOv2: the same modules, vit_fast's forward
-        from .hf import optimize_hf  # imports transformers
-
-        fast = optimize_hf(model)
-        return _apply_tune(_set_residual_dtype(fast.set_backend(backend), residual_in_fp32), tune)
+    else:
+        return _optimize_transformers(model, backend, residual_in_fp32, tune)
     fast = fast.to(device=device, dtype=dtype)
     _copy_requires_grad(model, fast, names)
     fast.train(model.training)
+    return _apply_tune(_set_residual_dtype(fast.set_backend(backend), residual_in_fp32), tune)
+
+
+def _optimize_transformers(model: nn.Module, backend: str, residual_in_fp32: bool, tune: bool | None) -> nn.Module:
+    """A transformers ViT, CLIP, SigLIP or DINOv2: the same modules, vit_fast's forward (interop/hf.py)."""
+    from .hf import optimize_hf  # imports transformers
+
+    fast = optimize_hf(model)
     return _apply_tune(_set_residual_dtype(fast.set_backend(backend), residual_in_fp32), tune)
 
 

@@ -367,6 +367,30 @@ def test_distilled_train_and_eval_semantics():
         fast.reset_classifier(3, "avg")
 
 
+def test_head_protocol_of_distilled_and_attention_pool_models_as_timm():
+    """timm's head methods on the families with their own heads: a DeiT's reset_classifier(0, '') and
+    prune_intermediate_layers (which calls it) keep its 'token' pooling, as timm's VisionTransformerDistilled, and
+    work; an attention-pool model's pool(x, pool_type) runs its attention pool whatever pool_type asks, as
+    timm's pool."""
+    import vit_fast
+
+    x = _images(TINY)
+    ref = timm_family("deit_distilled").eval()
+    fast = vit_fast.optimize(ref, backend="torch")
+    assert fast.prune_intermediate_layers([0]) == ref.prune_intermediate_layers([0]) == [0]
+    assert fast.global_pool == ref.global_pool == "token"
+    assert isinstance(fast.head, nn.Identity) and isinstance(fast.head_dist, nn.Identity)
+    assert_close(fast(x), ref(x), FP32, "pruned DeiT features")
+    assert_close(fast.forward_intermediates(x, indices=1)[1][0], ref.forward_intermediates(x, indices=1)[1][0], FP32,
+                 "pruned DeiT intermediates")
+
+    ref = timm_family("siglip_map").eval()
+    fast = vit_fast.optimize(ref, backend="torch")
+    tokens = ref.forward_features(x)
+    for pool_type in (None, "map", "avg", "token", "max", "avgmax", ""):
+        assert_close(fast.pool(tokens, pool_type), ref.pool(tokens, pool_type), FP32, f"pool {pool_type!r}")
+
+
 @pytest.mark.parametrize("kind", ["clip_quickgelu", "siglip_map", "dinov2_giant_swiglu"])
 def test_family_bf16_autocast(kind):
     """Under bf16 autocast the fused model is within the bf16 bound of the float64 reference and at most 2x

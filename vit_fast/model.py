@@ -234,7 +234,8 @@ class VisionTransformer(nn.Module):
                 raise ValueError("reset_classifier cannot add attention pooling ('map'); build the model with it")
             if global_pool != "map":
                 self.attn_pool = None
-            self.global_pool = global_pool
+            if self.dist_token is None:  # timm's DeiT accepts '' and keeps 'token': its heads read both tokens
+                self.global_pool = global_pool
         self.num_classes = num_classes
         device, dtype = self.embed_params_device(), self.patch_embed.projection_weight.dtype
         # PyTorch's Linear init, as timm's reset_classifier: the same seed gives timm's new head
@@ -461,11 +462,11 @@ class VisionTransformer(nn.Module):
         return take
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+        if self.attn_pool is not None:  # whatever pool_type asks, as timm's pool: the patch tokens
+            return self.attn_pool(x[:, self.num_prefix_tokens:])
         pool_type = self.global_pool if pool_type is None else pool_type
         if pool_type == "map":
-            if self.attn_pool is None:
-                raise ValueError("pool_type='map' needs the attention-pool head (global_pool='map' at build time)")
-            return self.attn_pool(x[:, self.num_prefix_tokens:])  # the patch tokens, as timm's pool
+            raise ValueError("pool_type='map' needs the attention-pool head (global_pool='map' at build time)")
         if pool_type == "token":
             return x[:, 0]
         if not pool_type:

@@ -299,6 +299,26 @@ def test_a_head_replaced_by_hand_is_the_head_converted(head):
     assert_close(model(images()), ref(images()), RTOL, name="logits")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("removed", ["weight", "bias"])
+def test_a_layer_norm_made_non_affine_by_hand_runs_as_on_timm(removed, backend):
+    """A LayerNorm's weight or bias set to None after optimize (a bias-free norm, as torch's LayerNorm(bias=False))
+    is computed as timm computes it on both backends: the kernels read affine norms only, the others run
+    F.layer_norm (the Triton path raised the kernel's 'expected weight' error)."""
+    ref = timm_vit(init_values=0.1)
+    model = vit_fast.optimize(ref, backend=backend)
+    for m in (ref, model):
+        for norm in (m.blocks[0].norm1, m.blocks[1].norm2, m.norm):
+            setattr(norm, removed, None)
+    x = images()
+    out, want = model(x), ref(x)
+    assert_close(out, want, RTOL, name="logits")
+    out.square().sum().backward(), want.square().sum().backward()
+    grads = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert_close(grads[name].grad, p.grad, RTOL, name=f"grad {name}")
+
+
 @pytest.mark.parametrize("name, cls", [("eva02_tiny_patch14_224", "timm.models.eva.Eva"),
                                        ("vit_relpos_small_patch16_224",
                                         "timm.models.vision_transformer_relpos.VisionTransformerRelPos")])

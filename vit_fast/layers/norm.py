@@ -24,10 +24,12 @@ class LayerNorm(nn.LayerNorm):
         self.backend = check_backend(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if resolve_backend(self.backend, x) == "triton":
-            return layer_norm_kernel(x, self.weight, self.bias, self.eps)
+        weight, bias = self.weight, self.bias  # read once: a parametrized weight is computed at each read
+        # the kernel reads an affine norm (a weight or bias set to None by hand: torch's, as reads_norm says)
+        if resolve_backend(self.backend, x) == "triton" and weight is not None and bias is not None:
+            return layer_norm_kernel(x, weight, bias, self.eps)
         # F.layer_norm itself, as timm's LayerNorm: not nn.LayerNorm.forward, which a library may replace
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 def reads_norm(norm: nn.Module) -> bool:

@@ -361,21 +361,27 @@ def test_accelerate_offloading_before_or_after_optimize_gives_the_sources_number
 
 def test_hf_compiles_fullgraph_and_names_the_eager_call_a_layer_edit_needs():
     """An optimized transformers model under torch.compile(fullgraph=True) matches the source; after a layer is
-    removed the linked model must be rebuilt, which dynamo cannot trace: the error says to call the model once
-    outside torch.compile, after which the compiled model follows."""
+    removed the linked model must be rebuilt, which dynamo cannot trace: the error's first lines say to call the
+    model once outside torch.compile, after which the compiled model follows. Without fullgraph the compiled
+    model rebuilds the link outside its graph and follows the edit at once."""
     source = hf_vit(num_hidden_layers=3)
     model = vit_fast.optimize(copy.deepcopy(source), backend="torch")
-    compiled = torch.compile(model, fullgraph=True)
+    compiled, compiled_with_breaks = torch.compile(model, fullgraph=True), torch.compile(model)
     with torch.no_grad():
         assert_close(compiled(pixel_values=images()).logits, source(pixel_values=images()).logits, RTOL,
                      name="compiled")
         for m in (source, model):
             del m.vit.layers[0]
-        with pytest.raises(RuntimeError, match="call the model once outside torch.compile"):
+        with pytest.raises(RuntimeError, match="call the model once outside torch.compile") as raised:
             compiled(pixel_values=images())
+        assert "outside torch.compile" in "\n".join(str(raised.value).splitlines()[:3])
         model(pixel_values=images())
         assert_close(compiled(pixel_values=images()).logits, source(pixel_values=images()).logits, RTOL,
                      name="compiled after the edit and one eager call")
+        for m in (source, model):
+            del m.vit.layers[0]
+        assert_close(compiled_with_breaks(pixel_values=images()).logits, source(pixel_values=images()).logits,
+                     RTOL, name="compiled without fullgraph, after an edit")
 
 
 def test_hf_dropout_rates_and_modes_set_on_the_source_modules_apply():

@@ -61,20 +61,7 @@ class HFLinked:
         old = self.__dict__.get("_vit_fast_model")
         if old is not None and links_to(old, self):
             return old
-        if old is not None and torch.compiler.is_compiling():  # the link builds modules, which dynamo cannot trace
-            raise RuntimeError(f"vit_fast: {type(self).__name__}'s layers changed (added, removed, replaced or "
-                               "wrapped) since its last call, and the model it links to them cannot be rebuilt "
-                               "inside torch.compile: call the model once outside torch.compile after editing its "
-                               "layers (or read model.vit_fast_model), then the compiled model")
-        try:
-            model = linked_model(self, self.vit_fast_config(), self.vit_fast_layout, self.configured_activation())
-        except AttributeError as e:  # raised inside a property it would read as "no vit_fast_model"
-            raise RuntimeError(f"vit_fast: {type(self).__name__}'s modules do not follow "
-                               f"{type(self.vit_fast_layout).__name__}: {e}") from e
-        if old is not None:  # what was set on the previous link: backend, checkpointing, stream dtype, route
-            carry_settings(old, model)
-        object.__setattr__(self, "_vit_fast_model", model)
-        return model
+        return _link(self, old)
 
     def configured_activation(self) -> Optional[type]:
         """The type of the MLP activation module transformers builds from this model's config (None for a callable
@@ -331,6 +318,25 @@ class ViTForImageClassification(HFViTForImageClassification, transformers.ViTFor
 
 class ViTModel(HFViTModel, transformers.ViTModel):
     pass
+
+
+@torch.compiler.disable(reason="vit_fast: the optimized transformers model's layers changed (added, removed, replaced "
+                        "or wrapped) since its last call, and the model it links to them is rebuilt outside the "
+                        "compiled graph: under fullgraph=True call the model once outside torch.compile after "
+                        "editing its layers (or read model.vit_fast_model), then the compiled model")
+def _link(model: nn.Module, old: Optional[VisionTransformer]) -> VisionTransformer:
+    """Link ``model`` (an optimized transformers model) to a new vit_fast VisionTransformer, carrying ``old``'s
+    settings. Not traced: dynamo breaks the graph here and runs it (building modules cannot be traced), so a
+    compiled model follows an edit; under fullgraph=True its error gives the reason above."""
+    try:
+        linked = linked_model(model, model.vit_fast_config(), model.vit_fast_layout, model.configured_activation())
+    except AttributeError as e:  # raised inside a property it would read as "no vit_fast_model"
+        raise RuntimeError(f"vit_fast: {type(model).__name__}'s modules do not follow "
+                           f"{type(model.vit_fast_layout).__name__}: {e}") from e
+    if old is not None:  # what was set on the previous link: backend, checkpointing, stream dtype, route
+        carry_settings(old, linked)
+    object.__setattr__(model, "_vit_fast_model", linked)
+    return linked
 
 
 def optimized_class(source: nn.Module) -> type:

@@ -314,6 +314,34 @@ def test_from_torchvision_reads_the_mlp_activation():
         from_torchvision(ref)
 
 
+@pytest.mark.parametrize("heads", ["new_head", "no_bias", "identity", "head_identity"])
+def test_from_torchvision_reads_the_head_modules(heads):
+    """A torchvision ViT's head as fine-tuning leaves it: heads.head replaced by another class count (num_classes, the
+    model's attribute, not updated) or without bias, heads or heads.head an nn.Identity (features: the class token
+    after the final norm). The head is read from the modules: same outputs and gradients, through optimize too."""
+    ref = tv_model(32)
+    if heads == "new_head":
+        ref.heads.head = torch.nn.Linear(768, 3)
+    elif heads == "no_bias":
+        ref.heads.head = torch.nn.Linear(768, 10, bias=False)
+    elif heads == "identity":
+        ref.heads = torch.nn.Identity()
+    else:
+        ref.heads.head = torch.nn.Identity()
+    perturb_(ref, seed=1)
+    check_same(ref, from_torchvision(ref, backend="torch"), torch.randn(1, 3, 224, 224),
+               grad_map=torchvision_to_timm_state_dict)
+    x = torch.randn(2, 3, 224, 224)
+    assert_close(vit_fast.optimize(ref.eval(), backend="torch")(x), ref(x), RTOL)
+
+
+def test_from_torchvision_refuses_another_head_by_name():
+    ref = tv_model(32)
+    ref.heads = torch.nn.Sequential(torch.nn.Linear(768, 5))
+    with pytest.raises(ValueError, match=r"from_torchvision: expected heads to hold one nn.Linear named 'head'"):
+        vit_fast.optimize(ref)
+
+
 def test_torchvision_vit_b_16_config_is_the_timm_preset():
     with torch.device("meta"):
         tv = torchvision.models.vit_b_16()

@@ -437,13 +437,30 @@ def _torchvision_act(module: nn.Module) -> Optional[str]:
     return None
 
 
+def _torchvision_head(heads: nn.Module) -> tuple[int, bool]:
+    """(num_classes, head bias) of a torchvision ViT's ``heads``, read from the modules: fine-tuning replaces
+    ``heads.head`` (another class count; the model's ``num_classes`` attribute is not updated) or drops it for
+    features (``heads`` or ``heads.head`` an nn.Identity: the class token after the final norm, num_classes 0)."""
+    if isinstance(heads, nn.Identity):
+        return 0, True
+    children = dict(heads.named_children())
+    if "pre_logits" in children:
+        raise ValueError("from_torchvision: models with representation_size (heads.pre_logits) are not supported")
+    head = children.get("head")
+    if list(children) == ["head"] and isinstance(head, nn.Identity):
+        return 0, True
+    if list(children) == ["head"] and type(head) is nn.Linear:
+        return head.out_features, head.bias is not None
+    raise ValueError(f"from_torchvision: expected heads to hold one nn.Linear named 'head' (or heads / heads.head an "
+                     f"nn.Identity for features), got {type(heads).__name__} with {children or 'no modules'}")
+
+
 def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights of a torchvision VisionTransformer (vit_b_16, vit_b_32, vit_l_16, ...). From
     a state dict at a width without a standard head count, num_heads is assumed (64-wide heads) with a warning."""
     if isinstance(model_or_state_dict, nn.Module):
         tv = model_or_state_dict
-        if "pre_logits" in dict(tv.heads.named_children()):
-            raise ValueError("from_torchvision: models with representation_size (heads.pre_logits) are not supported")
+        num_classes, head_bias = _torchvision_head(tv.heads)
         if not isinstance(tv.conv_proj, nn.Conv2d):
             raise ValueError("from_torchvision: models with a convolutional stem (conv_stem_configs) are not supported")
         problem = patchify_problem(tv.conv_proj, (tv.patch_size, tv.patch_size))
@@ -458,7 +475,8 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
         config = dict(
             img_size=tv.image_size, patch_size=tv.patch_size, in_chans=tv.conv_proj.in_channels,
             embed_dim=tv.hidden_dim, depth=len(tv.encoder.layers), num_heads=layer.self_attention.num_heads,
-            mlp_ratio=mlp_ratio_for(tv.mlp_dim, tv.hidden_dim), num_classes=tv.num_classes, norm_eps=layer.ln_1.eps,
+            mlp_ratio=mlp_ratio_for(tv.mlp_dim, tv.hidden_dim), num_classes=num_classes, head_bias=head_bias,
+            norm_eps=layer.ln_1.eps,
             pos_drop_rate=tv.encoder.dropout.p, proj_drop_rate=tv.dropout,
             attn_drop_rate=tv.attention_dropout, act=acts.pop(),
         )

@@ -578,6 +578,29 @@ def test_hf_family_takes_the_arguments_its_callers_pass():
         wrapped.dinov2(x, attention_mask=torch.ones(2, 17))
 
 
+@pytest.mark.parametrize("kind", ["clip", "siglip_classifier", "dinov2"])
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+def test_hf_family_refuses_the_outputs_its_config_asks_for(kind, flag):
+    """Hidden states or attention maps asked for in the config (transformers reads an argument left as None from it:
+    the source returns them) are refused as the argument is, naming the config; the argument False overrides it and
+    gives the source's outputs."""
+    import vit_fast
+
+    torch.manual_seed(0)
+    source = _perturbed(_hf_models()[kind]()).eval()
+    config = getattr(source.config, "vision_config", source.config)  # the classifier's vision tower reads its own
+    config._attn_implementation = "eager"  # transformers' SDPA attention does not return the maps
+    setattr(config, flag, True)
+    fast = vit_fast.optimize(source, backend="torch")
+    x = _images({"img_size": 32})
+    assert getattr(source(pixel_values=x), flag.removeprefix("output_")) is not None
+    with pytest.raises(ValueError, match=rf"not supported: {flag} \(set in the config: pass {flag}=False"):
+        fast(x)
+    out, expected = fast(x, **{flag: False}), source(pixel_values=x, **{flag: False})
+    for k, v in expected.items():
+        assert_close(out[k], v, FP32, k)
+
+
 def _qkv_bias_grads_joined(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gradient, a layer's q, k and v bias gradients joined as one: the key bias's own is
     zero up to rounding (softmax ignores a shift per query row), so only the joined one has a scale."""

@@ -47,8 +47,16 @@ class HFVisionFamily(HFLinked):
         # not take it); None or False for any other argument asks for nothing (a wrapping classifier passes
         # attention_mask=None)
         kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch" and v is not None and v is not False}
+        # left as None, transformers takes these from the config of the vision tower that records them (a classifier's
+        # config.vision_config): set there, it asks for them too
+        config = getattr(self.vit_fast_layout.encoder(self), "config", self.config)
+        outputs = [(name, value) if value is not None else
+                   (f"{name} (set in the config: pass {name}=False, or set config.{name} = False)",
+                    getattr(config, name, False))
+                   for name, value in (("output_hidden_states", output_hidden_states),
+                                       ("output_attentions", output_attentions))]
         unsupported = [name for name, bad in [
-            ("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions),
+            *outputs,
             ("bool_masked_pos", bool_masked_pos is not None),
             (f"keyword arguments {sorted(kwargs)}", kwargs),
             ("labels (only SiglipForImageClassification takes them)", labels is not None and not classifier),

@@ -158,22 +158,25 @@ def test_hf_output_attentions_match_the_source(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hf_interpolate_pos_encoding_matches_the_source(backend):
-    """interpolate_pos_encoding=True at other image sizes (non-square, larger and smaller grids) gives
-    transformers' logits, hidden states and gradients; at the model's own size it changes nothing; without it
-    another size is refused by both."""
+    """interpolate_pos_encoding=True at other image sizes (non-square, larger and smaller grids, and sizes that are
+    not whole patches, whose last pixels transformers' convolution never reads) gives transformers' logits, hidden
+    states and gradients (the images' included); at the model's own size it changes nothing; without it another
+    size is refused by both."""
     ref = hf_vit(patch_size=8)  # 32 px: a 4x4 grid
     model = vit_fast.optimize(ref, backend=backend)
-    for size in [(48, 40), (24, 24), (32, 32)]:
+    for size in [(48, 40), (45, 37), (24, 24), (32, 32)]:
         x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1), device="cpu")
-        want = ref(x, interpolate_pos_encoding=True, output_hidden_states=True)
+        x_ref, x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        want = ref(x_ref, interpolate_pos_encoding=True, output_hidden_states=True)
         got = model(x, interpolate_pos_encoding=True, output_hidden_states=True)
         assert_close(got.logits, want.logits, RTOL, name=f"logits {size}")
         assert_close(got.hidden_states[0], want.hidden_states[0], RTOL, name=f"embeddings {size}")
-        if size == (48, 40):  # the gradient through the interpolation
+        if size in [(48, 40), (45, 37)]:  # the gradient through the interpolation, and the images'
             want.logits.square().sum().backward()
             got.logits.square().sum().backward()
             pos, pos_ref = model.vit.embeddings.position_embeddings, ref.vit.embeddings.position_embeddings
-            assert_close(pos.grad, pos_ref.grad, RTOL, name="d pos_embed")
+            assert_close(pos.grad, pos_ref.grad, RTOL, name=f"d pos_embed {size}")
+            assert_close(x.grad, x_ref.grad, RTOL, name=f"d images {size}")
     for m in (ref, model):
         with pytest.raises(ValueError, match="size"):
             m(torch.randn(2, 3, 48, 40))

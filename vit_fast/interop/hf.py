@@ -116,27 +116,31 @@ class HFLinked:
                 _CAN_RECORD_REGISTRY[self] = self._can_record_outputs
         return self.stock_class().forward(self, *args, **{k: v for k, v in kwargs.items() if v is not None})
 
-    def position_embedding_for(self, pixel_values: torch.Tensor, resize: bool) -> Optional[torch.Tensor]:
-        """The position embedding of these images' size: None at the model's own size (its table); at another
-        size with ``resize`` (transformers' interpolate_pos_encoding=True; DINOv2 always resizes) the table as
-        the source's own embeddings resize it (their ``interpolate_pos_encoding``: transformers' numerics by
-        construction, gradients reaching the table); without it, transformers' error naming the argument."""
+    def embedding_inputs(self, pixel_values: torch.Tensor, resize: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(images, position embedding) for the model's embedding. At the model's own size: the images and None (its
+        table). At another size with ``resize`` (transformers' interpolate_pos_encoding=True; DINOv2 always
+        resizes): the images cut to whole patches (transformers' stride-p convolution never reads the pixels past
+        the last whole patch, so they get a zero gradient there too) and the table as the source's own embeddings
+        resize it (their ``interpolate_pos_encoding``: transformers' numerics by construction, gradients reaching
+        the table). Without ``resize``: transformers' error naming the argument."""
         model = self.vit_fast_model
         if pixel_values.dim() != 4:
-            return None  # the model's input check says what it expected
+            return pixel_values, None  # the model's input check says what it expected
         height, width = pixel_values.shape[-2:]
         size = tuple(model.patch_embed.img_size)
         if (height, width) == size:
-            return None
+            return pixel_values, None
         if not resize:
             raise ValueError(f"Input image size ({height}*{width}) doesn't match model ({size[0]}*{size[1]}); "
                              "pass interpolate_pos_encoding=True to resize the position embedding, as transformers "
                              "does")
-        grid = model.patch_embed.check_input(pixel_values, any_size=True)
+        patch_h, patch_w = model.patch_embed.patch_size
+        whole = pixel_values[..., :height - height % patch_h, :width - width % patch_w]
+        grid = model.patch_embed.check_input(whole, any_size=True)
         prefix = model.pos_embed.shape[1] - model.patch_embed.num_patches  # class token's row, where it has one
         # transformers reads only the embeddings' shape from its first argument
         tokens = torch.empty((1, prefix + grid[0] * grid[1], model.embed_dim), device="meta")
-        return self.vit_fast_layout.encoder(self).embeddings.interpolate_pos_encoding(tokens, height, width)
+        return whole, self.vit_fast_layout.encoder(self).embeddings.interpolate_pos_encoding(tokens, height, width)
 
     @classmethod
     def stock_class(cls) -> type:
@@ -251,7 +255,7 @@ class HFViT(HFLinked):
             raise ValueError("labels: a ViTModel has no classifier (use ViTForImageClassification)")
         model = self.linked_in_mode()
         pixel_values = pixel_values.to(model.patch_embed.projection_weight.dtype)  # as transformers does
-        pos_embed = self.position_embedding_for(pixel_values, bool(interpolate_pos_encoding))
+        pixel_values, pos_embed = self.embedding_inputs(pixel_values, bool(interpolate_pos_encoding))
         want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         want_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         if want_attentions and self.training and any((blk.attn.attn_drop_rate() or 0) > 0 for blk in model.blocks):

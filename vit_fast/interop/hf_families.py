@@ -67,8 +67,8 @@ class HFVisionFamily(HFLinked):
             raise ValueError(f"{source_class} (vit_fast): not supported: {', '.join(unsupported)}")
         m = self.linked_in_mode()
         pixel_values = pixel_values.to(m.patch_embed.projection_weight.dtype)  # as transformers does
-        pos_embed = self.position_embedding_for(pixel_values,
-                                                resize=bool(interpolate_pos_encoding) or source_class == "Dinov2Model")
+        pixel_values, pos_embed = self.embedding_inputs(
+            pixel_values, resize=bool(interpolate_pos_encoding) or source_class == "Dinov2Model")
         if source_class.startswith("CLIP"):
             # last_hidden_state is the stream before post_layernorm; pooled = post_layernorm(class token)
             check_model_input(pixel_values, m.patch_embed.projection_weight, m.patch_embed.in_chans)

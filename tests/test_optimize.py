@@ -441,6 +441,29 @@ def test_other_block_kinds_are_listed_not_crashed_on(name):
         vit_fast.from_timm(ref)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rectangular_patch_runs_as_on_the_source(backend):
+    """A rectangular patch (timm's patch_size=(8, 4), transformers' [16, 8]): the patch embedding runs as the
+    source's convolution (the kernel takes square patches), the rest on the chosen path; the same logits and
+    gradients (the images' included). The Triton path raised at the first forward on transformers' and refused
+    timm's."""
+    for ref in (timm_vit(patch_size=(8, 4)), hf_vit(patch_size=[16, 8])):
+        model = vit_fast.optimize(ref, backend=backend)
+        x_ref, x = images().requires_grad_(), images().requires_grad_()
+        out_ref, out = ref(x_ref), model(x)
+        out_ref, out = (getattr(o, "logits", o) for o in (out_ref, out))
+        assert_close(out, out_ref, RTOL, name=f"{type(ref).__name__} logits")
+        out_ref.square().sum().backward()
+        out.square().sum().backward()
+        assert_close(x.grad, x_ref.grad, RTOL, name=f"{type(ref).__name__} d images")
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        for name, p in ref.named_parameters():
+            if name in grads and p.grad.abs().max() < 1e-6:  # the key bias's: 0 but for rounding (softmax's shift)
+                assert grads[name].abs().max() < 1e-6, name
+            elif name in grads:
+                assert_close(grads[name], p.grad, RTOL, name=f"{type(ref).__name__} d {name}")
+
+
 def test_converter_gives_its_problems_as_a_list():
     from vit_fast.interop.convert import timm_unsupported
 
@@ -449,8 +472,7 @@ def test_converter_gives_its_problems_as_a_list():
     assert "patch dropout (patch_drop_rate > 0)" in problems and "pool_include_prefix=True" in problems
     assert timm_unsupported(timm_vit(pre_norm=True)) == []  # CLIP's pre-norm converts (tests/test_families.py)
     # what the kernels cannot take is refused at conversion, not at the first fused forward
-    assert timm_unsupported(timm_vit(patch_size=(8, 4))) == [
-        "a rectangular patch (8, 4) (the patch-embedding kernel takes square patches)"]
+    assert timm_unsupported(timm_vit(patch_size=(8, 4))) == []  # its patch embedding runs as a convolution
     assert timm_unsupported(timm_vit(embed_dim=256, num_heads=1)) == [
         "head_dim 256 (the fused attention kernels take 1..128)"]
     assert timm_unsupported(timm_vit(norm_layer=functools.partial(torch.nn.LayerNorm, eps=0.0))) == [

@@ -148,9 +148,6 @@ def timm_unsupported(model: nn.Module) -> list[str]:
         head_dim = getattr(blk.attn, "head_dim", 0)
         if head_dim > MAX_HEAD_DIM:
             problems.append(f"head_dim {head_dim} (the fused attention kernels take 1..{MAX_HEAD_DIM})")
-    patch = tuple(getattr(patch_embed, "patch_size", ()) or ())
-    if len(set(patch)) > 1:
-        problems.append(f"a rectangular patch {patch} (the patch-embedding kernel takes square patches)")
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
     if any(m.eps <= 0 for m in norms):
         problems.append("LayerNorm eps <= 0 (the LayerNorm kernels need eps > 0)")

@@ -61,9 +61,10 @@ class PatchEmbed(nn.Module):
 
     def fused(self, x: torch.Tensor) -> bool:
         """The ``patch_embed`` kernel runs: Triton backend, and ``proj`` is a convolution it can read
-        (vit_fast/adapters.py) with no hook on it."""
+        (vit_fast/adapters.py; square patches) with no hook on it."""
         return (self.impl == "fused" and resolve_backend(self.backend, x) == "triton" and fusable_linear(self.proj)
-                and patchify_problem(self.proj, self.patch_size) is None and not has_hooks(self, inside=True))
+                and self.patch_size[0] == self.patch_size[1] and patchify_problem(self.proj, self.patch_size) is None
+                and not has_hooks(self, inside=True))
 
     def forward(self, x: torch.Tensor, any_size: bool = False) -> torch.Tensor:
         grid = self.check_input(x, any_size)

@@ -277,6 +277,39 @@ def test_swapped_suffixes_load_by_content(files):
         assert torch.equal(other.head.weight, model.head.weight)
 
 
+def test_safetensors_header_length_ending_in_0x80_is_read_as_safetensors(files, tmp_path):
+    """A safetensors file starts with its header length (u64, little-endian, a multiple of 8): one file in 32 starts
+    with byte 0x80, a pickle's first byte; it is read as safetensors, by load_checkpoint and by vit-fast train's
+    checkpoint writer, which reads back what it wrote."""
+    from safetensors.torch import save_file
+
+    from vit_fast.interop.convert import sniff_checkpoint_format
+    from vit_fast.training import checkpoint as ckpt
+
+    model = files[1]
+    for pad in range(0, 256, 8):   # the metadata's length moves the header length in steps of 8
+        path = tmp_path / "w.safetensors"
+        save_file(model.state_dict(), str(path), metadata={"pad": "x" * pad})
+        if path.read_bytes()[0] == 0x80:
+            break
+    assert path.read_bytes()[0] == 0x80
+    assert sniff_checkpoint_format(path) == "safetensors"
+    other = tiny()
+    with torch.no_grad():
+        other.head.weight.zero_()
+    load_checkpoint(other, path)
+    assert torch.equal(other.head.weight, model.head.weight)
+    for n in range(1, 40):   # some state dict gives the training checkpoint's weights such a header too
+        weights = {f"w{i}": torch.zeros(2) for i in range(n)}
+        ckpt.write_checkpoint(tmp_path / "run" / str(n), 1, weights, {"step_marker": torch.ones(1)})
+        written = next((tmp_path / "run" / str(n)).glob("step_*")) / ckpt.WEIGHTS
+        if written.read_bytes()[0] == 0x80:
+            ckpt.verify_checkpoint(written.parent)
+            assert torch.equal(ckpt.read_weights(written.parent)["w0"], torch.zeros(2))
+            break
+    assert written.read_bytes()[0] == 0x80
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))

@@ -521,14 +521,16 @@ def sniff_checkpoint_format(path: str | os.PathLike) -> str:
         head = f.read(9)
     if head[:4] == b"PK\x03\x04":
         return "torch-zip"
-    if head[:1] == b"\x80":   # pickle protocol >= 2: torch.save's legacy (non-zip) format
-        return "torch-pickle"
-    if len(head) == 9 and head[8:9] == b"{":   # safetensors: u64 little-endian header length, then JSON
+    # safetensors: u64 little-endian header length, then JSON. Asked before the pickle's first byte: a header
+    # length whose low byte is 0x80 (one file in 32, the header being padded to 8 bytes) starts with b"\x80" too
+    if len(head) == 9 and head[8:9] == b"{":
         header_len = int.from_bytes(head[:8], "little")
         if 8 + header_len > size:
             raise CheckpointError(f"checkpoint {path!r}: truncated safetensors file (its header announces "
                                   f"{header_len} bytes of metadata, the file has {size} bytes in all)")
         return "safetensors"
+    if head[:1] == b"\x80":   # pickle protocol >= 2: torch.save's legacy (non-zip) format
+        return "torch-pickle"
     raise CheckpointError(f"checkpoint {path!r} ({size} bytes) is neither a safetensors file nor a torch.save "
                           f"file (first bytes {head[:8]!r})")
 

@@ -327,6 +327,19 @@ def test_pickled_code_is_refused_saying_only_tensors_are_loaded(files, evil_file
     assert str(evil_file) in str(info.value) and "posix.system" in str(info.value)
 
 
+def test_a_dict_that_is_not_a_state_dict_names_its_entries(tmp_path):
+    """A file holding only another wrapper (timm's 'state_dict_ema') or extras names them; a non-string key is a
+    CheckpointError (it was an AttributeError in the key-name mapping)."""
+    sd = tiny().state_dict()
+    torch.save({"state_dict_ema": sd, "epoch": 3}, tmp_path / "ema.pt")
+    with pytest.raises(CheckpointError, match=r"ema.pt' does not hold a state dict of tensors \(got dict with entries "
+                                              r"that are not tensors: 'state_dict_ema' \(OrderedDict\), 'epoch' \(int\)"):
+        load_checkpoint(tiny(), tmp_path / "ema.pt")
+    torch.save({0: torch.ones(1), **sd}, tmp_path / "int_key.pt")
+    with pytest.raises(CheckpointError, match=r"keys that are not strings \(\['0'\]\)"):
+        load_checkpoint(tiny(), tmp_path / "int_key.pt")
+
+
 def test_not_a_dict_of_tensors(tmp_path):
     torch.save([torch.ones(1)], tmp_path / "list.pt")
     with pytest.raises(CheckpointError, match=r"list.pt' does not hold a state dict of tensors \(got list\)"):

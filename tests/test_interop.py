@@ -372,6 +372,44 @@ def test_checkpoint_in_hf_format_loads(tmp_path):
         assert_close(ours(x), ref(pixel_values=x).logits, RTOL)
 
 
+def test_a_transformers_models_own_checkpoint_loads_back(tmp_path):
+    """save_checkpoint of a transformers model (optimized or not) writes its own keys; load_checkpoint reads them
+    back into it, optimized or plain (it mapped them to timm's names whatever the model: every key missing)."""
+    ref = hf_model()
+    optimized = vit_fast.optimize(hf_model(), backend="torch")
+    save_checkpoint(ref, tmp_path / "hf.safetensors")
+    save_checkpoint(optimized, tmp_path / "hf.pt")
+    for path in (tmp_path / "hf.safetensors", tmp_path / "hf.pt"):
+        for dst in (vit_fast.optimize(hf_model(), backend="torch"), hf_model()):
+            with torch.no_grad():
+                dst.classifier.weight.zero_()
+            load_checkpoint(dst, path)
+            for k, v in ref.state_dict().items():
+                assert torch.equal(dst.state_dict()[k], v), (path.name, k)
+    ours = load_checkpoint(from_hf(ref, backend="torch"), tmp_path / "hf.pt")   # into timm's names as before
+    assert torch.equal(ours.head.weight, ref.classifier.weight)
+
+
+def test_compiled_and_data_parallel_models_save_and_load_under_the_models_own_names(tmp_path):
+    """A model under torch.compile (or DataParallel) is saved without '_orig_mod.' / 'module.' (it wrote
+    '_orig_mod.'-prefixed keys that neither timm nor load_checkpoint read) and loads into such a wrapper; a file with
+    those prefixes, in either order, loads into the plain model."""
+    torch.manual_seed(0)
+    src = perturb_(vit_fast.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4))
+    sd = src.state_dict()
+    save_checkpoint(torch.compile(src), tmp_path / "compiled.safetensors")
+    save_checkpoint(torch.nn.DataParallel(src), tmp_path / "dp.pt")
+    torch.save({"state_dict": {f"module._orig_mod.{k}": v for k, v in sd.items()}}, tmp_path / "prefixed.pt")
+    torch.save({f"_orig_mod.module.{k}": v for k, v in sd.items()}, tmp_path / "prefixed2.pt")
+    timm_model = timm.create_model("vit_base_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                                   num_heads=4)
+    for name in ("compiled.safetensors", "dp.pt", "prefixed.pt", "prefixed2.pt"):
+        for dst in (vit_fast.VisionTransformer(src.config), torch.compile(vit_fast.VisionTransformer(src.config))):
+            assert load_checkpoint(dst, tmp_path / name) is dst
+            assert all(torch.equal(getattr(dst, "_orig_mod", dst).state_dict()[k], v) for k, v in sd.items()), name
+        timm_model.load_state_dict(vit_fast.interop.convert.read_state_dict(tmp_path / name), strict=True)
+
+
 def test_mismatched_checkpoint_names_keys_and_shapes(tmp_path):
     small = vit_fast.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4)
     sd = small.state_dict()

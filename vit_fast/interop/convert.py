@@ -583,28 +583,61 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             sd = sd[wrapper]
             break
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"checkpoint {path!r} does not hold a state dict of tensors (got "
-                              f"{type(sd).__name__})")
-    if sd and all(k.startswith("module.") for k in sd):
-        sd = {k[len("module."):]: v for k, v in sd.items()}
+        got = type(sd).__name__
+        if isinstance(sd, dict):   # name what is there: another wrapper ('model_ema', 'state_dict_ema'), or extras
+            others = [f"{k!r} ({type(v).__name__})" for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+            got += (f" with entries that are not tensors: {', '.join(others[:8])}; a state dict is read from the "
+                    f"file itself or its 'state_dict', 'model' or 'model_state_dict' entry")
+        raise CheckpointError(f"checkpoint {path!r} does not hold a state dict of tensors (got {got})")
+    if not all(isinstance(k, str) for k in sd):
+        raise CheckpointError(f"checkpoint {path!r} does not hold a state dict of tensors: keys that are not "
+                              f"strings ({sorted(repr(k) for k in sd if not isinstance(k, str))[:5]})")
+    while sd and (prefix := next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in sd)), None)):
+        sd = {k[len(prefix):]: v for k, v in sd.items()}
     return sd
+
+
+# Prefixes a wrapper puts before every key: DistributedDataParallel's and torch.compile's (OptimizedModule), nested
+# either way round
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile's OptimizedModule and (Distributed)DataParallel, as timm's unwrap_model: the
+    module whose state dict has the model's own key names."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        else:
+            return model
 
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Load a timm-, Hugging Face- or torchvision-keyed checkpoint file into ``model`` (strict).
 
-    Raises CheckpointError naming every missing / unexpected key and shape mismatch."""
-    sd = to_timm_state_dict(read_state_dict(path))
+    The checkpoint's keys are mapped to timm's, unless they are already the model's own (a transformers model,
+    optimized or not, and its own checkpoint). A model under torch.compile or (Distributed)DataParallel is loaded
+    through the module it wraps. Raises CheckpointError naming every missing / unexpected key and shape
+    mismatch."""
+    raw = read_state_dict(path)
+    target = _unwrapped(model)
+    expected = set(target.state_dict())
+    sd = raw if set(raw) == expected or detect_format(dict.fromkeys(expected)) != "timm" else to_timm_state_dict(raw)
     try:
-        return load_state_dict(model, sd)
+        load_state_dict(target, sd)
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
+    return model
 
 
 def save_checkpoint(model: nn.Module, path: str | os.PathLike, metadata: Optional[dict[str, str]] = None) -> None:
-    """Write the model's state dict (timm key names) to .safetensors, or .pt/.pth with torch.save."""
+    """Write the model's state dict (timm key names; a transformers model's own) to .safetensors, or .pt/.pth with
+    torch.save. A model under torch.compile or (Distributed)DataParallel is saved under the wrapped module's names
+    (no '_orig_mod.' / 'module.' prefix), as timm saves it."""
     path = os.fspath(path)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().contiguous().cpu() for k, v in _unwrapped(model).state_dict().items()}
     if not path.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"checkpoint {path!r}: expected a .safetensors, .pt or .pth file name")
     folder = os.path.dirname(path) or "."

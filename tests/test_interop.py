@@ -188,6 +188,22 @@ def test_from_hf_old_key_names_state_dict():
         from_hf({k: v for k, v in old.items() if "attention.attention.query" not in k})
 
 
+def test_from_hf_takes_a_vit_with_a_mask_token():
+    """ViTModel(use_mask_token=True) (masked-image modelling's backbone) converts, its mask token dropped as the
+    pooler is: the object was refused for an unexpected 'embeddings.mask_token', its state dict as a DINOv2's."""
+    cfg = transformers.ViTConfig(hidden_size=192, num_hidden_layers=2, num_attention_heads=3, intermediate_size=768,
+                                 image_size=64, patch_size=16)
+    torch.manual_seed(0)
+    ref = perturb_(transformers.ViTModel(cfg, add_pooling_layer=False, use_mask_token=True)).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = ref(pixel_values=x).last_hidden_state
+        assert_close(from_hf(ref, backend="torch").eval().forward_features(x), expected, RTOL)
+        with pytest.warns(UserWarning, match="assumed"):
+            ours = from_hf(ref.state_dict(), backend="torch").eval()
+        assert_close(ours.forward_features(x), expected, RTOL)
+
+
 def test_from_hf_refuses_another_familys_state_dict_by_name():
     """A CLIP or DINOv2 state dict does not record its family's config (pre-norm, QuickGELU, LayerScale...): refused
     with what to pass instead (it was a bare KeyError, or a list of unexpected keys)."""

@@ -286,14 +286,15 @@ _HF_LAYER = {"attention.o_proj": "attn.proj", "layernorm_before": "norm1", "laye
 
 def hf_to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map ViTModel / ViTForImageClassification keys (old or new names) to timm's; q, k, v fused into qkv.
-    The ViTModel pooler (dense + tanh, unused by image classification) is dropped."""
+    The ViTModel pooler (dense + tanh, unused by image classification) and mask token (use_mask_token=True, read
+    only with bool_masked_pos) are dropped."""
     out, qkv = {}, {}
     for key, value in sd.items():
         k = key[4:] if key.startswith("vit.") else key
         k = re.sub(r"^encoder\.layer\.", "layers.", k)
         for old, new in _HF_OLD.items():
             k = k.replace(old, new)
-        if k.startswith("pooler."):
+        if k.startswith("pooler.") or k == "embeddings.mask_token":   # use_mask_token: only masked-image modelling
             continue
         if m := re.match(r"layers\.(\d+)\.attention\.([qkv])_proj\.(weight|bias)$", k):
             qkv.setdefault((int(m.group(1)), m.group(3)), {})[m.group(2)] = value
@@ -367,8 +368,7 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
 
 # Keys only the other transformers families' state dicts hold (CLIP / SigLIP embeddings, DINOv2's mask token and
 # LayerScale)
-_HF_FAMILY_MARKERS = {"embeddings.patch_embedding.": "CLIP or SigLIP", "embeddings.mask_token": "DINOv2",
-                      ".layer_scale1.": "DINOv2"}
+_HF_FAMILY_MARKERS = {"embeddings.patch_embedding.": "CLIP or SigLIP", ".layer_scale1.": "DINOv2"}
 
 
 def _check_hf_vit_state_dict(sd: Mapping[str, torch.Tensor]) -> None:

@@ -332,8 +332,9 @@ def test_a_dict_that_is_not_a_state_dict_names_its_entries(tmp_path):
     CheckpointError (it was an AttributeError in the key-name mapping)."""
     sd = tiny().state_dict()
     torch.save({"state_dict_ema": sd, "epoch": 3}, tmp_path / "ema.pt")
-    with pytest.raises(CheckpointError, match=r"ema.pt' does not hold a state dict of tensors \(got dict with entries "
-                                              r"that are not tensors: 'state_dict_ema' \(OrderedDict\), 'epoch' \(int\)"):
+    with pytest.raises(CheckpointError, match=r"ema.pt' does not hold a state dict of tensors \(got dict with "
+                                              r"entries that are not tensors: 'state_dict_ema' \(OrderedDict\), "
+                                              r"'epoch' \(int\)"):
         load_checkpoint(tiny(), tmp_path / "ema.pt")
     torch.save({0: torch.ones(1), **sd}, tmp_path / "int_key.pt")
     with pytest.raises(CheckpointError, match=r"keys that are not strings \(\['0'\]\)"):

@@ -257,6 +257,36 @@ def test_missing_checkpoint_is_both_checkpoint_and_file_not_found_error(files):
     assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, CheckpointError)
 
 
+def test_meta_tensors_tied_weights_and_metadata_in_checkpoints(tmp_path):
+    """Saving and loading what torch or safetensors would fail on deep inside, or do silently: tensors sharing
+    memory (a buffer viewing a parameter) are saved (safetensors refused them) and load back; metadata other than
+    str to str, or with a torch.save file (it was dropped), is refused; a model on the meta device is refused
+    when saved (NotImplementedError) and when loaded into (torch copied into nothing, with warnings), and so is a
+    file of meta tensors (a RuntimeError from the copy)."""
+    model = tiny()
+    model.register_buffer("head_rows", model.head.weight[:2])  # shares the head's memory
+    save_checkpoint(model, tmp_path / "tied.safetensors")
+    other = tiny()
+    other.register_buffer("head_rows", torch.zeros(2, 32))
+    load_checkpoint(other, tmp_path / "tied.safetensors")
+    assert torch.equal(other.head.weight, model.head.weight) and torch.equal(other.head_rows, model.head_rows)
+    with pytest.raises(ValueError, match="metadata is written to .safetensors files only"):
+        save_checkpoint(model, tmp_path / "m.pt", metadata={"epoch": "3"})
+    with pytest.raises(ValueError, match="expected metadata as a dict of str to str"):
+        save_checkpoint(model, tmp_path / "m.safetensors", metadata={"epoch": 3})
+    del model.head_rows
+    save_checkpoint(model, tmp_path / "w.safetensors")
+    with torch.device("meta"):
+        on_meta = tiny()
+    with pytest.raises(ValueError, match="on the meta device .* materialise it first"):
+        save_checkpoint(on_meta, tmp_path / "meta.safetensors")
+    with pytest.raises(CheckpointError, match=r"on the meta device .* model.to_empty\(device=...\) before loading"):
+        load_checkpoint(on_meta, tmp_path / "w.safetensors")
+    torch.save({k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}, tmp_path / "meta.pt")
+    with pytest.raises(CheckpointError, match="holds tensors without data"):
+        load_checkpoint(tiny(), tmp_path / "meta.pt")
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_saving_into_a_missing_folder_names_it(files, suffix):
     root, model = files

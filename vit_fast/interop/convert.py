@@ -623,6 +623,15 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     mismatch."""
     raw = read_state_dict(path)
     target = _unwrapped(model)
+    on_meta = [name for name, t in target.state_dict().items() if t.is_meta]
+    if on_meta:  # torch's load_state_dict would copy into nothing, with a warning per tensor
+        raise CheckpointError(f"{os.fspath(path)}: the model's tensors are on the meta device ({on_meta[0]}, ... "
+                              f"{len(on_meta)} in all): call model.to_empty(device=...) before loading, or "
+                              f"model.load_state_dict(state_dict, assign=True)")
+    empty = [name for name, t in raw.items() if t.is_meta]
+    if empty:
+        raise CheckpointError(f"{os.fspath(path)}: the checkpoint holds tensors without data (on the meta device: "
+                              f"{empty[0]}, ... {len(empty)} in all): it was saved from a model not yet materialised")
     expected = set(target.state_dict())
     sd = raw if set(raw) == expected or detect_format(dict.fromkeys(expected)) != "timm" else to_timm_state_dict(raw)
     try:
@@ -637,9 +646,29 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, metadata: Optiona
     torch.save. A model under torch.compile or (Distributed)DataParallel is saved under the wrapped module's names
     (no '_orig_mod.' / 'module.' prefix), as timm saves it."""
     path = os.fspath(path)
-    sd = {k: v.detach().contiguous().cpu() for k, v in _unwrapped(model).state_dict().items()}
     if not path.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"checkpoint {path!r}: expected a .safetensors, .pt or .pth file name")
+    if metadata is not None and not path.endswith(".safetensors"):
+        raise ValueError(f"checkpoint {path!r}: metadata is written to .safetensors files only (torch.save files "
+                         f"hold tensors alone)")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise ValueError(f"checkpoint {path!r}: expected metadata as a dict of str to str (safetensors' header), "
+                         f"got {metadata!r:.200}")
+    state = _unwrapped(model).state_dict()
+    on_meta = [k for k, v in state.items() if v.is_meta]
+    if on_meta:
+        raise ValueError(f"checkpoint {path!r}: the model's tensors are on the meta device ({on_meta[0]}, ... "
+                         f"{len(on_meta)} in all), they hold no values to save: materialise it first "
+                         f"(model.to_empty(device=...) and a weight load or init)")
+    sd, storages = {}, set()
+    for k, v in state.items():
+        v = v.detach().contiguous().cpu()
+        # a tensor sharing memory with another (tied weights, a buffer viewing a parameter) is written as a copy:
+        # safetensors refuses shared memory, and loading copies into the model's tensors, ties included
+        storage = (v.untyped_storage().data_ptr(), v.device)
+        sd[k] = v.clone() if storage in storages else v
+        storages.add(storage)
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint {path!r}: its folder {folder!r} does not exist; create it first "

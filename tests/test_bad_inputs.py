@@ -285,6 +285,11 @@ def test_meta_tensors_tied_weights_and_metadata_in_checkpoints(tmp_path):
     torch.save({k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}, tmp_path / "meta.pt")
     with pytest.raises(CheckpointError, match="holds tensors without data"):
         load_checkpoint(tiny(), tmp_path / "meta.pt")
+    from vit_fast.training import checkpoint as ckpt  # vit-fast train's writer, the same rule
+
+    weight = torch.randn(4, 3)
+    written = ckpt.write_checkpoint(tmp_path / "run", 1, {"w": weight, "w_rows": weight[:2]}, {})
+    assert torch.equal(ckpt.read_weights(written)["w_rows"], weight[:2])
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])

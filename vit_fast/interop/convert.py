@@ -641,6 +641,19 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     return model
 
 
+def tensors_to_save(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state``'s tensors detached, contiguous and on the CPU, as safetensors writes them: a tensor sharing memory
+    with an earlier one (tied weights, a buffer viewing a parameter) as a copy, since safetensors refuses shared
+    memory (loading copies into the model's own tensors, ties included)."""
+    tensors, storages = {}, set()
+    for name, t in state.items():
+        t = t.detach().contiguous().cpu()
+        storage = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if storage in storages else t
+        storages.add(storage)
+    return tensors
+
+
 def save_checkpoint(model: nn.Module, path: str | os.PathLike, metadata: Optional[dict[str, str]] = None) -> None:
     """Write the model's state dict (timm key names; a transformers model's own) to .safetensors, or .pt/.pth with
     torch.save. A model under torch.compile or (Distributed)DataParallel is saved under the wrapped module's names
@@ -661,14 +674,7 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, metadata: Optiona
         raise ValueError(f"checkpoint {path!r}: the model's tensors are on the meta device ({on_meta[0]}, ... "
                          f"{len(on_meta)} in all), they hold no values to save: materialise it first "
                          f"(model.to_empty(device=...) and a weight load or init)")
-    sd, storages = {}, set()
-    for k, v in state.items():
-        v = v.detach().contiguous().cpu()
-        # a tensor sharing memory with another (tied weights, a buffer viewing a parameter) is written as a copy:
-        # safetensors refuses shared memory, and loading copies into the model's tensors, ties included
-        storage = (v.untyped_storage().data_ptr(), v.device)
-        sd[k] = v.clone() if storage in storages else v
-        storages.add(storage)
+    sd = tensors_to_save(state)
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint {path!r}: its folder {folder!r} does not exist; create it first "

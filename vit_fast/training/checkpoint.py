@@ -38,7 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..interop.convert import CheckpointError
+from ..interop.convert import CheckpointError, tensors_to_save
 
 log = logging.getLogger("vit_fast.training.checkpoint")
 
@@ -118,7 +118,7 @@ def write_checkpoint(ckpt_root: str | Path, step: int, weights: dict[str, torch.
     tmp = root / f"step_{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)   # leftover of a run killed while writing
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS),
+    save_file(tensors_to_save(weights), str(tmp / WEIGHTS),
               metadata={"format": "pt", "producer": FORMAT, "step": str(step)})
     torch.save({"format": FORMAT, "step": step, **state}, tmp / STATE)
     for name in (WEIGHTS, STATE):

@@ -207,6 +207,24 @@ def test_open_clip_refuses_what_it_cannot_map():
     padded.conv1 = nn.Conv2d(3, 64, 8, 8, padding=1, bias=False)  # rebuilt without its padding, 0.17 off
     with pytest.raises(ValueError, match=r"conv1: a patch convolution other than kernel = stride = \(8, 8\)"):
         families.open_clip_config(padded)
+    # every block is read, not only the first: what the conversion would drop (0.11 off with add_zero_attn) or
+    # misread (norm_eps None from an RMSNorm, a CheckpointError for a bias-free attention) is refused by name
+    edits = {
+        "norm layer RMSNorm": lambda v: setattr(v.transformer.resblocks[1], "ln_2", nn.RMSNorm(64)),
+        "attention without biases": lambda v: setattr(v.transformer.resblocks[1], "attn",
+                                                      nn.MultiheadAttention(64, 4, bias=False, batch_first=True)),
+        "add_zero_attn": lambda v: setattr(v.transformer.resblocks[1].attn, "add_zero_attn", True),
+        "batch_first=False in a transformer with batch_first=True": lambda v: setattr(
+            v.transformer.resblocks[0].attn, "batch_first", False),
+        "conv1 with a bias": lambda v: setattr(v, "conv1", nn.Conv2d(3, 64, 8, 8)),
+    }
+    for problem, edit in edits.items():
+        edited = oc.VisionTransformer(image_size=32, patch_size=8, width=64, layers=2, heads=4, mlp_ratio=4.0,
+                                      output_dim=8)
+        families.open_clip_config(edited)
+        edit(edited)
+        with pytest.raises(ValueError, match=problem):
+            families.open_clip_config(edited)
     with pytest.raises(ValueError, match="expected an open_clip VisionTransformer"):
         families.open_clip_config(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="from_open_clip: expected an open_clip model or its .visual, got a state"):

@@ -404,10 +404,28 @@ def open_clip_config(visual: nn.Module) -> dict:
     problem = patchify_problem(visual.conv1, to_2tuple(visual.patch_size))
     if problem:
         problems.append(f"conv1: {problem}")
+    if getattr(visual.conv1, "bias", None) is not None:
+        problems.append("conv1 with a bias (open_clip's patch projection has none)")
     blocks = visual.transformer.resblocks
     blk = blocks[0]
-    if type(blk).__name__ != "ResidualAttentionBlock" or not isinstance(blk.attn, nn.MultiheadAttention):
-        problems.append(f"blocks of type {type(blk).__name__} (custom attention)")
+    batch_first = getattr(visual.transformer, "batch_first", True)
+    for block in blocks:  # every block, as the config is read from the first
+        if type(block).__name__ != "ResidualAttentionBlock" or not isinstance(block.attn, nn.MultiheadAttention):
+            problems.append(f"blocks of type {type(block).__name__} (custom attention)")
+            continue
+        attn = block.attn
+        if attn.in_proj_bias is None or attn.out_proj.bias is None:
+            problems.append("attention without biases")
+        if attn.add_zero_attn or attn.bias_k is not None:
+            problems.append("attention with add_zero_attn or add_bias_kv")
+        if attn.batch_first != batch_first:  # the source then attends across another axis than the tokens
+            problems.append(f"attention with batch_first={attn.batch_first} in a transformer with "
+                            f"batch_first={batch_first}")
+        for norm in (block.ln_1, block.ln_2, visual.ln_pre, visual.ln_post):
+            if not isinstance(norm, (nn.LayerNorm, nn.Identity)) or (
+                    isinstance(norm, nn.LayerNorm) and (norm.weight is None or norm.bias is None)):
+                problems.append(f"norm layer {type(norm).__name__} (vit_fast's norms are affine LayerNorms)")
+    problems = list(dict.fromkeys(problems))  # each once, however many blocks have it
     act = getattr(blk.mlp, "gelu", None)
     try:  # torch's GELU (exact or tanh), open_clip's or timm's QuickGELU, timm's GELU and GELUTanh
         act_kind = timm_act(act)

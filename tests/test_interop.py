@@ -358,6 +358,26 @@ def test_from_torchvision_refuses_another_head_by_name():
         vit_fast.optimize(ref)
 
 
+def test_from_torchvision_refuses_encoder_layers_it_would_misread_by_name():
+    """Every encoder layer is read (the config comes from the first): a layer replaced (an Identity was an
+    AttributeError), an RMSNorm, an attention with add_zero_attn (converted without it) or without biases (a
+    CheckpointError listing keys) are refused, naming what."""
+    small = dict(image_size=32, patch_size=16, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128, num_classes=7)
+    edits = {
+        "encoder layers of type Identity": lambda m: m.encoder.layers.__setitem__(1, torch.nn.Identity()),
+        "norm layer RMSNorm": lambda m: setattr(m.encoder.layers[1], "ln_2", torch.nn.RMSNorm(64)),
+        "add_zero_attn": lambda m: setattr(m.encoder.layers[1].self_attention, "add_zero_attn", True),
+        "attention without biases": lambda m: setattr(
+            m.encoder.layers[0], "self_attention", torch.nn.MultiheadAttention(64, 2, bias=False, batch_first=True)),
+    }
+    for problem, edit in edits.items():
+        ref = torchvision.models.VisionTransformer(**small)
+        from_torchvision(ref)
+        edit(ref)
+        with pytest.raises(ValueError, match=f"from_torchvision: this model uses features .*{problem}"):
+            vit_fast.optimize(ref)
+
+
 def test_torchvision_vit_b_16_config_is_the_timm_preset():
     with torch.device("meta"):
         tv = torchvision.models.vit_b_16()

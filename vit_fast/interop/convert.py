@@ -452,6 +452,29 @@ def _torchvision_head(heads: nn.Module) -> tuple[int, bool]:
                      f"nn.Identity for features), got {type(heads).__name__} with {children or 'no modules'}")
 
 
+def _torchvision_layer_problems(tv: nn.Module) -> list[str]:
+    """What in a torchvision ViT's encoder the conversion would drop or misread (the config is read from the first
+    layer, the weights by name): each once."""
+    from torchvision.models.vision_transformer import EncoderBlock
+
+    problems = []
+    for layer in tv.encoder.layers:
+        if type(layer) is not EncoderBlock or not isinstance(layer.self_attention, nn.MultiheadAttention):
+            problems.append(f"encoder layers of type {type(layer).__name__}")
+            continue
+        attn = layer.self_attention
+        if attn.in_proj_bias is None or attn.out_proj.bias is None:
+            problems.append("attention without biases")
+        if attn.add_zero_attn or attn.bias_k is not None:
+            problems.append("attention with add_zero_attn or add_bias_kv")
+        if not attn.batch_first:  # torchvision's layers take (B, N, D): the source would attend across the batch
+            problems.append("attention with batch_first=False")
+        for norm in (layer.ln_1, layer.ln_2, tv.encoder.ln):
+            if type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None:
+                problems.append(f"norm layer {type(norm).__name__} (vit_fast's norms are affine LayerNorms)")
+    return list(dict.fromkeys(problems))
+
+
 def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights of a torchvision VisionTransformer (vit_b_16, vit_b_32, vit_l_16, ...). From
     a state dict at a width without a standard head count, num_heads is assumed (64-wide heads) with a warning."""
@@ -463,6 +486,9 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
         problem = patchify_problem(tv.conv_proj, (tv.patch_size, tv.patch_size))
         if problem:
             raise ValueError(f"from_torchvision: conv_proj is {problem}")
+        problems = _torchvision_layer_problems(tv)
+        if problems:
+            raise ValueError(f"from_torchvision: this model uses features vit_fast does not implement: {problems}")
         layer = tv.encoder.layers[0]
         acts = {_torchvision_act(block.mlp[1]) for block in tv.encoder.layers}
         if None in acts or len(acts) > 1:

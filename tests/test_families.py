@@ -359,6 +359,31 @@ def test_timm_family_through_optimize(kind, backend):
     _grads_match(fast, ref, FP32)
 
 
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_timm_family_from_state_dict(kind):
+    """from_timm(state_dict) builds each family as timm's model was built: attn_pool keys give global_pool='map',
+    norm_pre pre_norm (no patch bias), dist_token a DeiT distilled model, fc1_g / an fc1 twice fc2's width the
+    SwiGLU MLPs. Only what no key records is passed (head count, activation, eps); these were refused for
+    unexpected keys (DeiT also for pos_embed's 18 rows read as a 224 px grid)."""
+    from vit_fast import from_timm
+
+    ref = timm_family(kind).eval()
+    cfg = {**TINY, **FAMILIES[kind]}
+    unrecorded = {k: cfg[k] for k in ("num_heads", "act", "norm_eps") if k in cfg}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = from_timm(ref.state_dict(), backend="torch", **unrecorded).eval()
+    exact = from_timm(ref, backend="torch").config
+    for field in ("img_size", "global_pool", "pre_norm", "distilled", "mlp_layer", "mlp_ratio", "head_bias",
+                  "class_token", "use_fc_norm", "final_norm", "norm_eps", "act"):
+        assert getattr(ours.config, field) == getattr(exact, field), field
+    settled = cfg.get("global_pool") == "map" or cfg.get("distilled")  # the keys tell the pooling
+    assert ("global_pool=" in str(caught[0].message)) != bool(settled), caught[0].message
+    x = _images(TINY)
+    with torch.no_grad():
+        assert_close(ours(x), ref(x), FP32, "output")
+
+
 def test_distilled_train_and_eval_semantics():
     """timm's VisionTransformerDistilled: eval averages the two heads; training returns (head, head_dist) only
     with distilled training on; pre_logits averages the two tokens."""

@@ -139,6 +139,47 @@ def test_from_timm_state_dict_takes_what_it_cannot_record_from_the_caller():
         from_timm(ref.state_dict(), backend="torch", act="quick_gelu", norm_eps=1e-5)
 
 
+def tiny_timm(**kw):
+    torch.manual_seed(0)
+    return perturb_(timm.create_model("vit_tiny_patch16_224", **{**dict(img_size=32, patch_size=8, embed_dim=64,
+                                                                         depth=1, num_heads=2), **kw}))
+
+
+def test_from_timm_state_dict_names_what_settles_an_ambiguous_grid():
+    """Class + 4 register tokens, no_embed_class=True, a 3x3 grid (24 px): pos_embed's 9 rows are also a 2x2 grid
+    and the 5 prefix tokens. That was read silently as 16 px with no_embed_class=False (failing at forward); now the
+    error names both readings and the keywords, and either keyword gives the source's model."""
+    ref = tiny_timm(img_size=24, reg_tokens=4, no_embed_class=True)
+    with pytest.raises(CheckpointError, match=r"9 rows: a 2x2 grid \(16x16 px\).*3x3 grid \(24x24 px\).*img_size= "
+                                              r"or no_embed_class="):
+        from_timm(ref.state_dict(), backend="torch", num_heads=2)
+    x = torch.randn(2, 3, 24, 24)
+    for settles in (dict(img_size=24), dict(no_embed_class=True)):
+        with pytest.warns(UserWarning, match="assumed act="):
+            ours = from_timm(ref.state_dict(), backend="torch", num_heads=2, **settles).eval()
+        assert ours.config.img_size == (24, 24) and ours.config.no_embed_class
+        with torch.no_grad():
+            assert_close(ours(x), ref(x), RTOL)
+    with pytest.raises(CheckpointError, match=r"pos_embed has 21 rows: 20 or 21 patches, not a square grid; pass "
+                                              r"img_size=\(H, W\)"):  # a 4x5 grid: was a 224 px model's mismatch
+        from_timm(tiny_timm(img_size=(32, 40)).state_dict(), num_heads=2)
+
+
+def test_from_timm_state_dict_without_pos_embed_names_the_assumed_img_size():
+    """No pos_embed records the grid: the default 224 px is named in the warning (it was silent, the error only came
+    at the first forward); passed, nothing is said of it. A head without bias (CLIP's projection) is read too."""
+    ref = tiny_timm(class_token=False, global_pool="avg", pos_embed="none")
+    ref.head = torch.nn.Linear(64, 5, bias=False)
+    with pytest.warns(UserWarning, match=r"assumed .*img_size=224 \(ViTConfig's default, no pos_embed records"):
+        assert from_timm(ref.state_dict(), backend="torch", num_heads=2).config.img_size == (224, 224)
+    with pytest.warns(UserWarning) as caught:
+        ours = from_timm(ref.state_dict(), backend="torch", num_heads=2, img_size=32).eval()
+    assert "img_size=" not in str(caught[0].message) and not ours.config.head_bias
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(ours(x), ref(x), RTOL)
+
+
 def hf_model(**kw):
     base = dict(hidden_size=192, num_hidden_layers=2, num_attention_heads=3, intermediate_size=768,
                 image_size=64, patch_size=16, num_labels=7, hidden_dropout_prob=0.0,

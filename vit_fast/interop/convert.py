@@ -78,11 +78,39 @@ def _is_square(n: int) -> bool:
     return n >= 0 and math.isqrt(n) ** 2 == n
 
 
-def _grid_from_tokens(num_patches: int, patch: tuple[int, int]) -> dict:
-    if not _is_square(num_patches):  # non-square grids need img_size from the caller
-        return {}
-    side = math.isqrt(num_patches)
-    return {"img_size": (side * patch[0], side * patch[1])}
+def _timm_grid(tokens: int, prefix: int, patch: tuple[int, int], overrides: Mapping, source: str) -> dict:
+    """img_size and no_embed_class from pos_embed's ``tokens`` rows: the grid has tokens - prefix patches when
+    pos_embed covers the ``prefix`` tokens, else tokens. A square grid is assumed unless img_size is passed. Where
+    both readings are squares (class + 4 register tokens and 9 rows: a 3x3 grid, or 2x2 and the 5 prefix tokens) or
+    neither is, the error names the keyword that settles it: a model of another size would only fail at forward."""
+    if "img_size" in overrides:  # the grid is known: does pos_embed cover the prefix tokens too?
+        h, w = to_2tuple(overrides["img_size"])
+        return {"no_embed_class": bool(prefix) and tokens == (h // patch[0]) * (w // patch[1])}
+    readings = {False: tokens - prefix, True: tokens} if prefix else {False: tokens}
+    if prefix and "no_embed_class" in overrides:
+        readings = {nec: n for nec, n in readings.items() if nec == bool(overrides["no_embed_class"])}
+    grids = {nec: math.isqrt(n) for nec, n in readings.items() if n > 0 and _is_square(n)}
+    if len(grids) == 1:
+        (no_embed_class, side), = grids.items()
+        return {"no_embed_class": no_embed_class, "img_size": (side * patch[0], side * patch[1])}
+    if grids:
+        size = {nec: f"{side}x{side} grid ({side * patch[0]}x{side * patch[1]} px)" for nec, side in grids.items()}
+        raise CheckpointError(f"{source}: pos_embed has {tokens} rows: a {size[False]} and the {prefix} prefix tokens "
+                              f"(no_embed_class=False), or a {size[True]} alone (no_embed_class=True); pass img_size= "
+                              f"or no_embed_class= to say which")
+    patches = " or ".join(str(n) for n in sorted(set(readings.values())))
+    raise CheckpointError(f"{source}: pos_embed has {tokens} rows: {patches} patches, not a square grid; pass "
+                          f"img_size=(H, W)")
+
+
+def _timm_mlp(sd: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+    """Block 0's MLP kind and the hidden width its mlp_ratio gives: timm's SwiGLU has fc1_g and fc1_x, SwiGLUPacked
+    one fc1 twice as wide as fc2's input ([gate | value]), Mlp an fc1 as wide as fc2's input."""
+    if "blocks.0.mlp.fc1_g.weight" in sd:
+        return "swiglu", sd["blocks.0.mlp.fc1_g.weight"].shape[0]
+    hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    fc2 = sd.get("blocks.0.mlp.fc2.weight")
+    return ("swiglu_packed" if fc2 is not None and hidden == 2 * fc2.shape[1] else "mlp"), hidden
 
 
 # --------------------------------------------------------------------------------------------- timm
@@ -180,34 +208,42 @@ def _timm_config_from_model(m: nn.Module) -> dict:
     return timm_config(m)
 
 
-def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor], overrides: Mapping = {}) -> dict:
+def _timm_config_from_state_dict(sd: Mapping[str, torch.Tensor], overrides: Mapping = {},
+                                 source: str = "from_timm") -> dict:
+    """ViTConfig fields from a timm-keyed state dict's keys and shapes; ``overrides`` settle an ambiguous grid."""
     proj = sd["patch_embed.proj.weight"]
     D, in_chans, ph, pw = proj.shape
     cfg = dict(embed_dim=D, in_chans=in_chans, patch_size=(ph, pw), num_heads=STANDARD_HEADS.get(D, max(1, D // 64)),
                depth=_layer_count(sd, r"blocks\.(\d+)\."), class_token="cls_token" in sd,
                reg_tokens=sd["reg_token"].shape[1] if "reg_token" in sd else 0)
-    prefix = cfg["class_token"] + cfg["reg_tokens"]
+    # CLIP's norm_pre (timm: no patch bias then), DeiT's distillation token (before the registers in pos_embed)
+    cfg.update(pre_norm="norm_pre.weight" in sd, distilled="dist_token" in sd)
+    prefix = cfg["class_token"] + cfg["distilled"] + cfg["reg_tokens"]
     if "pos_embed" in sd:
-        tokens = sd["pos_embed"].shape[1]
-        if "img_size" in overrides:  # the grid is known: does pos_embed cover the prefix tokens too?
-            h, w = to_2tuple(overrides["img_size"])
-            cfg["no_embed_class"] = bool(prefix) and tokens == (h // ph) * (w // pw)
-        else:  # square grid assumed: only one of tokens / tokens - prefix can be a square
-            cfg["no_embed_class"] = bool(prefix) and _is_square(tokens) and not _is_square(tokens - prefix)
-            cfg.update(_grid_from_tokens(tokens if cfg["no_embed_class"] else tokens - prefix, (ph, pw)))
+        cfg.update(_timm_grid(sd["pos_embed"].shape[1], prefix, (ph, pw), overrides, source))
     else:
         cfg["pos_embed"] = "none"
     if cfg["depth"]:
-        cfg.update(mlp_ratio=mlp_ratio_for(sd["blocks.0.mlp.fc1.weight"].shape[0], D),
+        mlp_layer, hidden = _timm_mlp(sd)
+        cfg.update(mlp_ratio=mlp_ratio_for(hidden, D), mlp_layer=mlp_layer,
                    qkv_bias="blocks.0.attn.qkv.bias" in sd, qk_norm="blocks.0.attn.q_norm.weight" in sd)
         if "blocks.0.ls1.gamma" in sd:
             cfg["init_values"] = 1e-5  # any value: gamma is loaded right after
+    elif "attn_pool.mlp.fc1.weight" in sd:  # timm builds the pool's MLP with the blocks' mlp_ratio
+        cfg["mlp_ratio"] = mlp_ratio_for(sd["attn_pool.mlp.fc1.weight"].shape[0], D)
     cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
-    # timm puts the final norm after pooling (fc_norm) exactly when it averages tokens.
+    if "head.weight" in sd and "head.bias" not in sd:
+        cfg["head_bias"] = False
+    # timm builds attn_pool only for 'map'; otherwise it puts the final norm after pooling (fc_norm) exactly when
+    # it averages tokens
     has_fc_norm = "fc_norm.weight" in sd
-    pool = "token" if cfg["class_token"] and not has_fc_norm else "avg"
-    cfg.update(global_pool=pool, final_norm=has_fc_norm or "norm.weight" in sd)
-    if has_fc_norm != (pool == "avg"):
+    if "attn_pool.latent" in sd:
+        cfg["global_pool"] = "map"
+    else:
+        cfg["global_pool"] = "token" if cfg["class_token"] and not has_fc_norm else "avg"
+    pool = overrides.get("global_pool", cfg["global_pool"])
+    cfg["final_norm"] = has_fc_norm or "norm.weight" in sd
+    if has_fc_norm != (pool in ("avg", "avgmax", "max")):
         cfg["fc_norm"] = has_fc_norm
     return cfg
 
@@ -219,6 +255,18 @@ STATE_DICT_ASSUMPTIONS = {"act": "'gelu'", "norm_eps": "1e-6",
 # The same for a transformers ViT's state dict (its config's defaults) and a torchvision one (which fixes GELU and
 # eps 1e-6 in code): the head count alone, at a width whose usual head count is not known
 HF_STATE_DICT_ASSUMPTIONS = {"act": "'gelu'", "norm_eps": "1e-12"}
+
+
+def _timm_state_dict_assumptions(config: Mapping) -> dict[str, str]:
+    """STATE_DICT_ASSUMPTIONS less what this state dict's keys settle, plus img_size where it has no pos_embed."""
+    assumed = dict(STATE_DICT_ASSUMPTIONS)
+    if config["global_pool"] == "map" or config["distilled"]:  # attn_pool's keys; DeiT's heads read the tokens
+        del assumed["global_pool"]
+    if config.get("mlp_layer", "mlp") != "mlp" and config["global_pool"] != "map":  # SwiGLU gates with SiLU
+        del assumed["act"]
+    if config.get("pos_embed") == "none":  # only the forward's input size depends on it
+        assumed["img_size"] = f"{ViTConfig.img_size} (ViTConfig's default, no pos_embed records the grid)"
+    return assumed
 
 
 def _warn_assumed(source: str, assumptions: Mapping[str, str], config: Mapping, overrides: Mapping,
@@ -247,9 +295,11 @@ def _carry_attention_switches(timm_model: nn.Module, model: VisionTransformer) -
 
 def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights (and, for a model object, the exact config) of a timm ViT. From a state
-    dict, the shapes give the sizes; what it does not record is assumed (``STATE_DICT_ASSUMPTIONS``: activation,
-    LayerNorm eps, pooling, and num_heads for a non-standard width) with a warning naming each one not passed as a
-    keyword argument; a non-square grid needs img_size."""
+    dict, the shapes give the sizes and the keys the families (attn_pool: 'map', norm_pre, dist_token, SwiGLU);
+    what it does not record is assumed (``STATE_DICT_ASSUMPTIONS``: activation, LayerNorm eps, pooling, num_heads
+    for a non-standard width, img_size without pos_embed) with a warning naming each one not passed as a keyword
+    argument. A non-square grid needs img_size; rows that fit two square grids (with and without the prefix
+    tokens) are refused, naming img_size and no_embed_class."""
     if isinstance(model_or_state_dict, nn.Module):
         sd = model_or_state_dict.state_dict()
         config = _timm_config_from_model(model_or_state_dict)
@@ -263,7 +313,7 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
             raise CheckpointError(f"from_timm: the state dict has no 'patch_embed.proj.weight', so it is not a timm "
                                   f"ViT's (its first keys: {sorted(sd)[:5]})")
         config = _timm_config_from_state_dict(sd, overrides)
-        _warn_assumed("from_timm", STATE_DICT_ASSUMPTIONS, config, overrides,
+        _warn_assumed("from_timm", _timm_state_dict_assumptions(config), config, overrides,
                       " (CLIP: act='quick_gelu' or norm_eps=1e-5), or convert the timm model object")
     model = _build(config, sd, overrides)
     if isinstance(model_or_state_dict, nn.Module):
@@ -360,7 +410,7 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
     else:
         sd = hf_to_timm_state_dict(model_or_state_dict)
         _check_hf_vit_state_dict(sd)
-        config = {**_timm_config_from_state_dict(sd, overrides), "norm_eps": 1e-12}
+        config = {**_timm_config_from_state_dict(sd, overrides, "from_hf"), "norm_eps": 1e-12}
         _warn_assumed("from_hf", HF_STATE_DICT_ASSUMPTIONS, config, overrides,
                       " (hidden_act 'gelu_new': act='gelu_tanh'), or convert the transformers model object")
     return _build(config, sd, overrides)
@@ -506,7 +556,7 @@ def from_torchvision(model_or_state_dict, **overrides) -> VisionTransformer:
         sd = torchvision_to_timm_state_dict(tv.state_dict())
     else:
         sd = torchvision_to_timm_state_dict(model_or_state_dict)
-        config = _timm_config_from_state_dict(sd, overrides)
+        config = _timm_config_from_state_dict(sd, overrides, "from_torchvision")
         _warn_assumed("from_torchvision", {}, config, overrides, ", or convert the torchvision model object")
     return _build(config, sd, overrides)
 

@@ -176,6 +176,24 @@ def effective_bias(module: nn.Module) -> Optional[torch.Tensor]:
 
 
 
+def encoder_layer_problems(attn: nn.MultiheadAttention, norms: tuple, batch_first: bool = True) -> list[str]:
+    """What a torchvision / open_clip layer's ``attn`` and ``norms`` hold that their conversion (qkv and proj with
+    biases, affine LayerNorms) would drop or misread, one line each. ``batch_first``: the layout the layer's input
+    has (an attention of the other layout attends across the batch)."""
+    problems = []
+    if attn.in_proj_bias is None or attn.out_proj.bias is None:
+        problems.append("attention without biases")
+    if attn.add_zero_attn or attn.bias_k is not None:
+        problems.append("attention with add_zero_attn or add_bias_kv")
+    if attn.batch_first != batch_first:
+        problems.append(f"attention with batch_first={attn.batch_first} in a transformer with "
+                        f"batch_first={batch_first}")
+    for norm in norms:
+        if not isinstance(norm, nn.LayerNorm) or norm.weight is None or norm.bias is None:
+            problems.append(f"norm layer {type(norm).__name__} (vit_fast's norms are affine LayerNorms)")
+    return problems
+
+
 def patchify_problem(conv: nn.Module, patch: tuple[int, int]) -> Optional[str]:
     """Why the convolution ``conv`` (a Conv2d, or a LoRA around one) is not the patch embedding's patchify, one
     token per non-overlapping ``patch`` (kernel = stride = patch, no padding, dilation or groups), which the

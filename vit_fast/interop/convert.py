@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 import torch
 import torch.nn as nn
 
-from ..adapters import patchify_problem
+from ..adapters import encoder_layer_problems, patchify_problem
 from ..layers import to_2tuple
 from ..model import VisionTransformer
 from ..presets import ViTConfig, check_fields, mlp_ratio_for
@@ -512,16 +512,8 @@ def _torchvision_layer_problems(tv: nn.Module) -> list[str]:
         if type(layer) is not EncoderBlock or not isinstance(layer.self_attention, nn.MultiheadAttention):
             problems.append(f"encoder layers of type {type(layer).__name__}")
             continue
-        attn = layer.self_attention
-        if attn.in_proj_bias is None or attn.out_proj.bias is None:
-            problems.append("attention without biases")
-        if attn.add_zero_attn or attn.bias_k is not None:
-            problems.append("attention with add_zero_attn or add_bias_kv")
-        if not attn.batch_first:  # torchvision's layers take (B, N, D): the source would attend across the batch
-            problems.append("attention with batch_first=False")
-        for norm in (layer.ln_1, layer.ln_2, tv.encoder.ln):
-            if type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None:
-                problems.append(f"norm layer {type(norm).__name__} (vit_fast's norms are affine LayerNorms)")
+        # torchvision's layers take (B, N, D)
+        problems += encoder_layer_problems(layer.self_attention, (layer.ln_1, layer.ln_2, tv.encoder.ln))
     return list(dict.fromkeys(problems))
 
 

@@ -34,7 +34,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from ..adapters import patchify_problem
+from ..adapters import encoder_layer_problems, patchify_problem
 from ..layers.common import to_2tuple
 from ..presets import mlp_ratio_for
 
@@ -409,22 +409,12 @@ def open_clip_config(visual: nn.Module) -> dict:
     blocks = visual.transformer.resblocks
     blk = blocks[0]
     batch_first = getattr(visual.transformer, "batch_first", True)
+    final = () if isinstance(visual.ln_post, nn.Identity) else (visual.ln_post,)  # ln_pre: its own line above
     for block in blocks:  # every block, as the config is read from the first
         if type(block).__name__ != "ResidualAttentionBlock" or not isinstance(block.attn, nn.MultiheadAttention):
             problems.append(f"blocks of type {type(block).__name__} (custom attention)")
             continue
-        attn = block.attn
-        if attn.in_proj_bias is None or attn.out_proj.bias is None:
-            problems.append("attention without biases")
-        if attn.add_zero_attn or attn.bias_k is not None:
-            problems.append("attention with add_zero_attn or add_bias_kv")
-        if attn.batch_first != batch_first:  # the source then attends across another axis than the tokens
-            problems.append(f"attention with batch_first={attn.batch_first} in a transformer with "
-                            f"batch_first={batch_first}")
-        for norm in (block.ln_1, block.ln_2, visual.ln_pre, visual.ln_post):
-            if not isinstance(norm, (nn.LayerNorm, nn.Identity)) or (
-                    isinstance(norm, nn.LayerNorm) and (norm.weight is None or norm.bias is None)):
-                problems.append(f"norm layer {type(norm).__name__} (vit_fast's norms are affine LayerNorms)")
+        problems += encoder_layer_problems(block.attn, (block.ln_1, block.ln_2, *final), batch_first)
     problems = list(dict.fromkeys(problems))  # each once, however many blocks have it
     act = getattr(blk.mlp, "gelu", None)
     try:  # torch's GELU (exact or tanh), open_clip's or timm's QuickGELU, timm's GELU and GELUTanh

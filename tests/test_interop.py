@@ -487,6 +487,32 @@ def test_compiled_and_data_parallel_models_save_and_load_under_the_models_own_na
         timm_model.load_state_dict(vit_fast.interop.convert.read_state_dict(tmp_path / name), strict=True)
 
 
+def test_a_lightning_checkpoint_loads_without_its_model_prefix(tmp_path):
+    """A LightningModule's checkpoint ({'state_dict': {'model.' + key: ...}, 'epoch': ...}) in timm's or
+    transformers' names loads (it failed: every key missing, every key unexpected); a prefixed checkpoint lacking a
+    key names that key, and load_state_dict's error names the prefix to strip."""
+    torch.manual_seed(0)
+    src = perturb_(vit_fast.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4))
+    torch.save({"state_dict": {f"model.{k}": v for k, v in src.state_dict().items()}, "epoch": 3},
+               tmp_path / "timm.ckpt")
+    ref = hf_model()
+    torch.save({"state_dict": {f"net.{k}": v for k, v in ref.state_dict().items()}}, tmp_path / "hf.ckpt")
+    dst = load_checkpoint(vit_fast.VisionTransformer(src.config), tmp_path / "timm.ckpt")
+    assert all(torch.equal(dst.state_dict()[k], v) for k, v in src.state_dict().items())
+    ours = load_checkpoint(from_hf(hf_model(), backend="torch"), tmp_path / "hf.ckpt")
+    assert torch.equal(ours.head.weight, ref.classifier.weight)
+    hf_dst = hf_model()
+    with torch.no_grad():
+        hf_dst.classifier.weight.zero_()
+    assert torch.equal(load_checkpoint(hf_dst, tmp_path / "hf.ckpt").classifier.weight, ref.classifier.weight)
+    partial = {f"model.{k}": v for k, v in src.state_dict().items() if k != "head.bias"}
+    torch.save(partial, tmp_path / "partial.pt")
+    with pytest.raises(CheckpointError, match=r"missing keys \(1\): head.bias$"):
+        load_checkpoint(vit_fast.VisionTransformer(src.config), tmp_path / "partial.pt")
+    with pytest.raises(CheckpointError, match=r"every checkpoint key starts with 'model\.'"):
+        vit_fast.interop.convert.load_state_dict(vit_fast.VisionTransformer(src.config), partial)
+
+
 def test_mismatched_checkpoint_names_keys_and_shapes(tmp_path):
     small = vit_fast.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4)
     sd = small.state_dict()

@@ -49,7 +49,23 @@ def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -
             lines.append(f"  unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
         if mismatched:
             lines.append(f"  shape mismatches ({len(mismatched)}): " + "; ".join(mismatched))
+        prefix = _outer_prefix(expected, state_dict)
+        if prefix:  # first: the key lists below are long
+            lines.insert(1, f"  every checkpoint key starts with {prefix!r}, the attribute a training wrapper (a "
+                         f"LightningModule, say) keeps the model in: strip it ({{k.removeprefix({prefix!r}): v for k, "
+                         f"v in state_dict.items()}})")
         raise CheckpointError("\n".join(lines))
+
+
+def _outer_prefix(expected: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> str:
+    """'model.' where every key of ``state_dict`` is 'model.' + a key ``expected`` holds (in timm's, transformers'
+    or torchvision's names), else ''."""
+    outer = {k.split(".", 1)[0] for k in state_dict}
+    if len(outer) != 1 or not all("." in k for k in state_dict):
+        return ""
+    prefix = outer.pop() + "."
+    inner = {k[len(prefix):]: v for k, v in state_dict.items()}
+    return prefix if set(inner) & set(expected) or set(to_timm_state_dict(inner)) & set(expected) else ""
 
 
 def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -686,12 +702,14 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Load a timm-, Hugging Face- or torchvision-keyed checkpoint file into ``model`` (strict).
 
     The checkpoint's keys are mapped to timm's, unless they are already the model's own (a transformers model,
-    optimized or not, and its own checkpoint). A model under torch.compile or (Distributed)DataParallel is loaded
+    optimized or not, and its own checkpoint). A prefix before every key that leaves the model's keys (a
+    LightningModule's 'model.') is removed. A model under torch.compile or (Distributed)DataParallel is loaded
     through the module it wraps. Raises CheckpointError naming every missing / unexpected key and shape
     mismatch."""
     raw = read_state_dict(path)
     target = _unwrapped(model)
-    on_meta = [name for name, t in target.state_dict().items() if t.is_meta]
+    own = target.state_dict()
+    on_meta = [name for name, t in own.items() if t.is_meta]
     if on_meta:  # torch's load_state_dict would copy into nothing, with a warning per tensor
         raise CheckpointError(f"{os.fspath(path)}: the model's tensors are on the meta device ({on_meta[0]}, ... "
                               f"{len(on_meta)} in all): call model.to_empty(device=...) before loading, or "
@@ -700,7 +718,10 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     if empty:
         raise CheckpointError(f"{os.fspath(path)}: the checkpoint holds tensors without data (on the meta device: "
                               f"{empty[0]}, ... {len(empty)} in all): it was saved from a model not yet materialised")
-    expected = set(target.state_dict())
+    expected = set(own)
+    outer = _outer_prefix(own, raw)   # a training wrapper's attribute (Lightning's 'model.')
+    if outer:
+        raw = {k[len(outer):]: v for k, v in raw.items()}
     sd = raw if set(raw) == expected or detect_format(dict.fromkeys(expected)) != "timm" else to_timm_state_dict(raw)
     try:
         load_state_dict(target, sd)

@@ -466,12 +466,13 @@ class PathResult:
 
 
 def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloat16, count_batches=(2, 3),
-            count_depths=(1, 2), replay: bool = True, **overrides) -> PathResult:
+            count_depths=(1, 2), replay: bool | dict = True, **overrides) -> PathResult:
     """Count `path` for `preset` at the small batches and depths, scaled to `batch` and the full depth.
 
     With count_depths=None the model is counted at its full depth; with one count batch equal to
     `batch` nothing is scaled in batch. With `replay`, identical Triton launches are interpreted once
-    (see StepCounter), which makes the depth-2 count of the fused model nearly free.
+    (see StepCounter), which makes the depth-2 count of the fused model nearly free; a dict passed as
+    `replay` holds the counted launches across calls (another path launching the same kernels).
     """
     from vit_fast.presets import get_config
 
@@ -479,7 +480,7 @@ def measure(path: str, preset: str, batch: int, dtype: torch.dtype = torch.bfloa
         return measure_compiled(preset, batch, dtype, **overrides)
     cfg = get_config(preset, **overrides)
     kw = dict(dtype=dtype, img_size=cfg.img_size[0], in_chans=cfg.in_chans, num_classes=cfg.num_classes,
-              memo={} if replay else None)
+              memo=replay if isinstance(replay, dict) else {} if replay else None)
     depths = tuple(count_depths) if count_depths and cfg.depth > max(count_depths) else (cfg.depth,)
     batches = (batch,) if batch in count_batches else tuple(count_batches)
     t0 = time.perf_counter()
@@ -669,6 +670,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
                 print(f"{model}: " + format_path(r) + "\n", flush=True)
     for model in [] if args.stored else models:
         results = by_model.setdefault(model, [])
+        counted = {}  # the fused paths share most launches: each is interpreted once
         for path in args.paths:
             if path in fused_paths:
                 ok, why = fused_model_available()
@@ -677,7 +679,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
                     continue
             try:
                 r = measure(path, model, args.batch, dtype, tuple(args.count_batches),
-                            tuple(args.count_depths) if all(args.count_depths) else None)
+                            tuple(args.count_depths) if all(args.count_depths) else None, replay=counted)
             except RuntimeError as e:
                 from vit_fast.tools.inductor_count import InductorCountUnavailable
 

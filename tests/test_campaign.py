@@ -114,8 +114,8 @@ def test_a_hanging_path_loses_only_its_own_row_and_leaves_its_stack(tmp_path, mo
     timeouts: every other row and case is measured and on disk, the hung row is an error row, hangs.log holds both
     stacks (faulthandler), the summary names them."""
     monkeypatch.setenv(campaign.SIMULATE_HANG, "vit_fast_compile,micro:bias_gelu")
-    # each hang costs its whole timeout: short ones, still several times what a compile row (eager backend) or a micro case
-    # takes on a loaded 2-core machine
+    # each hang costs its whole timeout: short ones, still several times what a compile row (eager backend) or a
+    # micro case takes on a loaded 2-core machine
     monkeypatch.setitem(campaign.ROW_TIMEOUT_S, "compile", 15.0)
     monkeypatch.setattr(campaign, "MICRO_CASE_TIMEOUT_S", 20.0)
     budgets = dict(env=15, headline=210, micro=200)

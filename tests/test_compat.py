@@ -59,3 +59,20 @@ def test_interpreter_runs_grid_stride_loops_and_counts_launches():
     _grid_stride_copy_kernel[(2,)](y, x, 7, 5, BLOCK=8)
     assert len(seen) == 1, "restore() unwraps"
 
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="the interpreter's options (TRITON_INTERPRET=1)")
+def test_interpreter_skips_only_the_overflow_checks_it_would_drop():
+    """The interpreter computes an int64 overflow check for every int32 add, sub and mul and asserts it only with
+    debug, which it never sets: with the fix it computes none, and still computes the kernels' int32 arithmetic."""
+    from triton.runtime import interpreter as interp
+
+    from vit_fast.tools.interpreter import install_numpy_fix
+
+    assert install_numpy_fix()
+    options = interp.interpreter_builder.options
+    assert options.sanitize_overflow is False and options.debug is False
+    x = torch.randn(7, 5)
+    y = torch.full_like(x, float("nan"))
+    _grid_stride_copy_kernel[(3,)](y, x, 7, 5, BLOCK=8)   # row * N + cols: int32 arithmetic
+    assert torch.equal(y, 2 * x)

@@ -19,7 +19,8 @@ calls these helpers instead of checking versions itself.
   that holds a scalar tensor (``range(tl.program_id(0), n, step)``, tensor indices), which numpy >= 2.4 refuses
   ("only 0-dimensional arrays can be converted to Python scalars"); triton 3.8 squeezes first. Installed by the
   kernels' device check whenever they run in the interpreter (so spawned DDP workers and users' scripts get it
-  too), and by the tools.
+  too), and by the tools. With it (triton 3.6 and 3.8 alike) the interpreter skips the int32 overflow checks it
+  computes and then drops (its ``device_assert`` needs ``debug``, which it never sets).
 """
 from __future__ import annotations
 
@@ -115,9 +116,9 @@ def driver_version() -> str:
 
 
 def install_interpreter_numpy_fix() -> bool:
-    """Make ``int()`` of a scalar tensor squeeze first in Triton's interpreter, as triton 3.8 does, and keep its
-    launches quiet (``_quiet_interpreter_launches``); once, a no-op where the interpreter is off or the installed
-    triton has no such hook. Returns whether it is active."""
+    """Make ``int()`` of a scalar tensor squeeze first in Triton's interpreter, as triton 3.8 does, keep its
+    launches quiet (``_quiet_interpreter_launches``) and skip its discarded overflow checks; once, a no-op where
+    the interpreter is off or the installed triton has no such hook. Returns whether it is active."""
     global _numpy_fix_installed
     from vit_fast.kernels._utils import interpreter_active
 
@@ -142,8 +143,22 @@ def install_interpreter_numpy_fix() -> bool:
 
         interp._patch_lang_tensor = patch_lang_tensor_squeezed
     _quiet_interpreter_launches(interp.GridExecutor)
+    _skip_unasserted_overflow_checks(interp)
     _numpy_fix_installed = True
     return True
+
+
+def _skip_unasserted_overflow_checks(interp) -> None:
+    """The interpreter widens every int32 add, sub and mul to int64 to check it for overflow, then drops the
+    check: its device_assert is a no-op without debug, which the interpreter never sets. About a quarter of an
+    interpreted kernel's time; with debug off, nothing else reads the option."""
+    import dataclasses
+
+    builder = getattr(interp, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False) \
+            and not getattr(options, "debug", True):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def _quiet_interpreter_launches(executor: type) -> None:

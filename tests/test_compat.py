@@ -76,3 +76,40 @@ def test_interpreter_skips_only_the_overflow_checks_it_would_drop():
     y = torch.full_like(x, float("nan"))
     _grid_stride_copy_kernel[(3,)](y, x, 7, 5, BLOCK=8)   # row * N + cols: int32 arithmetic
     assert torch.equal(y, 2 * x)
+
+
+@triton.jit
+def _doubled(x):
+    return x * 2
+
+
+@triton.jit
+def _copy_through_helper_kernel(Y, X, N, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + tl.program_id(0) * N + cols, mask=cols < N)
+    tl.store(Y + tl.program_id(0) * N + cols, _doubled(x), mask=cols < N)
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="the interpreter's language patches (TRITON_INTERPRET=1)")
+def test_interpreter_patches_the_language_once_per_launch_and_undoes_it(monkeypatch):
+    """A @triton.jit helper inside a launch runs on the launch's patches (the interpreter patched the language again
+    at each call of it, in every program, never undoing them): one program or six patch alike, the results are
+    right, and after the launch triton.language is as it was."""
+    from triton.runtime import interpreter as interp
+
+    from vit_fast.tools.interpreter import install_numpy_fix
+
+    assert install_numpy_fix()
+    before = (tl.load, tl.store, tl.arange, tl.core.tensor.__mul__)
+    patch_builtin, patched = interp._patch_builtin, []
+    monkeypatch.setattr(interp, "_patch_builtin", lambda *a: (patched.append(a[0]), patch_builtin(*a))[1])
+    counts = []
+    for programs in (1, 6):
+        x = torch.randn(programs, 5)
+        y = torch.full_like(x, float("nan"))
+        _copy_through_helper_kernel[(programs,)](y, x, 5, BLOCK=8)
+        assert torch.equal(y, 2 * x)
+        assert (tl.load, tl.store, tl.arange, tl.core.tensor.__mul__) == before
+        counts.append(len(patched))
+        patched.clear()
+    assert counts[0] == counts[1] > 0

@@ -20,7 +20,8 @@ calls these helpers instead of checking versions itself.
   ("only 0-dimensional arrays can be converted to Python scalars"); triton 3.8 squeezes first. Installed by the
   kernels' device check whenever they run in the interpreter (so spawned DDP workers and users' scripts get it
   too), and by the tools. With it (triton 3.6 and 3.8 alike) the interpreter skips the int32 overflow checks it
-  computes and then drops (its ``device_assert`` needs ``debug``, which it never sets).
+  computes and then drops (its ``device_assert`` needs ``debug``, which it never sets), and patches
+  triton.language once per launch instead of again at every call of a @triton.jit helper.
 """
 from __future__ import annotations
 
@@ -117,8 +118,9 @@ def driver_version() -> str:
 
 def install_interpreter_numpy_fix() -> bool:
     """Make ``int()`` of a scalar tensor squeeze first in Triton's interpreter, as triton 3.8 does, keep its
-    launches quiet (``_quiet_interpreter_launches``) and skip its discarded overflow checks; once, a no-op where
-    the interpreter is off or the installed triton has no such hook. Returns whether it is active."""
+    launches quiet (``_quiet_interpreter_launches``), skip its discarded overflow checks and patch the language
+    once per launch; once, a no-op where the interpreter is off or the installed triton has no such hook. Returns
+    whether it is active."""
     global _numpy_fix_installed
     from vit_fast.kernels._utils import interpreter_active
 
@@ -144,6 +146,7 @@ def install_interpreter_numpy_fix() -> bool:
         interp._patch_lang_tensor = patch_lang_tensor_squeezed
     _quiet_interpreter_launches(interp.GridExecutor)
     _skip_unasserted_overflow_checks(interp)
+    _patch_language_once_per_launch(interp)
     _numpy_fix_installed = True
     return True
 
@@ -159,6 +162,51 @@ def _skip_unasserted_overflow_checks(interp) -> None:
     if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False) \
             and not getattr(options, "debug", True):
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def _patch_language_once_per_launch(interp) -> None:
+    """The interpreter patches triton.language's functions for a launch (``_patch_lang``, undone after it), then
+    again on every call of a @triton.jit helper inside it, for every program: the same patches over themselves,
+    never undone (a third of an interpreted kernel's time in flash attention's backward). Inside a launch, a helper
+    whose language modules are patched already is called as it is; any other call patches as before."""
+    import inspect
+
+    import triton.language as tl
+
+    patch_lang, launch = getattr(interp, "_patch_lang", None), interp.GridExecutor.__call__
+    if patch_lang is None or getattr(patch_lang, "once_per_launch", False):
+        return
+    state = {"in_launch": False, "patched": None}   # the language modules the launch under way has patched
+    langs_of: dict = {}   # a function -> the language modules its globals hold
+
+    class _Unpatched:
+        @staticmethod
+        def restore() -> None:
+            pass
+
+    def patch_lang_once(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if inspect.ismodule(v) and v in (tl, tl.core))
+        if state["in_launch"] and state["patched"] is not None and langs <= state["patched"]:
+            return _Unpatched
+        scope = patch_lang(fn)
+        if state["in_launch"]:
+            state["patched"] = langs | (state["patched"] or set())
+        return scope
+
+    def launch_patching_once(self, *args, **kwargs):
+        before = dict(state)
+        state.update(in_launch=True, patched=None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state.update(before)
+
+    patch_lang_once.once_per_launch = True
+    interp._patch_lang = patch_lang_once
+    interp.GridExecutor.__call__ = launch_patching_once
 
 
 def _quiet_interpreter_launches(executor: type) -> None:

@@ -192,7 +192,8 @@ def hf_logits(model):
     return lambda x: model(pixel_values=x).logits
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=False, num_channels=1), dict(image_size=(48, 80))])
+@pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=False, num_channels=1), dict(image_size=(48, 80)),
+                                dict(hidden_act="quick_gelu")])
 def test_from_hf_model_matches_outputs_and_gradients(kw):
     ref = hf_model(**kw)
     ours = from_hf(ref, backend="torch")
@@ -200,6 +201,14 @@ def test_from_hf_model_matches_outputs_and_gradients(kw):
     size = ref.config.image_size
     size = size if isinstance(size, (tuple, list)) else (size, size)
     check_same(ref, ours, torch.randn(2, ref.config.num_channels, *size), hf_logits(ref), hf_to_timm_state_dict)
+
+
+def test_from_hf_and_optimize_refuse_an_activation_they_do_not_have_by_its_config_name():
+    ref = hf_model(hidden_act="relu")
+    for convert in (from_hf, vit_fast.optimize):
+        with pytest.raises(ValueError, match=r"transformers config's hidden_act 'relu' is not supported; expected "
+                                             r"one of \['gelu', 'gelu_new', 'gelu_pytorch_tanh', 'quick_gelu'\]"):
+            convert(ref)
 
 
 def to_old_hf_names(sd):

@@ -390,10 +390,10 @@ HF_FAMILY_CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "Siglip
 
 def hf_vit_config(hf: nn.Module) -> dict:
     """ViTConfig fields of a transformers ViTModel / ViTForImageClassification (its config and classifier)."""
+    from .families import hf_act
+
     c = hf.config
-    act = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(c.hidden_act)
-    if act is None:
-        raise ValueError(f"from_hf: hidden_act {c.hidden_act!r} is not supported (gelu, gelu_new, gelu_pytorch_tanh)")
+    act = hf_act(c.hidden_act)
     head_weight = getattr(getattr(hf, "classifier", None), "weight", None)
     return dict(
         img_size=c.image_size, patch_size=c.patch_size, in_chans=c.num_channels, embed_dim=c.hidden_size,

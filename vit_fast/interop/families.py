@@ -300,10 +300,12 @@ def hf_dinov2_to_timm(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def _hf_act(name: str) -> str:
+def hf_act(name: str) -> str:
+    """vit_fast's act for a transformers config's hidden_act (every family's)."""
     table = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
     if name not in table:
-        raise ValueError(f"unsupported hidden_act {name!r}; expected one of {sorted(table)}")
+        raise ValueError(f"the transformers config's hidden_act {name!r} is not supported; expected one of "
+                         f"{sorted(table)}")
     return table[name]
 
 
@@ -324,20 +326,20 @@ def hf_config(model: nn.Module) -> dict:
                 weight_init="skip")
     if cls in ("CLIPVisionModel", "CLIPVisionModelWithProjection"):
         with_proj = cls == "CLIPVisionModelWithProjection"
-        return dict(base, mlp_ratio=mlp_ratio_for(c.intermediate_size, c.hidden_size), act=_hf_act(c.hidden_act),
+        return dict(base, mlp_ratio=mlp_ratio_for(c.intermediate_size, c.hidden_size), act=hf_act(c.hidden_act),
                     pre_norm=True,
                     num_classes=model.config.projection_dim if with_proj else 0, head_bias=False)
     if cls in ("SiglipVisionModel", "SiglipForImageClassification"):
         classifier = cls == "SiglipForImageClassification"
         use_head = getattr(c, "vision_use_head", True) and not classifier
-        return dict(base, mlp_ratio=mlp_ratio_for(c.intermediate_size, c.hidden_size), act=_hf_act(c.hidden_act),
+        return dict(base, mlp_ratio=mlp_ratio_for(c.intermediate_size, c.hidden_size), act=hf_act(c.hidden_act),
                     class_token=False, global_pool="map" if use_head else ("avg" if classifier else ""),
                     fc_norm=False, num_classes=model.config.num_labels if classifier else 0)
     if cls == "Dinov2Model":
         hidden = int(c.hidden_size * c.mlp_ratio)
         # transformers 5 drops (hidden_dropout_prob) after the embeddings only; its stochastic depth is the same in
         # every layer (the linked model's blocks take it: Dinov2Layout), timm's ramps from 0 over the blocks
-        cfg = dict(base, init_values=c.layerscale_value, act=_hf_act(c.hidden_act), num_classes=0,
+        cfg = dict(base, init_values=c.layerscale_value, act=hf_act(c.hidden_act), num_classes=0,
                    qkv_bias=c.qkv_bias, pos_drop_rate=c.hidden_dropout_prob, drop_path_rate=c.drop_path_rate)
         if c.use_swiglu_ffn:
             hidden = (int(hidden * 2 / 3) + 7) // 8 * 8

@@ -719,7 +719,7 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         raise CheckpointError(f"{os.fspath(path)}: the checkpoint holds tensors without data (on the meta device: "
                               f"{empty[0]}, ... {len(empty)} in all): it was saved from a model not yet materialised")
     expected = set(own)
-    outer = _outer_prefix(own, raw)   # a training wrapper's attribute (Lightning's 'model.')
+    outer = "" if set(raw) == expected else _outer_prefix(own, raw)   # a training wrapper's ('model.')
     if outer:
         raw = {k[len(outer):]: v for k, v in raw.items()}
     sd = raw if set(raw) == expected or detect_format(dict.fromkeys(expected)) != "timm" else to_timm_state_dict(raw)

@@ -113,3 +113,48 @@ def test_interpreter_patches_the_language_once_per_launch_and_undoes_it(monkeypa
         counts.append(len(patched))
         patched.clear()
     assert counts[0] == counts[1] > 0
+
+
+def _fields(cls, init, *args) -> dict:
+    """The fields ``init`` gives a new ``cls``, or the exception type it raises."""
+    obj = cls.__new__(cls)
+    try:
+        init(obj, *args)
+    except Exception as e:  # noqa: BLE001
+        return {"raised": type(e)}
+    return vars(obj)
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="the interpreter's type memos (TRITON_INTERPRET=1)")
+def test_interpreter_types_built_once_per_shape_are_what_triton_builds():
+    """The interpreter's tensor and block types, their fields kept per shape, and its numpy dtypes, kept per scalar
+    type: every field as triton's own constructors and table give it, first call and cached (shapes of ints or
+    constexprs, scalar, const and non-const pointer elements, a scalar tensor), and the same errors (a 0-d block,
+    a side not a power of two, a shape that is not a sequence)."""
+    import triton.language.core as core
+    from triton.runtime import interpreter as interp
+
+    from vit_fast.tools.interpreter import install_numpy_fix
+
+    assert install_numpy_fix()
+    tensor_init, block_init, np_dtype = core.tensor.__init__, core.block_type.__init__, interp._get_np_dtype
+    assert tensor_init.memoized and block_init.memoized and np_dtype.memoized
+    handle = object()
+    elements = [tl.float32, tl.bfloat16, tl.int1, tl.uint8, tl.pointer_type(tl.float16),
+                tl.pointer_type(tl.float16, const=True), tl.pointer_type(tl.int32, address_space=3)]
+    for element in elements:
+        for shape in ([4], [tl.constexpr(2), 8], (16, 1, 2), [], [3], 5):
+            for _ in range(2):  # the first call fills the memo, the second reads it
+                block = _fields(core.block_type, block_init, element, shape)
+                assert block == _fields(core.block_type, block_init.original, element, shape), (element, shape)
+                if "raised" in block:
+                    continue
+                block_type = core.block_type(element, shape)
+                tensor = _fields(core.tensor, tensor_init, handle, block_type)
+                assert tensor == _fields(core.tensor, tensor_init.original, handle, block_type)
+                assert tensor["handle"] is handle and tensor["type"] is block_type
+                assert np_dtype(block_type) == np_dtype.original(block_type)
+        for _ in range(2):
+            scalar = _fields(core.tensor, tensor_init, handle, element)
+            assert scalar == _fields(core.tensor, tensor_init.original, handle, element) and scalar["shape"] == ()
+            assert scalar["dtype"] is element and np_dtype(element) == np_dtype.original(element)

@@ -118,9 +118,9 @@ def driver_version() -> str:
 
 def install_interpreter_numpy_fix() -> bool:
     """Make ``int()`` of a scalar tensor squeeze first in Triton's interpreter, as triton 3.8 does, keep its
-    launches quiet (``_quiet_interpreter_launches``), skip its discarded overflow checks and patch the language
-    once per launch; once, a no-op where the interpreter is off or the installed triton has no such hook. Returns
-    whether it is active."""
+    launches quiet (``_quiet_interpreter_launches``), skip its discarded overflow checks, patch the language
+    once per launch and build its types' fields and numpy dtypes once per shape and scalar type; once, a no-op where
+    the interpreter is off or the installed triton has no such hook. Returns whether it is active."""
     global _numpy_fix_installed
     from vit_fast.kernels._utils import interpreter_active
 
@@ -147,6 +147,8 @@ def install_interpreter_numpy_fix() -> bool:
     _quiet_interpreter_launches(interp.GridExecutor)
     _skip_unasserted_overflow_checks(interp)
     _patch_language_once_per_launch(interp)
+    _memoize_numpy_dtypes(interp)
+    _memoize_type_fields()
     _numpy_fix_installed = True
     return True
 
@@ -207,6 +209,88 @@ def _patch_language_once_per_launch(interp) -> None:
     patch_lang_once.once_per_launch = True
     interp._patch_lang = patch_lang_once
     interp.GridExecutor.__call__ = launch_patching_once
+
+
+def _memoize_numpy_dtypes(interp) -> None:
+    """The interpreter maps a Triton type to its numpy dtype (on every load, store, cast and constant) by building
+    a table of nineteen numpy dtypes at each call; the answer depends on the scalar type alone: kept per scalar
+    type's name."""
+    import triton.language as tl
+
+    lookup = getattr(interp, "_get_np_dtype", None)
+    if lookup is None or getattr(lookup, "memoized", False):
+        return
+    known: dict = {}
+
+    def np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        name = getattr(scalar, "name", None)
+        found = known.get(name)
+        if found is None:
+            found = lookup(tt_dtype)
+            if name is not None:
+                known[name] = found
+        return found
+
+    np_dtype.memoized, np_dtype.original = True, lookup
+    interp._get_np_dtype = np_dtype
+
+
+def _memoize_type_fields() -> None:
+    """``tl.tensor`` and ``tl.block_type`` derive their fields from their type (a tensor's shape as constexprs, its
+    numel and scalar dtype) and from the shape (a block type's validated numel and name) again at every
+    construction: the interpreter makes several per operation and program. Each is computed once per type (per
+    element type and shape) and copied; the fields that are the arguments themselves (handle, type, element_ty)
+    are the call's. Only where a probe finds the fields this copies and nothing else (triton 3.6, 3.8); another
+    triton keeps its constructors."""
+    import triton.language.core as core
+
+    tensor, block_type, constexpr = core.tensor, core.block_type, core.constexpr
+    if getattr(tensor.__init__, "memoized", False):
+        return
+    try:
+        probe_type = block_type(core.float32, [constexpr(2), 4])
+        probe = tensor(None, probe_type)
+    except Exception:  # noqa: BLE001  (a triton whose constructors differ: left as it is)
+        return
+    if set(vars(probe)) != {"handle", "shape", "numel", "type", "dtype"} or set(vars(probe_type)) != {
+            "element_ty", "shape", "numel", "name"}:
+        return
+    tensor_init, block_init = tensor.__init__, block_type.__init__
+    tensor_fields: dict = {}  # a type's shape (ints) -> the tensor's (shape as constexprs, numel)
+    block_fields: dict = {}  # (element type's name, shape) -> the block type's (shape, numel, name)
+
+    def tensor_memoized(self, handle, type):
+        shape = type.shape if type.is_block() else ()
+        try:
+            fields = tensor_fields.get(shape)
+        except TypeError:  # not a shape of ints: the constructor itself
+            fields = shape = None
+        if fields is None:
+            tensor_init(self, handle, type)
+            if shape is not None and all(s.__class__ is int for s in shape):
+                tensor_fields[shape] = (self.shape, self.numel)
+            return
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        self.shape, self.numel = fields
+
+    def block_memoized(self, element_ty, shape):
+        try:
+            key = (element_ty.name, tuple([s.value if s.__class__ is constexpr else s for s in shape]))
+            fields = block_fields.get(key)
+        except (AttributeError, TypeError):  # no name, not a sequence, unhashable: the constructor's own checks
+            fields = key = None
+        if fields is None:
+            block_init(self, element_ty, shape)
+            if key is not None and str(element_ty) == key[0] and all(type(s) is int for s in key[1]):
+                block_fields[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = fields
+
+    tensor_memoized.memoized = block_memoized.memoized = True
+    tensor_memoized.original, block_memoized.original = tensor_init, block_init
+    tensor.__init__, block_type.__init__ = tensor_memoized, block_memoized
 
 
 def _quiet_interpreter_launches(executor: type) -> None:

@@ -302,6 +302,18 @@ def test_a_head_replaced_by_hand_is_the_head_converted(head):
     assert_close(model(images()), ref(images()), RTOL, name="logits")
 
 
+@pytest.mark.parametrize("head", [torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(64, 10)),
+                                  torch.nn.LayerNorm(64)], ids=["sequential", "layer_norm"])
+def test_a_head_replaced_by_another_module_is_refused_by_name(head):
+    """A head of another kind than one Linear (``model.head = nn.Sequential(nn.Dropout(p), nn.Linear(D, C))``, made
+    of modules vit_fast takes elsewhere) is refused naming it; it failed in the weight load with a CheckpointError
+    listing head.* keys, though no checkpoint was passed."""
+    ref = timm_vit()
+    ref.head = head
+    with pytest.raises(ValueError, match=f"head of type {type(head).__name__} "):
+        vit_fast.optimize(ref, backend="torch")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("removed", ["weight", "bias"])
 def test_a_layer_norm_made_non_affine_by_hand_runs_as_on_timm(removed, backend):

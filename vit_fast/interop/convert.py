@@ -159,6 +159,11 @@ def timm_unsupported(model: nn.Module) -> list[str]:
         if type(module) not in allowed and type(module).__name__ != "PatchDropout":  # own line below
             foreign.setdefault(type(module).__name__, []).append(path)
     problems = [f"module {name} ({len(paths)}x, e.g. {paths[0]!r})" for name, paths in foreign.items()]
+    for name in ("head", "head_dist"):  # a head replaced by hand: vit_fast builds one Linear (or none)
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module) and not isinstance(head, (nn.Linear, nn.Identity)):
+            problems.append(f"{name} of type {type(head).__name__} (vit_fast's {name} is one nn.Linear or an "
+                            f"nn.Identity)")
     patch_embed = getattr(model, "patch_embed", None)
     patchify = _patchify_problem_of(patch_embed)
     problems += [name for name, bad in [

@@ -139,7 +139,9 @@ def test_interpreter_types_built_once_per_shape_are_what_triton_builds():
     assert install_numpy_fix()
     tensor_init, block_init, np_dtype = core.tensor.__init__, core.block_type.__init__, interp._get_np_dtype
     assert tensor_init.memoized and block_init.memoized and np_dtype.memoized
-    handle = object()
+    import numpy as np
+
+    handle = interp.TensorHandle(np.zeros(1, np.float32), tl.float32)  # the memo's case; others construct as before
     elements = [tl.float32, tl.bfloat16, tl.int1, tl.uint8, tl.pointer_type(tl.float16),
                 tl.pointer_type(tl.float16, const=True), tl.pointer_type(tl.int32, address_space=3)]
     for element in elements:
@@ -158,3 +160,41 @@ def test_interpreter_types_built_once_per_shape_are_what_triton_builds():
             scalar = _fields(core.tensor, tensor_init, handle, element)
             assert scalar == _fields(core.tensor, tensor_init.original, handle, element) and scalar["shape"] == ()
             assert scalar["dtype"] is element and np_dtype(element) == np_dtype.original(element)
+    compiler_handle = object()
+    assert _fields(core.tensor, tensor_init, compiler_handle, tl.float16) == _fields(
+        core.tensor, tensor_init.original, compiler_handle, tl.float16)
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="the interpreter's broadcast (TRITON_INTERPRET=1)")
+def test_alike_operands_skip_the_broadcast_walk_and_the_rest_broadcast_as_triton_does():
+    """Operands of one block type or two scalars come back as they are, as Triton's walk over their shapes returns
+    them; every other pair (another element type, (M, 1) against (M, N), a lower rank, a block and a scalar) takes
+    Triton's walk: the same types, values and objects as Triton's own, and incompatible shapes still refused."""
+    import numpy as np
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter as interp
+
+    from vit_fast.tools.interpreter import install_numpy_fix
+
+    assert install_numpy_fix()
+    broadcast = TritonSemantic.broadcast_impl_value
+    assert broadcast.alike_at_once
+    semantic = TritonSemantic(interp.interpreter_builder)
+
+    def value(shape, dtype=tl.float32):
+        data = np.arange(int(np.prod(shape)), dtype=np.float32 if dtype == tl.float32 else np.int32)
+        if not shape:
+            return tl.tensor(interp.TensorHandle(data, dtype), dtype)
+        return tl.tensor(interp.TensorHandle(data.reshape(shape), dtype), tl.block_type(dtype, list(shape)))
+
+    pairs = [(value((4, 8)), value((4, 8))), (value(()), value(())), (value((4, 8)), value((4, 8), tl.int32)),
+             (value((4, 1)), value((4, 8))), (value((8,)), value((4, 8))), (value((4, 8)), value(())),
+             (value(()), value((4, 8)))]
+    for a, b in pairs:
+        fast, slow = broadcast(semantic, a, b), broadcast.original(semantic, a, b)
+        label = (str(a.type), str(b.type))
+        assert [str(t.type) for t in fast] == [str(t.type) for t in slow], label
+        assert all(np.array_equal(f.handle.data, s.handle.data) for f, s in zip(fast, slow)), label
+        assert [f is x for f, x in zip(fast, (a, b))] == [s is x for s, x in zip(slow, (a, b))], label
+    with pytest.raises(ValueError, match="Cannot make_shape_compatible"):
+        broadcast(semantic, value((4, 8)), value((4, 2)))

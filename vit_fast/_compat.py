@@ -148,7 +148,8 @@ def install_interpreter_numpy_fix() -> bool:
     _skip_unasserted_overflow_checks(interp)
     _patch_language_once_per_launch(interp)
     _memoize_numpy_dtypes(interp)
-    _memoize_type_fields()
+    _memoize_type_fields(interp)
+    _broadcast_alike_at_once()
     _numpy_fix_installed = True
     return True
 
@@ -236,13 +237,14 @@ def _memoize_numpy_dtypes(interp) -> None:
     interp._get_np_dtype = np_dtype
 
 
-def _memoize_type_fields() -> None:
+def _memoize_type_fields(interp) -> None:
     """``tl.tensor`` and ``tl.block_type`` derive their fields from their type (a tensor's shape as constexprs, its
     numel and scalar dtype) and from the shape (a block type's validated numel and name) again at every
     construction: the interpreter makes several per operation and program. Each is computed once per type (per
     element type and shape) and copied; the fields that are the arguments themselves (handle, type, element_ty)
     are the call's. Only where a probe finds the fields this copies and nothing else (triton 3.6, 3.8); another
-    triton keeps its constructors."""
+    triton keeps its constructors. Tensors are memoized for the interpreter's handles only (the compiler's keep
+    their constructor)."""
     import triton.language.core as core
 
     tensor, block_type, constexpr = core.tensor, core.block_type, core.constexpr
@@ -260,7 +262,12 @@ def _memoize_type_fields() -> None:
     tensor_fields: dict = {}  # a type's shape (ints) -> the tensor's (shape as constexprs, numel)
     block_fields: dict = {}  # (element type's name, shape) -> the block type's (shape, numel, name)
 
+    interpreted = interp.TensorHandle
+
     def tensor_memoized(self, handle, type):
+        if handle.__class__ is not interpreted:
+            tensor_init(self, handle, type)
+            return
         shape = type.shape if type.is_block() else ()
         try:
             fields = tensor_fields.get(shape)
@@ -291,6 +298,27 @@ def _memoize_type_fields() -> None:
     tensor_memoized.memoized = block_memoized.memoized = True
     tensor_memoized.original, block_memoized.original = tensor_init, block_init
     tensor.__init__, block_type.__init__ = tensor_memoized, block_memoized
+
+
+def _broadcast_alike_at_once() -> None:
+    """Triton's implicit broadcast of a binary operation's operands walks their shapes dimension by dimension even
+    when they are alike (most elementwise operations of a kernel); operands of one block type (same name: same
+    shape and element type) or two scalars are returned as they are, as the walk would return them."""
+    from triton.language.semantic import TritonSemantic
+
+    broadcast = getattr(TritonSemantic, "broadcast_impl_value", None)
+    if broadcast is None or getattr(broadcast, "alike_at_once", False):
+        return
+
+    def broadcast_alike_at_once(self, lhs, rhs):
+        lhs_ty, rhs_ty = lhs.type, rhs.type
+        lhs_block, rhs_block = lhs_ty.is_block(), rhs_ty.is_block()
+        if (lhs_block and rhs_block and lhs_ty.name == rhs_ty.name) or not (lhs_block or rhs_block):
+            return lhs, rhs
+        return broadcast(self, lhs, rhs)
+
+    broadcast_alike_at_once.alike_at_once, broadcast_alike_at_once.original = True, broadcast
+    TritonSemantic.broadcast_impl_value = broadcast_alike_at_once
 
 
 def _quiet_interpreter_launches(executor: type) -> None:

@@ -397,6 +397,28 @@ def test_a_forward_replaced_on_a_torch_class_applies_as_on_timm(patched, backend
         assert_close(p.grad, q.grad, RTOL, name=f"{name}'s gradient, {patched}.forward replaced")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_stripped_or_set_per_block_by_hand_keeps_each_blocks_rates(backend):
+    """Dropouts replaced by nn.Identity (head_drop, pos_drop, every block's attn_drop: stripped by hand) and rates set
+    on one block: optimize converts the model (an Identity raised AttributeError: 'Identity' object has no attribute
+    'p'), every dropout at its source's rate (0 for an Identity; block 0's rates were applied to every block), and
+    the logits are timm's."""
+    source = timm_vit(drop_rate=0.1, pos_drop_rate=0.1, attn_drop_rate=0.1)
+    source.head_drop, source.pos_drop = torch.nn.Identity(), torch.nn.Identity()
+    for block in source.blocks:
+        block.attn.attn_drop = torch.nn.Identity()
+    source.blocks[1].attn.proj_drop.p, source.blocks[1].mlp.drop2.p = 0.3, 0.25
+    model = vit_fast.optimize(source, backend=backend)
+    rates = {name: m.p for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert {"head_drop", "pos_drop", "blocks.0.attn.attn_drop", "blocks.1.mlp.drop2"} <= set(rates)
+    for name, rate in rates.items():
+        theirs = source.get_submodule(name)
+        assert rate == (0.0 if isinstance(theirs, torch.nn.Identity) else theirs.p), name
+    assert rates["blocks.1.attn.proj_drop"] == 0.3 and rates["blocks.0.attn.proj_drop"] == 0.0
+    with torch.no_grad():
+        assert_close(model(images()), source(images()), RTOL, name="logits")
+
+
 def test_a_patch_convolution_other_than_a_patchify_is_refused_by_name():
     """The converters rebuild the patch convolution as kernel = stride = patch: one with padding is refused by name
     (converted without it, logits would be 0.17 off timm)."""

@@ -314,6 +314,28 @@ def _carry_attention_switches(timm_model: nn.Module, model: VisionTransformer) -
             block.attn.scale = float(attn.scale)
 
 
+_BLOCK_DROPOUTS = ("attn.attn_drop", "attn.proj_drop", "mlp.drop1", "mlp.drop2")
+
+
+def _carry_dropout_rates(timm_model: nn.Module, model: VisionTransformer) -> None:
+    """Each block's dropout rates as the timm model's block has them (the config holds block 0's: a rate set by
+    hand on one block, or a dropout replaced by an nn.Identity, applies where it was set)."""
+    from .families import dropout_p
+
+    for source, block in zip(getattr(timm_model, "blocks", ()), model.blocks):
+        for path in _BLOCK_DROPOUTS:
+            mine, theirs = _submodule_or_none(block, path), _submodule_or_none(source, path)
+            if type(mine) is nn.Dropout and isinstance(theirs, (nn.Dropout, nn.Identity)):
+                mine.p = dropout_p(theirs)
+
+
+def _submodule_or_none(module: nn.Module, path: str):
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     """A vit_fast model with the weights (and, for a model object, the exact config) of a timm ViT. From a state
     dict, the shapes give the sizes and the keys the families (attn_pool: 'map', norm_pre, dist_token, SwiGLU);
@@ -339,6 +361,7 @@ def from_timm(model_or_state_dict, **overrides) -> VisionTransformer:
     model = _build(config, sd, overrides)
     if isinstance(model_or_state_dict, nn.Module):
         _carry_attention_switches(model_or_state_dict, model)
+        _carry_dropout_rates(model_or_state_dict, model)
     source_cfg = getattr(model_or_state_dict, "pretrained_cfg", None)
     if source_cfg:  # the data config (mean, std, crop, interpolation) travels with the weights
         model.pretrained_cfg = copy.deepcopy(dict(source_cfg))

@@ -95,6 +95,12 @@ def _head_classes(m: nn.Module) -> int:
     return 0 if isinstance(m.head, nn.Identity) else m.num_classes
 
 
+def dropout_p(module: nn.Module) -> float:
+    """The rate a timm dropout slot is set to: an ``nn.Dropout``'s p, 0 for an ``nn.Identity`` put in its place (a
+    model whose dropout was stripped by hand: ``model.head_drop = nn.Identity()``)."""
+    return 0.0 if isinstance(module, nn.Identity) else float(module.p)
+
+
 def timm_config(m: nn.Module) -> dict:
     """Every hyper-parameter of a timm VisionTransformer / VisionTransformerDistilled as ViTConfig fields,
     the family fields included. Raises ValueError naming what does not fit."""
@@ -111,7 +117,7 @@ def timm_config(m: nn.Module) -> dict:
         pos_embed="none" if m.pos_embed is None else "learn",
         fc_norm=not isinstance(m.fc_norm, nn.Identity),
         final_norm=not (isinstance(m.norm, nn.Identity) and isinstance(m.fc_norm, nn.Identity)),
-        dynamic_img_size=m.dynamic_img_size, drop_rate=m.head_drop.p, pos_drop_rate=m.pos_drop.p,
+        dynamic_img_size=m.dynamic_img_size, drop_rate=dropout_p(m.head_drop), pos_drop_rate=dropout_p(m.pos_drop),
         pre_norm=not isinstance(m.norm_pre, nn.Identity),
         distilled=type(m).__name__ == "VisionTransformerDistilled",
         head_bias=not isinstance(m.head, nn.Linear) or m.head.bias is not None,
@@ -128,7 +134,7 @@ def timm_config(m: nn.Module) -> dict:
             num_heads=blk.attn.num_heads, mlp_ratio=mlp_ratio_for(fc1_width, m.embed_dim), mlp_layer=mlp_layer,
             qkv_bias=blk.attn.qkv.bias is not None, qk_norm=not isinstance(blk.attn.q_norm, nn.Identity),
             init_values=_layer_scale_init(blk.ls1),
-            proj_drop_rate=blk.attn.proj_drop.p, attn_drop_rate=blk.attn.attn_drop.p,
+            proj_drop_rate=dropout_p(blk.attn.proj_drop), attn_drop_rate=dropout_p(blk.attn.attn_drop),
             drop_path_rate=float(getattr(m.blocks[-1].drop_path1, "drop_prob", 0.0)),
             act="gelu" if mlp_layer != "mlp" else timm_act(blk.mlp.act),
         )

@@ -279,3 +279,30 @@ def test_timms_fused_attn_switch_exposes_the_attention_maps_to_a_hook(backend):
         maps[name + "_out"] = out
     assert_close(maps["ours"], maps["timm"], 1e-5)
     assert_close(maps["ours_out"], maps["timm_out"], 1e-5)
+
+
+def test_timm_forward_signatures_take_no_mask_and_refuse_one():
+    """timm's forward, forward_features and forward_intermediates take attn_mask and is_causal (timm 1.0.31): None
+    and False run as without them, by keyword or position as timm's callers pass them; a mask or is_causal=True is
+    refused naming both (forward_features read a mask passed by position as its position embeddings)."""
+    import inspect
+
+    m = tiny().eval()
+    for name in ("forward", "forward_features", "forward_intermediates"):
+        ours = inspect.signature(getattr(m, name)).parameters
+        theirs = inspect.signature(getattr(timm.models.VisionTransformer, name)).parameters
+        for arg in ("attn_mask", "is_causal"):
+            if arg in theirs:
+                assert ours[arg].default == theirs[arg].default, (name, arg)
+        if name != "forward_intermediates" and "attn_mask" in theirs:
+            assert list(ours)[:3] == list(theirs)[1:4] == ["x", "attn_mask", "is_causal"], name
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(m(x, None, False), m(x)) and torch.equal(m(x, attn_mask=None), m(x))
+        assert torch.equal(m.forward_features(x, None), m.forward_features(x))
+        mask = torch.ones(2, 1, 17, 17, dtype=torch.bool)
+        for call in (lambda: m(x, mask), lambda: m.forward_features(x, mask), lambda: m(x, is_causal=True),
+                     lambda: m.forward_intermediates(x, attn_mask=mask)):
+            with pytest.raises(ValueError, match=r"attention masks are not supported.*attn_mask=None and "
+                                                 r"is_causal=False, got attn_mask (of shape \(2, 1, 17, 17\)|None)"):
+                call()

@@ -50,6 +50,16 @@ from .presets import GLOBAL_POOLS, ViTConfig, get_config, pretrained_cfg
 from .route import STATIC_ROUTE, apply_route, default_route
 
 
+def _refuse_attention_mask(method: str, attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
+    """timm's ViT methods take ``attn_mask`` and ``is_causal`` (timm 1.0.31's do); a ViT encoder attends to every
+    token, and the kernels have no mask: None and False are accepted, anything else refused by name."""
+    if attn_mask is not None or is_causal:
+        raise ValueError(f"{method}: attention masks are not supported (vit_fast's encoders attend to every token); "
+                         f"expected attn_mask=None and is_causal=False, got attn_mask "
+                         f"{'None' if attn_mask is None else 'of shape ' + str(tuple(attn_mask.shape))} and "
+                         f"is_causal={is_causal}")
+
+
 class VisionTransformer(nn.Module):
     # the route (vit_fast/route.py): until one is set, the measured default of the device it is on
     route, route_explicit, _route_device = STATIC_ROUTE, False, None
@@ -341,8 +351,12 @@ class VisionTransformer(nn.Module):
             return None
         return torch.get_autocast_dtype(x.device.type)
 
-    def forward_features(self, x: torch.Tensor, pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)
+    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False, *,
+                         pos_embed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """timm's signature (an attention mask is refused, ``_refuse_attention_mask``); ``pos_embed``: position
+        embeddings to add instead of the model's (the transformers paths' interpolated ones)."""
+        check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)  # an fx Proxy first
+        _refuse_attention_mask("forward_features", attn_mask, is_causal)
         return self._forward_blocks(self.embed(x, pos_embed))
 
     def _fuses_across_blocks(self, x: torch.Tensor) -> bool:
@@ -423,8 +437,7 @@ class VisionTransformer(nn.Module):
         autocast its final tokens come in the autocast dtype, as forward_features' (module docstring)."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        if attn_mask is not None or is_causal:
-            raise ValueError("forward_intermediates: attention masks (attn_mask, is_causal) are not supported")
+        _refuse_attention_mask("forward_intermediates", attn_mask, is_causal)
         take = block_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else len(self.blocks)
         check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)
@@ -503,8 +516,11 @@ class VisionTransformer(nn.Module):
             return x.float()
         return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
+                ) -> torch.Tensor:
+        """timm's signature; an attention mask is refused (``_refuse_attention_mask``)."""
+        check_model_input(x, self.patch_embed.projection_weight, self.patch_embed.in_chans)  # an fx Proxy first
+        _refuse_attention_mask("forward", attn_mask, is_causal)
         chained = self._fuses_across_blocks(x)
         if self._prunes_to_class_token(x, chained):
             # the last block skips the other tokens' proj, MLP and joins; forward_features still

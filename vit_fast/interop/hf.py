@@ -272,7 +272,7 @@ class HFViT(HFLinked):
                                    for blk, h in zip(model.blocks, hidden_states))
             hidden_states = hidden_states if want_hidden else None
         else:
-            sequence, hidden_states = model.forward_features(pixel_values, pos_embed), None
+            sequence, hidden_states = model.forward_features(pixel_values, pos_embed=pos_embed), None
         if is_classifier:
             logits = model.forward_head(sequence)
             loss_kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}

@@ -84,11 +84,11 @@ class HFVisionFamily(HFLinked):
                                                  pooler_output=m.in_layer_norm_dtype(pooled))
         elif classifier:
             # global_pool='avg' over the post-layernorm tokens, then the classifier
-            logits = m.forward_head(m.forward_features(pixel_values, pos_embed))
+            logits = m.forward_head(m.forward_features(pixel_values, pos_embed=pos_embed))
             loss = self.loss_function(labels, logits, self.config) if labels is not None else None
             out = ImageClassifierOutput(loss=loss, logits=logits)
         else:
-            sequence = m.forward_features(pixel_values, pos_embed)
+            sequence = m.forward_features(pixel_values, pos_embed=pos_embed)
             pooled = m.attn_pool(sequence) if m.attn_pool is not None else None
             sequence = m.in_layer_norm_dtype(sequence)  # post_layernorm's / layernorm's output, as transformers'
             pooled = sequence[:, 0] if source_class == "Dinov2Model" else pooled

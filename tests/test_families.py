@@ -781,6 +781,28 @@ def test_open_clip_model_calls_its_optimized_tower_as_its_own(backend):
                 assert_close(a, b, FP32, f"{key} {kwargs}")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_open_clip_tower_prune_intermediate_layers_as_open_clip(backend):
+    """The optimized tower's prune_intermediate_layers is open_clip's: prune_head drops the projection only, forward
+    and forward_intermediates' 'image_features' give the normed class token (B, width); timm's also dropped the
+    pooling and returned every token (B, N, width)."""
+    import vit_fast
+
+    oc = pytest.importorskip("open_clip.transformer")
+    torch.manual_seed(0)
+    source = _perturbed(oc.VisionTransformer(image_size=32, patch_size=8, width=64, layers=2, heads=2, mlp_ratio=4.0,
+                                             output_dim=24)).to(DEVICE).eval()
+    x = _images({"img_size": 32}).to(DEVICE)
+    for kwargs in [dict(), dict(prune_norm=True), dict(prune_head=False)]:
+        ref = copy.deepcopy(source)
+        ours = vit_fast.optimize(copy.deepcopy(source), backend=backend)
+        assert ours.prune_intermediate_layers([0], **kwargs) == ref.prune_intermediate_layers([0], **kwargs) == [0]
+        with torch.no_grad():
+            assert_close(ours(x), ref(x), FP32, f"forward {kwargs}")
+            assert_close(ours.forward_intermediates(x, indices=1)["image_features"],
+                         ref.forward_intermediates(x, indices=1)["image_features"], FP32, f"image_features {kwargs}")
+
+
 def test_from_hf_family_model():
     import vit_fast
 

@@ -41,6 +41,15 @@ class OpenCLIPVisionTransformer(VisionTransformer):
                 elif isinstance(part, nn.Module):
                     part.requires_grad_(True)
 
+    def prune_intermediate_layers(self, indices: Union[int, list[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """open_clip's: ``prune_head`` drops the projection only (open_clip's ``proj = None``: forward returns the
+        normed class token), not the pooling as timm's (every token)."""
+        take = super().prune_intermediate_layers(indices, prune_norm=prune_norm, prune_head=False)
+        if prune_head:
+            self.reset_classifier(0)
+        return take
+
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, list[int]]] = None,
                               stop_early: bool = False, normalize_intermediates: bool = False,
                               intermediates_only: bool = False, output_fmt: str = "NCHW",

@@ -267,6 +267,28 @@ def test_from_hf_refuses_another_familys_state_dict_by_name():
         from_hf({"weight": torch.zeros(2)})
 
 
+def test_from_hf_refuses_another_transformers_class_by_name():
+    """A transformers model object from_hf does not implement was read as a ViT: Dinov2ForImageClassification and
+    DINOv2 with registers raised AttributeError on their config's intermediate_size, DeiT a CheckpointError listing
+    keys. Refused naming the class, and the supported module inside it where there is one."""
+    common = dict(image_size=32, patch_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
+    for model, hint in [
+        (transformers.Dinov2ForImageClassification(transformers.Dinov2Config(num_labels=3, **common)),
+         "its dinov2 is one: pass model.dinov2"),
+        (transformers.Dinov2WithRegistersModel(transformers.Dinov2WithRegistersConfig(**common)), ""),
+        (transformers.DeiTForImageClassificationWithTeacher(transformers.DeiTConfig(intermediate_size=128, **common)),
+         ""),
+    ]:
+        with pytest.raises(ValueError, match=f"from_hf: expected a transformers ViTModel.*{type(model).__name__}"
+                                             f".*{re.escape(hint)}") as info:
+            from_hf(model)
+        assert not isinstance(info.value, CheckpointError)
+    msn = transformers.ViTMSNModel(transformers.ViTMSNConfig(intermediate_size=128, **common)).eval()  # a ViT's layout
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(from_hf(msn).forward_features(x), msn(x).last_hidden_state, RTOL, name="ViT-MSN tokens")
+
+
 @pytest.mark.parametrize("missing", ["absolute", "./relative", "path object"])
 def test_from_pretrained_names_a_missing_local_directory(tmp_path, monkeypatch, missing):
     """A local directory that does not exist is named (transformers read it as a malformed hub id); a hub id still

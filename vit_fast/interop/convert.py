@@ -449,6 +449,7 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
 
         return _build(hf_config(model_or_state_dict), hf_to_timm(model_or_state_dict), overrides)
     if isinstance(model_or_state_dict, nn.Module):
+        _check_hf_vit_class(model_or_state_dict)
         sd = hf_to_timm_state_dict(model_or_state_dict.state_dict())
         config = hf_vit_config(model_or_state_dict)
     else:
@@ -458,6 +459,25 @@ def from_hf(model_or_state_dict, **overrides) -> VisionTransformer:
         _warn_assumed("from_hf", HF_STATE_DICT_ASSUMPTIONS, config, overrides,
                       " (hidden_act 'gelu_new': act='gelu_tanh'), or convert the transformers model object")
     return _build(config, sd, overrides)
+
+
+_HF_VIT_CLASSES = ("ViTModel", "ViTForImageClassification", "ViTMSNModel")  # ViT-MSN: a ViT encoder's layout
+
+
+def _check_hf_vit_class(model: nn.Module) -> None:
+    """A model object from_hf reads as a ViT is a transformers ViTModel / ViTForImageClassification (or one optimize
+    returned): another class (DeiT, Dinov2ForImageClassification, DINOv2 with registers, ViTMAE...) is refused by
+    name, with the supported module inside it where there is one (it failed with an AttributeError on its config, a
+    CheckpointError listing keys, or converted a model whose forward is not a ViT's)."""
+    if any(c.__module__.startswith("transformers.") and c.__name__ in _HF_VIT_CLASSES for c in type(model).__mro__):
+        return
+    from .optimize import _supported_submodule
+
+    inner = _supported_submodule(model)
+    hint = f"; its {inner} is one: pass model.{inner}" if inner else ""
+    raise ValueError(f"from_hf: expected a transformers ViTModel / ViTForImageClassification / "
+                     f"{' / '.join(HF_FAMILY_CLASSES)} (or a ViT state dict), got "
+                     f"{type(model).__module__}.{type(model).__qualname__}{hint}")
 
 
 # Keys only the other transformers families' state dicts hold (CLIP / SigLIP embeddings, DINOv2's mask token and

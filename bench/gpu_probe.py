@@ -499,15 +499,37 @@ def item_hostprof(args) -> None:
     stats = pstats.Stats(profiler, stream=report)
     for order in ("tottime", "cumulative"):
         stats.sort_stats(order).print_stats(60)
+    # the GPU's own share: kernel time per step (torch.profiler's CUDA events), so a step near the kernels' sum is
+    # GPU-bound (small kernels at batch 1) and one well above it is the host's; measured after the host figures
+    gpu = safe("hostprof_gpu", lambda: _kernel_ms_per_step(step), preset=args.preset, path=args.path) or {}
     direct = env_switch(ENV_DIRECT_LAUNCH)
     name = f"hostprof_{args.path}{'' if direct or args.path.startswith('timm') else '_jit_launches'}.txt"
     with open(os.path.join(os.environ.get("PROBE_DIR", "."), name), "w") as f:
         f.write(f"{args.path} {args.preset} batch {args.batch}: {step_ms:.2f} ms per step unprofiled; "
-                f"{steps} steps profiled\n{report.getvalue()}")
+                f"{steps} steps profiled; GPU kernels {gpu.get('kernel_ms_per_step', float('nan')):.2f} ms per step "
+                f"in {gpu.get('kernels_per_step', 0):.0f} kernels\n{gpu.get('table', '')}\n{report.getvalue()}")
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]  # (file, line, name) -> (cc, nc, tt, ct, _)
     emit("hostprof", preset=args.preset, path=args.path, batch=args.batch, direct_launch=direct, step_ms=step_ms,
+         kernel_ms_per_step=gpu.get("kernel_ms_per_step"), kernels_per_step=gpu.get("kernels_per_step"),
          top_own_us_per_step=[(f"{os.path.basename(k[0])}:{k[1]}({k[2]})", round(v[2] / steps * 1e6, 1),
                                round(v[1] / steps, 1)) for k, v in rows])
+
+
+def _kernel_ms_per_step(step, steps: int = 5) -> dict:
+    """torch.profiler over ``steps`` training steps: GPU kernel ms and kernels per step, and the table of the kernels
+    that took longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE != "cuda":
+        return {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return dict(kernel_ms_per_step=sum(e.device_time for e in kernels) / steps / 1e3,
+                kernels_per_step=len(kernels) / steps,
+                table=prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
 
 
 def main(argv=None) -> int:

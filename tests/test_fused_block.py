@@ -94,9 +94,47 @@ def test_one_function_block_is_bitwise_the_per_part_path(monkeypatch, config):
     model.train()
     x = torch.randn(2, 3, 32, 32)
     per_part, one_function = per_part_then_one_function(model, x, calls)
-    # class-token pooling: the last block (token 0 only) stays on the per-part path
-    assert calls.count == config["depth"] - (config.get("global_pool", "token") == "token")
+    # class-token pooling: the last block (token 0 only, ``keep_rows``) runs as one Function too
+    assert calls.count == config["depth"]
     assert_bitwise(per_part, one_function)
+
+
+@pytest.mark.parametrize("keep_rows", [1, 3, 5])
+@pytest.mark.parametrize("next_norm", [True, False])
+def test_a_block_keeping_its_first_rows_is_bitwise_the_per_part_path(monkeypatch, keep_rows, next_norm):
+    """``forward_pair(..., keep_rows=M)`` as one Function: attention's first M queries (every token still a key
+    and value), the rest on those rows, d(residual) zeros past them and d(hidden) from every token; M of the 5
+    tokens: one row per image (a strided rows view), several (a copy), all (no slice); with attention and join
+    dropout, LayerScale and drop-path; after it the next LayerNorm or the stream alone."""
+    calls = BlockCalls(monkeypatch)
+    model = without_drop1(make_pair(**dict(TINY, init_values=0.1, drop_path_rate=0.5, proj_drop_rate=0.2,
+                                           attn_drop_rate=0.25, global_pool="avg"))[0]).train()
+    block, norm = model.blocks[0], (model.blocks[1].norm1 if next_norm else None)
+    x = torch.randn(2, 5, model.embed_dim)
+
+    def run(seed):
+        hidden_in = torch.randn_like(x).requires_grad_()
+        residual_in = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        normed, stream = block.forward_pair(hidden_in, residual_in, norm, keep_rows=keep_rows)
+        assert stream.shape == (2, keep_rows, model.embed_dim)
+        loss = stream.pow(2).sum() + (normed.sin().sum() if next_norm else 0)
+        block.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+        grads.update(hidden=hidden_in.grad, residual=residual_in.grad)
+        return (stream.detach() if normed is None else torch.cat([normed.detach(), stream.detach()])), grads
+
+    calls.forget_checked()
+    calls.per_part = True
+    torch.manual_seed(0)
+    per_part = run(5)
+    calls.per_part = False
+    torch.manual_seed(0)
+    one_function = run(5)
+    assert calls.count == 1
+    assert_bitwise(per_part, one_function)
+    assert not one_function[1]["residual"][:, keep_rows:].any()
 
 
 @pytest.mark.parametrize("route", ["fused", "short"])

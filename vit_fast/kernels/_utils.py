@@ -273,6 +273,13 @@ def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t.to(dtype)`` (None stays None) without the call where ``t`` has the dtype: ``Tensor.to`` costs about a
+    microsecond of host time even where it returns ``t``, and the fused paths ask it for every weight, stream and
+    parameter gradient of a step."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def next_seed(device: torch.device) -> torch.Tensor:
     """A fresh Philox seed for one kernel call: a 1-element int64 tensor drawn on ``device`` (the tensors'
     own) from torch's generator of that device, which the kernels read through a pointer.

@@ -73,7 +73,16 @@ from ._rows import (
     sum_partials_spec,
 )
 from ._tuning import KernelLaunch, bucket
-from ._utils import cdiv, check_kernel_device, first_order_only, kernel_op, next_power_of_2, run_op, unit_stride
+from ._utils import (
+    cast_to,
+    cdiv,
+    check_kernel_device,
+    first_order_only,
+    kernel_op,
+    next_power_of_2,
+    run_op,
+    unit_stride,
+)
 
 
 # -------------------------------------------------------------------------------------- jit kernels
@@ -466,8 +475,8 @@ def join_param_grads(dparams: torch.Tensor, bias: Optional[torch.Tensor],
                      gamma: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(dbias, dgamma) from ``bias_dropout_add_bwd``'s rows, each in its parameter's dtype (None where absent)."""
     grads = iter(dparams.unbind(0))  # Tensor.__iter__ costs a few microseconds of Python more
-    dbias = next(grads).to(bias.dtype) if bias is not None else None
-    return dbias, (next(grads).to(gamma.dtype) if gamma is not None else None)
+    dbias = cast_to(next(grads), bias.dtype) if bias is not None else None
+    return dbias, (cast_to(next(grads), gamma.dtype) if gamma is not None else None)
 
 
 # --------------------------------------------------------------------------------------- functional

@@ -70,6 +70,7 @@ from ._rows import (
 from ._tuning import KernelLaunch, bucket
 from ._utils import (
     FLOAT_DTYPES,
+    cast_to,
     cdiv,
     check_kernel_device,
     first_order_only,
@@ -409,9 +410,9 @@ def ln_param_grads(dparams: torch.Tensor, weight, bias, gamma, branch_bias) -> t
     """(dweight, dbias, dgamma, dbranch_bias) from ``add_layer_norm_bwd``'s rows, each in its parameter's dtype
     (None for an absent parameter)."""
     grads = iter(dparams.unbind(0))  # Tensor.__iter__ costs a few microseconds of Python more
-    dweight, dbias = next(grads).to(weight.dtype), next(grads).to(bias.dtype)
-    dgamma = next(grads).to(gamma.dtype) if gamma is not None else None
-    return dweight, dbias, dgamma, (next(grads).to(branch_bias.dtype) if branch_bias is not None else None)
+    dweight, dbias = cast_to(next(grads), weight.dtype), cast_to(next(grads), bias.dtype)
+    dgamma = cast_to(next(grads), gamma.dtype) if gamma is not None else None
+    return dweight, dbias, dgamma, (cast_to(next(grads), branch_bias.dtype) if branch_bias is not None else None)
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -455,7 +456,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         if not ctx.has_res:
             return dh, None, dweight, dbias, None, None, None, None, None, None, None, None
         dx = dx.view(ctx.shape) if ctx.store_dx else dh
-        return dx, dh.to(ctx.res_dtype), dweight, dbias, dbranch, dgamma, None, None, None, None, None, None
+        return dx, cast_to(dh, ctx.res_dtype), dweight, dbias, dbranch, dgamma, None, None, None, None, None, None
 
 
     @staticmethod
@@ -464,7 +465,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         dbranch, dgamma = join_param_grads(dparams, branch_bias, gamma)
         dh = dh2.view(ctx.shape)
         dx = dx.view(ctx.shape) if ctx.store_dx else dh
-        return dx, dh.to(ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None, None, None
+        return dx, cast_to(dh, ctx.res_dtype), None, None, dbranch, dgamma, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------- functional

@@ -12,13 +12,13 @@ autograd would run them (the same mm calls, in the same layouts), and the checks
 It runs where nothing needs the parts one by one: eager mode (torch.compile, FakeTensor and other dispatch modes
 trace the custom ops of the per-part path), plain CUDA tensors (or CPU under the interpreter), the block's route
 fully fused (flash or short attention kernels, ``linear_act`` MLP, fused joins), stock modules (no hooks, plain or
-fusable Linears, LayerScale / DropPath or Identity, one train/eval mode), the stream in the GEMMs' dtype and every
-token kept; after it a LayerNorm (``add_layer_norm``) or nothing (``bias_dropout_add``). ``eligible_plan`` says
-whether a call qualifies. Its backward runs the parts autograd would run, no more (``_Needs``).
+fusable Linears, LayerScale / DropPath or Identity, one train/eval mode), the stream in the GEMMs' dtype, every token
+kept or the first ``keep_rows`` (the last block under class-token pooling); after it a LayerNorm
+(``add_layer_norm``) or nothing (``bias_dropout_add``). ``eligible_plan`` says whether a call qualifies. Its backward
+runs the parts autograd would run, no more (``_Needs``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -30,6 +30,7 @@ from ..adapters import effective_bias, effective_weight, fusable_linear, paramet
 from ..kernels._join import stores_dx
 from ..kernels._rows import as_rows
 from ..kernels._utils import (
+    cast_to,
     compute_dtype_for,
     direct_ops,
     env_switch,
@@ -49,9 +50,9 @@ from .mlp import Mlp, act_is_stock
 from .norm import LayerNorm
 
 
-@dataclass(frozen=True)
-class BlockPlan:
-    """What stays fixed for one block and input signature: the parts' sizes, rates and kernel choices."""
+class BlockPlan(NamedTuple):
+    """What stays fixed for one block and input signature: the parts' sizes, rates and kernel choices (a NamedTuple:
+    built, hashed and compared on every call, in a fraction of a frozen dataclass's time)."""
 
     num_heads: int
     scale: float
@@ -62,6 +63,7 @@ class BlockPlan:
     activation: str
     mlp_p: float
     next_eps: Optional[float]  # None: no LayerNorm after the block (its second join is ``bias_dropout_add``)
+    keep_rows: Optional[int]  # the first tokens' output only (``Block.forward_pair``); None: every token's
     compute_dtype: torch.dtype
     autocast: bool  # the checks accept fp32 weights with 16-bit activations only under autocast
     training: bool
@@ -163,7 +165,7 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
                   next_norm: Optional[nn.Module], keep_rows: Optional[int]) -> Optional[BlockPlan]:
     """The plan of ``block`` for this call (the block itself resolved to the Triton backend), or None where the
     per-part path must run (module docstring)."""
-    if (not enabled or keep_rows is not None or torch.compiler.is_compiling()
+    if (not enabled or torch.compiler.is_compiling()
             or _get_current_dispatch_mode() is not None or block.join_impl != "fused"):
         return None
     for t in (hidden, residual):
@@ -184,7 +186,8 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
     return BlockPlan(num_heads=attn.num_heads, scale=attn.scale,
                      attention_kernel=attn.kernel_family(hidden.shape[1], dtype), attn_p=attn.attn_drop_rate(),
                      proj_p=proj_p, norm2_eps=parts.norm2.eps, activation=mlp.act_name,
-                     mlp_p=mlp_p, next_eps=None if next_norm is None else next_norm.eps, compute_dtype=dtype,
+                     mlp_p=mlp_p, next_eps=None if next_norm is None else next_norm.eps, keep_rows=keep_rows,
+                     compute_dtype=dtype,
                      autocast=torch.is_autocast_enabled(hidden.device.type), training=training)
 
 
@@ -349,21 +352,25 @@ class FusedBlockFunction(torch.autograd.Function):
         with direct_ops():
             run_op = op_caller()
             # attention: the qkv GEMM with its bias as a constant (its gradient comes from the attention backward)
-            qkv_wc = qkv_w.to(dtype)  # autocast's weight copy (the weight itself when it has the dtype)
+            qkv_wc = cast_to(qkv_w, dtype)  # autocast's weight copy (the weight itself when it has the dtype)
             qkv = F.linear(hidden, qkv_wc, qkv_b)
+            # ``keep_rows``: attention's first queries only (every token a key and value), the rest on those rows
+            keep = plan.keep_rows
             out, lse = run_op(attention_fwd, qkv, plan.num_heads, float(plan.scale), attn_p, attn_seed,
-                              qkv.shape[1])
-            proj_wc = proj_w.to(dtype)
+                              qkv.shape[1] if keep is None else keep)
+            proj_wc = cast_to(proj_w, dtype)
             branch = F.linear(out, proj_wc)
             shape = branch.shape
             width = shape[-1]
             branch2 = as_rows(branch, width)
-            normed2, stream2, mean1, rstd1 = run_op(add_layer_norm_fwd, branch2, as_rows(residual, width), n2_w,
+            residual_kept = residual if keep is None else residual[:, :keep]
+            normed2, stream2, mean1, rstd1 = run_op(add_layer_norm_fwd, branch2, as_rows(residual_kept, width), n2_w,
                                                     n2_b, proj_b, gamma1, scale1, float(plan.norm2_eps), join1_p,
                                                     join1_seed, None)
             # the MLP (``linear_act``): weights in the GEMMs' dtype with unit column stride
-            fc1_wc, fc2_wc = (w if w.stride(-1) == 1 else w.contiguous() for w in (fc1_w.to(dtype), fc2_w.to(dtype)))
-            mlp_in = normed2.to(dtype)
+            fc1_wc, fc2_wc = (w if w.stride(-1) == 1 else w.contiguous()
+                              for w in (cast_to(fc1_w, dtype), cast_to(fc2_w, dtype)))
+            mlp_in = cast_to(normed2, dtype)
             needs_du = wants.join1 or needs[11] or needs[12]
             hid, dact = run_op(linear_act_fwd, mlp_in, fc1_wc, fc1_b, plan.activation, needs_du)
             y = F.linear(hid, fc2_wc)
@@ -394,6 +401,7 @@ class FusedBlockFunction(torch.autograd.Function):
         ctx.store_dx1 = stores_dx(join1_p, gamma1, scale1, stream2.dtype, branch2.dtype)
         ctx.store_dx2 = stores_dx(join2_p, gamma2, scale2, join2_h_dtype, y.dtype)
         ctx.stream_dtypes = (residual.dtype, stream2.dtype)  # the joins' residuals'
+        ctx.residual_shape = residual.shape  # d(residual) of every token (zeros past ``keep_rows``, as a slice's)
         ctx.rates = (attn_p, join1_p, join2_p)
         return normed_out, stream_out
 
@@ -428,11 +436,11 @@ class FusedBlockFunction(torch.autograd.Function):
             dx, dparams = run_op(bias_dropout_add_bwd, as_rows(d_stream, width), y, fc2_b, gamma2, scale2, p2, seed2)
             dy = dx.view(shape) if ctx.store_dx2 else d_stream
             grads[14], grads[17] = join_param_grads(dparams, fc2_b, gamma2)
-            d_stream1 = d_stream.to(residual2_dtype)
+            d_stream1 = cast_to(d_stream, residual2_dtype)
         if wants.mlp:
-            dy2 = as_rows(dy, width).to(hid.dtype)
+            dy2 = cast_to(as_rows(dy, width), hid.dtype)
             if needs[13]:
-                grads[13] = _to(dy2.t().mm(hid), fc2_dtype)  # cuBLAS
+                grads[13] = cast_to(dy2.t().mm(hid), fc2_dtype)  # cuBLAS
             if ctx.needs_du:
                 needs_db = fc1_b is not None and needs[12]
                 du, db = run_op(linear_act_bwd, dy2, dact, fc2_wc, fc1_b if needs_db else None)
@@ -440,19 +448,22 @@ class FusedBlockFunction(torch.autograd.Function):
                 if wants.join1:
                     d_normed1 = du.mm(fc1_wc).view(shape)  # cuBLAS
                 if needs[11]:
-                    grads[11] = _to(du.t().mm(mlp_in), fc1_dtype)  # cuBLAS
+                    grads[11] = cast_to(du.t().mm(mlp_in), fc1_dtype)  # cuBLAS
         if wants.join1:
             d_branch, grads[3], grads[8], grads[9], grads[10], grads[7] = _join_backward(
                 run_op, d_normed1, d_stream1, shape, stream1, branch1, n2_w, n2_b, proj_b, gamma1, scale1, mean1,
                 rstd1, p1, seed1, ctx.store_dx1, residual1_dtype)
+            if plan.keep_rows is not None:  # autograd's slice backward: zeros, the kept rows copied in
+                kept, grads[3] = grads[3], grads[3].new_zeros(ctx.residual_shape)
+                grads[3][:, :kept.shape[1]] = kept
             d_out, d_proj_w = _linear_backward(d_branch, out, proj_wc, wants.attention, needs[6])
-            grads[6] = _to(d_proj_w, proj_dtype)
+            grads[6] = cast_to(d_proj_w, proj_dtype)
             if wants.attention:
                 d_qkv, dbias = run_op(ctx.attention_bwd, d_out, qkv, qkv_bias, out, lse, plan.num_heads,
                                       float(plan.scale), attn_p, attn_seed)
                 grads[5] = dbias if qkv_bias is not None else None
                 grads[2], d_qkv_w = _linear_backward(d_qkv, hidden, qkv_wc, needs[2], needs[4])
-                grads[4] = _to(d_qkv_w, qkv_dtype)
+                grads[4] = cast_to(d_qkv_w, qkv_dtype)
         return tuple(grads)
 
 
@@ -466,14 +477,10 @@ def _join_backward(run_op, dy, dh_out, shape, h, x, weight, bias, branch_bias, g
         dx, dparams = run_op(bias_dropout_add_bwd, dh_out2, x, branch_bias, gamma, sample_scale, p, seed)
         dh = dh_out2.view(shape)
         dbranch, dgamma = join_param_grads(dparams, branch_bias, gamma)
-        return (dx.view(shape) if store_dx else dh), dh.to(residual_dtype), None, None, dgamma, dbranch
+        return (dx.view(shape) if store_dx else dh), cast_to(dh, residual_dtype), None, None, dgamma, dbranch
     dh, dx, dparams = run_op(add_layer_norm_bwd, as_rows(dy, width), dh_out2, h, x, weight, bias, branch_bias, gamma,
                              sample_scale, mean, rstd, p, seed, store_dx)
     dh = dh.view(shape)
     dweight, dbias, dgamma, dbranch = ln_param_grads(dparams, weight, bias, gamma, branch_bias)
-    return (dx.view(shape) if store_dx else dh), dh.to(residual_dtype), dweight, dbias, dgamma, dbranch
+    return (dx.view(shape) if store_dx else dh), cast_to(dh, residual_dtype), dweight, dbias, dgamma, dbranch
 
-
-def _to(grad: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The gradient of a weight through autocast's copy: cast back to the weight's dtype."""
-    return None if grad is None else grad.to(dtype)

@@ -15,6 +15,10 @@ by one autograd Function per block holding only the GEMMs, the kernels' output a
 vit_fast above it is its own Python (checks, plans, launch arguments); timm eager's step above it is the cost of its
 many small ops.
 
+Python calls: the function calls of one step as cProfile counts them (Python functions and the builtins they call),
+deterministic for one torch/triton version: where the microseconds are noisy (a shared or throttled CPU), the calls
+say whether a change did less.
+
 Per op: torch.profiler's CPU time per vit_fast custom op (inclusive) and per top-level aten op, with call counts.
 The aten GEMMs still do their arithmetic here (a few tens of microseconds each at these shapes, on every path):
 the report gives their self time from the least of three profiled steps apart, a rough figure.
@@ -57,6 +61,8 @@ class HostCost:
     custom_ops: int = 0  # vit_fast:: custom-op calls per step
     aten_calls: int = 0  # top-level aten calls per step (each a kernel launch or more on a GPU)
     autograd_nodes: int = 0  # backward nodes run per step
+    python_calls: int = 0  # function calls per step as cProfile counts them (Python and builtins): not a time, so
+    # the same on every run of one torch/triton version, a machine-independent measure of the host work
     gemm_us: float = 0.0  # self CPU time of the aten GEMMs (mm, addmm, bmm): their arithmetic, one launch each on a GPU
     per_op: list = field(default_factory=list)  # (name, calls per step, us per step), slowest first
 
@@ -307,16 +313,31 @@ def _measure(paths: Sequence[str], preset: str, steps: int, warmup: int, stepper
         from torch.profiler import ProfilerActivity, profile
 
         for path, step in step_of.items():
+            calls = python_calls(step)
             profiled = []
             for _ in range(PROFILED_STEPS):
                 with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
                     step()
                 result = HostCost(path, statistics.median(times[path]), steps,
-                                  launches=round(launches[path] / steps))
+                                  launches=round(launches[path] / steps), python_calls=calls)
                 _count_ops(result, prof.events())
                 profiled.append(result)
             results.append(min(profiled, key=lambda r: r.gemm_us))
     return results
+
+
+def python_calls(step) -> int:
+    """Function calls of one ``step`` as cProfile counts them (Python functions and builtins)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        step()
+    finally:
+        profiler.disable()
+    return sum(calls for _, calls, _, _, _ in pstats.Stats(profiler).stats.values())
 
 
 # profiled one at a time, the step whose GEMMs took least kept: one step is a single sample, and a busy machine
@@ -355,11 +376,13 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
              f"{o['img_size']} px image): host work per training step (forward + cross-entropy + backward) on CPU, "
              "kernel launches stubbed; not a GPU timing", "",
              f"{'path':<17} {'host us/step':>12} {'of it GEMMs':>11} {'launches':>9} {'custom ops':>10} "
-             f"{'aten calls':>10} {'autograd nodes':>14}"]
+             f"{'aten calls':>10} {'autograd nodes':>14} {'Python calls':>12}"]
     for r in results:
         lines.append(f"{r.path:<17} {r.step_us:>12.0f} {r.gemm_us:>11.0f} {r.launches:>9} {r.custom_ops:>10} "
-                     f"{r.aten_calls:>10} {r.autograd_nodes:>14}")
+                     f"{r.aten_calls:>10} {r.autograd_nodes:>14} {r.python_calls:>12}")
     by = {r.path: r for r in results}
+    lines.append("(Python calls: one step's function calls as cProfile counts them, Python and builtins; the same "
+                 "on every run of these torch and triton versions, where the microseconds vary with the machine)")
     lines.append("(of it GEMMs: the aten GEMMs' self CPU time in the least of 3 profiled steps, mostly their "
                  "arithmetic, which a GPU runs as one launch each; a rough figure)")
     for path, base in (("vit_fast", "timm_eager"), ("vit_fast_per_part", "timm_eager"), ("floor", "timm_eager"),

@@ -19,6 +19,30 @@ def test_interpreter_active_unset(monkeypatch):
     assert not interpreter_active()
 
 
+def test_an_environment_switch_follows_every_change_of_its_variable(monkeypatch):
+    """The switches keep the raw value last read and its meaning: every assignment (the same text again included),
+    deletion and direct write to os.environ is read at the next call, for each (name, parser, default) apart."""
+    import os
+
+    from vit_fast.kernels._utils import env_switch
+
+    name = "VIT_FAST_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    seen = [env_switch(name)]
+    for value in ("0", "0", "1", " OFF ", "no", "yes"):
+        monkeypatch.setenv(name, value)
+        seen.append(env_switch(name))
+    os.environ[name] = "false"
+    seen.append(env_switch(name))
+    monkeypatch.delenv(name)
+    seen.append(env_switch(name))
+    assert seen == [True, False, False, True, False, False, True, False, True]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert interpreter_active()
+    monkeypatch.setenv("TRITON_INTERPRET", "off")  # same name, another parser's cache entry
+    assert not interpreter_active()
+
+
 def test_every_operator_is_a_kernel_op_with_its_fake_and_no_autograd_kernel():
     """Every ``vit_fast::`` operator is a ``KernelOp``: a dispatcher op whose one backend kernel is the launcher
     function, with a fake kernel (torch.compile, fake tensors) and the pt2-compliant tag; no autograd kernel (the

@@ -543,19 +543,25 @@ class LaunchPlan:
     allocations, reads the chosen config and launches. ``choose`` memoizes the choice once it is settled (decided,
     static with autotuning off, or the only candidate) for the tuning state it was made in."""
 
-    __slots__ = ("op", "key", "candidates", "build", "bound", "memo")
+    __slots__ = ("op", "key", "candidates", "build", "bound", "memo", "last")
 
     def __init__(self, op: str, key: Any, candidates: Sequence[Any], build: Callable[[Any], Callable[..., Any]]):
         self.op, self.key, self.candidates, self.build = op, key, tuple(candidates), build
         self.bound: dict = {}
         self.memo: tuple = (None, -1, None, None, None)  # (state, version, autotune on, choose, config)
+        self.last: tuple = (None, None)  # (config, its launch): the one bound last, found by identity
 
     def bind(self, cfg: Any) -> Callable[..., Any]:
         """The launch on ``cfg``, built once (its ``KernelLaunch`` launches the kernel the module held when it was
-        bound; a warmup while ``choose`` compiles candidates ahead)."""
+        bound; a warmup while ``choose`` compiles candidates ahead). The config of the previous call is found by
+        identity (a config's hash is a Python call)."""
+        last_cfg, launch = self.last
+        if cfg is last_cfg:
+            return launch
         launch = self.bound.get(cfg)
         if launch is None:
             launch = self.bound[cfg] = self.build(cfg)
+        self.last = (cfg, launch)
         return launch
 
     def choose(self, device: torch.device, launch: Callable[[Any], Any]) -> Any:

@@ -50,25 +50,25 @@ def _interpret_on(value: str) -> bool:
 
 
 def _env_meaning(name: str, parse, default: str) -> bool:
-    """``parse(os.environ.get(name, default))``, kept per (name, raw value, parse, default): read on every
-    launch. A traced call reads the variable itself: dynamo would guard on the cache, which eager calls grow (a
-    compiled model recompiled after an eager step)."""
+    """``parse(os.environ.get(name, default))``, read on every launch: the raw value last seen and its meaning are
+    kept per (name, parse, default), and while os.environ holds that same value object (it stores a new one on every
+    assignment) the meaning is returned without parsing. A traced call reads the variable itself: dynamo would guard
+    on the cache, which eager calls update (a compiled model recompiled after an eager step)."""
     if _ENVIRON_DATA is None or torch.compiler.is_compiling():
         return parse(os.environ.get(name, default))
-    key = _ENV_KEYS.get(name)
-    if key is None:
-        key = _ENV_KEYS[name] = os.environ.encodekey(name)
-    raw = _ENVIRON_DATA.get(key)
-    meaning = _ENV_MEANINGS.get((name, raw, parse, default))
-    if meaning is None:
-        value = default if raw is None else os.environ.decodevalue(raw)
-        meaning = _ENV_MEANINGS[(name, raw, parse, default)] = parse(value)
-    return meaning
+    last = _ENV_LAST.get((name, parse, default))  # [encoded name, raw value, meaning]
+    if last is None:
+        last = _ENV_LAST[(name, parse, default)] = [os.environ.encodekey(name), _UNREAD, None]
+    raw = _ENVIRON_DATA.get(last[0])
+    if raw is not last[1]:
+        last[2] = parse(default if raw is None else os.environ.decodevalue(raw))
+        last[1] = raw
+    return last[2]
 
 
 _ENVIRON_DATA = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") else None
-_ENV_KEYS: dict = {}
-_ENV_MEANINGS: dict = {}  # (name, raw value, parse, default) -> meaning (a few in a process)
+_ENV_LAST: dict = {}  # (name, parse, default) -> [encoded name, raw value last read, its meaning]
+_UNREAD = object()
 
 
 # ------------------------------------------------------------------------------------------------ operators

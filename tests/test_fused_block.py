@@ -515,3 +515,23 @@ def test_direct_launches_compute_what_the_jit_launches_computed(monkeypatch):
     assert_bitwise(first, last)
     went_direct = [d for d in armed if d]  # None: not armed at that call; False: the JIT for good
     assert went_direct if torch.cuda.is_available() else not went_direct and armed
+
+
+def test_keep_rows_the_per_part_path_refuses_is_refused_after_an_int_ran(monkeypatch):
+    """keep_rows True, 1.0 or a numpy int equals (and hashes as) 1 in the signature: after keep_rows=1 ran (per part,
+    then as one Function) they must still be refused as ``attention_linear`` refuses them, not run (or fail
+    elsewhere) as one Function."""
+    np = pytest.importorskip("numpy")
+    calls = BlockCalls(monkeypatch)
+    model = make_pair(**dict(TINY, global_pool="avg"))[0].eval()
+    block, norm = model.blocks[0], model.blocks[1].norm1
+    hidden, residual = torch.randn(2, 5, model.embed_dim), torch.randn(2, 5, model.embed_dim)
+    calls.forget_checked()
+    with torch.no_grad():
+        per_part = block.forward_pair(hidden, residual, norm, keep_rows=1)
+        one_function = block.forward_pair(hidden, residual, norm, keep_rows=1)
+        assert calls.count == 1 and all(map(torch.equal, per_part, one_function))
+        for keep_rows in (True, np.int64(1), 1.0):
+            with pytest.raises(ValueError, match="query_rows"):
+                block.forward_pair(hidden, residual, norm, keep_rows=keep_rows)
+    assert calls.count == 1

@@ -168,6 +168,8 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
     if (not enabled or torch.compiler.is_compiling()
             or _get_current_dispatch_mode() is not None or block.join_impl != "fused"):
         return None
+    if keep_rows is not None and type(keep_rows) is not int:  # True, 1.0, numpy ints equal (and hash as) 1 in the
+        return None  # signature: the per-part path's check (``attention_linear``'s query_rows) refuses them
     for t in (hidden, residual):
         if type(t) not in _PLAIN_TENSORS or t.device.type not in ("cuda", "cpu"):
             return None
@@ -454,8 +456,9 @@ class FusedBlockFunction(torch.autograd.Function):
                 run_op, d_normed1, d_stream1, shape, stream1, branch1, n2_w, n2_b, proj_b, gamma1, scale1, mean1,
                 rstd1, p1, seed1, ctx.store_dx1, residual1_dtype)
             if plan.keep_rows is not None:  # autograd's slice backward: zeros, the kept rows copied in
-                kept, grads[3] = grads[3], grads[3].new_zeros(ctx.residual_shape)
-                grads[3][:, :kept.shape[1]] = kept
+                kept, grads[3] = grads[3], (grads[3].new_zeros(ctx.residual_shape) if needs[3] else None)
+                if needs[3]:
+                    grads[3][:, :kept.shape[1]] = kept
             d_out, d_proj_w = _linear_backward(d_branch, out, proj_wc, wants.attention, needs[6])
             grads[6] = cast_to(d_proj_w, proj_dtype)
             if wants.attention:

@@ -43,6 +43,25 @@ def test_an_environment_switch_follows_every_change_of_its_variable(monkeypatch)
     assert not interpreter_active()
 
 
+def test_inside_direct_ops_a_switch_is_read_once_and_again_after(monkeypatch):
+    """``direct_ops`` (one fused block's run of launches) reads each switch once; outside it, and in the next run,
+    the variable's current value."""
+    from vit_fast.kernels._utils import direct_ops, env_switch
+
+    name = "VIT_FAST_TEST_SWITCH"
+    monkeypatch.setenv(name, "1")
+    with direct_ops():
+        assert env_switch(name)
+        monkeypatch.setenv(name, "0")
+        assert env_switch(name)  # the run's reading
+        with direct_ops():  # a nested run reads afresh, and the outer one keeps its reading after it
+            assert not env_switch(name)
+        assert env_switch(name)
+    assert not env_switch(name)
+    with direct_ops():
+        assert not env_switch(name)
+
+
 def test_every_operator_is_a_kernel_op_with_its_fake_and_no_autograd_kernel():
     """Every ``vit_fast::`` operator is a ``KernelOp``: a dispatcher op whose one backend kernel is the launcher
     function, with a fake kernel (torch.compile, fake tensors) and the pt2-compliant tag; no autograd kernel (the

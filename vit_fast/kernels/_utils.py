@@ -37,7 +37,13 @@ def env_switch(name: str) -> bool:
     VIT_FAST_BLOCK_FUNCTION, VIT_FAST_DIRECT_LAUNCH): on unless set to '0', 'false', 'off' or 'no' (any case,
     spaces ignored). Read at every call (tests and users set them at run time), so it is asked on every launch:
     where os.environ keeps its encoded copy (POSIX CPython) the raw value is read from it and its meaning kept per
-    value."""
+    value. Inside ``direct_ops`` (one fused block's run of launches) each switch is read once."""
+    if _direct.on:
+        switches = _direct.switches
+        on = switches.get(name)
+        if on is None:
+            on = switches[name] = _env_meaning(name, _switch_on, "1")
+        return on
     return _env_meaning(name, _switch_on, "1")
 
 
@@ -125,6 +131,7 @@ def kernel_op(qualname: str) -> Callable[[Callable], KernelOp]:
 
 class _Direct(threading.local):
     on = False  # set by ``direct_ops`` for this thread
+    switches: dict = {}  # ``env_switch`` meanings read inside it, one read per switch
 
 
 _direct = _Direct()
@@ -133,14 +140,16 @@ _direct = _Direct()
 class direct_ops:
     """``with direct_ops():`` the caller has checked that every tensor the ops inside will see is a plain CUDA
     tensor (or a CPU one under the interpreter): ``run_op`` calls the ops' Python functions without looking at
-    the arguments again (a fused block runs its parts so). Tracing (torch.compile, compiled autograd, a dispatch
-    mode) still gets the custom ops."""
+    the arguments again (a fused block runs its parts so), and each environment switch is read once for the run
+    (``env_switch``: the autotuning switch, asked at every launch's config choice, among them). Tracing
+    (torch.compile, compiled autograd, a dispatch mode) still gets the custom ops."""
 
     def __enter__(self):
-        self.was, _direct.on = _direct.on, True
+        self.was = (_direct.on, _direct.switches)
+        _direct.on, _direct.switches = True, {}
 
     def __exit__(self, *exc):
-        _direct.on = self.was
+        _direct.on, _direct.switches = self.was
 
 
 def run_op(op, *args):

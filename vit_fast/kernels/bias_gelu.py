@@ -474,9 +474,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 def join_param_grads(dparams: torch.Tensor, bias: Optional[torch.Tensor],
                      gamma: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(dbias, dgamma) from ``bias_dropout_add_bwd``'s rows, each in its parameter's dtype (None where absent)."""
-    grads = iter(dparams.unbind(0))  # Tensor.__iter__ costs a few microseconds of Python more
-    dbias = cast_to(next(grads), bias.dtype) if bias is not None else None
-    return dbias, (cast_to(next(grads), gamma.dtype) if gamma is not None else None)
+    grads = dparams.unbind(0)  # a tuple (Tensor.__iter__ costs a few microseconds of Python more)
+    dbias = cast_to(grads[0], bias.dtype) if bias is not None else None
+    return dbias, (cast_to(grads[-1], gamma.dtype) if gamma is not None else None)
 
 
 # --------------------------------------------------------------------------------------- functional

@@ -409,10 +409,10 @@ def _check_out_dtype(name: str, out_dtype: Optional[torch.dtype]) -> None:
 def ln_param_grads(dparams: torch.Tensor, weight, bias, gamma, branch_bias) -> tuple:
     """(dweight, dbias, dgamma, dbranch_bias) from ``add_layer_norm_bwd``'s rows, each in its parameter's dtype
     (None for an absent parameter)."""
-    grads = iter(dparams.unbind(0))  # Tensor.__iter__ costs a few microseconds of Python more
-    dweight, dbias = cast_to(next(grads), weight.dtype), cast_to(next(grads), bias.dtype)
-    dgamma = cast_to(next(grads), gamma.dtype) if gamma is not None else None
-    return dweight, dbias, dgamma, (cast_to(next(grads), branch_bias.dtype) if branch_bias is not None else None)
+    grads = dparams.unbind(0)  # a tuple (Tensor.__iter__ costs a few microseconds of Python more)
+    dweight, dbias = cast_to(grads[0], weight.dtype), cast_to(grads[1], bias.dtype)
+    dgamma = cast_to(grads[2], gamma.dtype) if gamma is not None else None
+    return dweight, dbias, dgamma, (cast_to(grads[-1], branch_bias.dtype) if branch_bias is not None else None)
 
 
 class AddLayerNormFunction(torch.autograd.Function):

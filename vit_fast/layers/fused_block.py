@@ -179,8 +179,9 @@ def eligible_plan(block, parts: _Parts, hidden: torch.Tensor, residual: torch.Te
         return None
     training = block.training
     proj_p, mlp_p = dropout_rate(attn.proj_drop), dropout_rate(mlp.drop2)
-    if (dropout_rate(mlp.drop1) != 0 or proj_p is None or mlp_p is None or not _stock_parts(parts) or any(
-            m.training != training for m in (attn, mlp, parts.drop_path1, parts.drop_path2))):
+    if (dropout_rate(mlp.drop1) != 0 or proj_p is None or mlp_p is None or not _stock_parts(parts)
+            or attn.training != training or mlp.training != training or parts.drop_path1.training != training
+            or parts.drop_path2.training != training):
         return None
     dtype = compute_dtype_for(hidden)
     if hidden.dtype != dtype:  # the qkv GEMM's input as the fused chain hands it over (autocast would cast it)
@@ -370,8 +371,9 @@ class FusedBlockFunction(torch.autograd.Function):
                                                     n2_b, proj_b, gamma1, scale1, float(plan.norm2_eps), join1_p,
                                                     join1_seed, None)
             # the MLP (``linear_act``): weights in the GEMMs' dtype with unit column stride
-            fc1_wc, fc2_wc = (w if w.stride(-1) == 1 else w.contiguous()
-                              for w in (cast_to(fc1_w, dtype), cast_to(fc2_w, dtype)))
+            fc1_wc, fc2_wc = cast_to(fc1_w, dtype), cast_to(fc2_w, dtype)
+            fc1_wc = fc1_wc if fc1_wc.stride(-1) == 1 else fc1_wc.contiguous()
+            fc2_wc = fc2_wc if fc2_wc.stride(-1) == 1 else fc2_wc.contiguous()
             mlp_in = cast_to(normed2, dtype)
             needs_du = wants.join1 or needs[11] or needs[12]
             hid, dact = run_op(linear_act_fwd, mlp_in, fc1_wc, fc1_b, plan.activation, needs_du)

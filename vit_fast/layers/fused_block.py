@@ -236,15 +236,10 @@ def plan_for(block, hidden: torch.Tensor, residual: torch.Tensor, next_norm: Opt
     if plan is None:
         return None, None, (), ()
     params = _params(parts, next_norm)
-    return plan, parts, params, (plan, _layout(hidden), _layout(residual), *map(_param_layout, params))
-
-
-def _param_layout(p: Optional[torch.Tensor]) -> Optional[tuple]:
-    return None if p is None else (p.shape, p.dtype, p.device)
-
-
-def _layout(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device
+    # the inputs' shapes, strides, dtypes and devices, the parameters' shapes, dtypes and devices (None where absent)
+    return plan, parts, params, (plan, hidden.shape, hidden.stride(), hidden.dtype, hidden.device, residual.shape,
+                                 residual.stride(), residual.dtype, residual.device,
+                                 *[None if p is None else (p.shape, p.dtype, p.device) for p in params])
 
 
 def ready(signature: tuple) -> bool:

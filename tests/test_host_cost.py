@@ -7,7 +7,7 @@ from vit_fast.tools import host_cost
 
 
 def test_host_meter_counts_launches_ops_and_reports_every_path():
-    results = host_cost.measure(list(host_cost.PATHS), "vit_tiny_patch16_224", steps=2, warmup=1)
+    results = host_cost.measure(list(host_cost.PATHS), "vit_tiny_patch16_224", steps=2, warmup=1, calls_top=40)
     fast, per_part, timm, floor = results
     depth = 12
     assert fast.step_us > 0 and per_part.step_us > 0 and timm.step_us > 0
@@ -26,6 +26,15 @@ def test_host_meter_counts_launches_ops_and_reports_every_path():
     # torch 2.11.0 + triton 3.6.0 (2026-11-29): a change that adds host work per block shows here, whatever the CPU
     assert floor.python_calls < fast.python_calls < per_part.python_calls
     assert fast.python_calls - floor.python_calls <= 700 * depth
+    # where the calls are: the step holds them all (the tracer's count within 2% of cProfile's), most first, and the
+    # one-Function block's forward and backward are among the functions holding most
+    for r in results:
+        counts = [calls for _, calls in r.calls_under]
+        assert len(counts) == 40 and counts == sorted(counts, reverse=True)
+        assert r.calls_under[0][0] == "host_cost.py:step" and abs(counts[0] - r.python_calls) <= 0.02 * r.python_calls
+    under = dict(fast.calls_under)
+    assert under["fused_block.py:forward"] > 0 and under["fused_block.py:_backward"] > 0
+    assert "fused_block.py:forward" not in dict(per_part.calls_under)
     ops = {name: calls for name, calls, _ in fast.per_op}
     assert ops["vit_fast::attention_fwd"] == ops["vit_fast::attention_bwd"] == depth
     text = host_cost.format_report("vit_tiny_patch16_224", results)
@@ -33,6 +42,7 @@ def test_host_meter_counts_launches_ops_and_reports_every_path():
     assert "floor / timm eager host time:" in text
     assert "without the GEMMs' CPU time" in text and host_cost.host_ratio(fast, timm) > 0
     assert "not a GPU timing" in text
+    assert "vit_fast: functions with the most Python calls inside them per step" in text
 
 
 def test_host_meter_flushes_denormals_while_it_measures(monkeypatch):

@@ -17,7 +17,8 @@ many small ops.
 
 Python calls: the function calls of one step as cProfile counts them (Python functions and the builtins they call),
 deterministic for one torch/triton version: where the microseconds are noisy (a shared or throttled CPU), the calls
-say whether a change did less.
+say whether a change did less. ``--calls N`` lists each path's N functions with the most calls made inside them
+(each call counted for every function on the stack above it, once per function): where the host work is.
 
 Per op: torch.profiler's CPU time per vit_fast custom op (inclusive) and per top-level aten op, with call counts.
 The aten GEMMs still do their arithmetic here (a few tens of microseconds each at these shapes, on every path):
@@ -63,6 +64,7 @@ class HostCost:
     autograd_nodes: int = 0  # backward nodes run per step
     python_calls: int = 0  # function calls per step as cProfile counts them (Python and builtins): not a time, so
     # the same on every run of one torch/triton version, a machine-independent measure of the host work
+    calls_under: list = field(default_factory=list)  # (function, calls made inside it per step), most first
     gemm_us: float = 0.0  # self CPU time of the aten GEMMs (mm, addmm, bmm): their arithmetic, one launch each on a GPU
     per_op: list = field(default_factory=list)  # (name, calls per step, us per step), slowest first
 
@@ -261,10 +263,12 @@ class _quiet_stderr:
         os.close(self.saved)
 
 
-def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3, batch: int = 1) -> list[HostCost]:
+def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3, batch: int = 1,
+            calls_top: int = 0) -> list[HostCost]:
     """Median host microseconds per training step of each path ('vit_fast', 'vit_fast_per_part': every block per
     part instead of as one autograd Function, 'timm_eager', and the compiled 'vit_fast_compile', 'timm_compile'),
-    with counts. The paths' steps alternate, so a busy or throttled CPU slows them alike and their ratios hold."""
+    with counts. The paths' steps alternate, so a busy or throttled CPU slows them alike and their ratios hold.
+    ``calls_top``: also the functions with the most calls inside them (``calls_under``)."""
     x = torch.randn(batch, 3, HOST_OVERRIDES["img_size"], HOST_OVERRIDES["img_size"])
     y = torch.randint(0, HOST_OVERRIDES["num_classes"], (batch,))
 
@@ -288,13 +292,14 @@ def measure(paths: Sequence[str], preset: str, steps: int = 20, warmup: int = 3,
     # CPU's arithmetic, not host work). A GPU does not slow down on denormals.
     torch.set_flush_denormal(True)
     try:
-        return _measure(paths, preset, steps, warmup, stepper)
+        return _measure(paths, preset, steps, warmup, stepper, calls_top)
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)  # torch's default (it has no getter to restore from)
 
 
-def _measure(paths: Sequence[str], preset: str, steps: int, warmup: int, stepper) -> list[HostCost]:
+def _measure(paths: Sequence[str], preset: str, steps: int, warmup: int, stepper,
+             calls_top: int = 0) -> list[HostCost]:
     step_of = {path: stepper(_model(path, preset), path) for path in paths}
     times: dict[str, list[float]] = {path: [] for path in paths}
     launches: dict[str, int] = {path: 0 for path in paths}
@@ -323,7 +328,34 @@ def _measure(paths: Sequence[str], preset: str, steps: int, warmup: int, stepper
                 _count_ops(result, prof.events())
                 profiled.append(result)
             results.append(min(profiled, key=lambda r: r.gemm_us))
+            if calls_top:
+                results[-1].calls_under = calls_under(step)[:calls_top]
     return results
+
+
+def calls_under(step) -> list[tuple[str, int]]:
+    """(function, calls made inside it, itself included) over one ``step``, most first: every call (Python
+    functions as 'file.py:name', builtins as 'C:name') counts once for each function on the stack above it."""
+    counts: dict[str, int] = {}
+    stack: list[str] = []
+
+    def tracer(frame, event, arg):
+        if event == "call" or event == "c_call":
+            code = frame.f_code
+            name = (f"{os.path.basename(code.co_filename)}:{code.co_name}" if event == "call"
+                    else f"C:{getattr(arg, '__qualname__', getattr(arg, '__name__', '?'))}")
+            stack.append(name)
+            for function in set(stack):  # a recursive function counts each call once
+                counts[function] = counts.get(function, 0) + 1
+        elif stack:  # return, c_return, c_exception
+            stack.pop()
+
+    sys.setprofile(tracer)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return sorted(counts.items(), key=lambda kv: -kv[1])
 
 
 def python_calls(step) -> int:
@@ -401,6 +433,10 @@ def format_report(preset: str, results: list[HostCost], top: int = 12) -> str:
         lines += ["", f"{r.path}: slowest ops (us per step, inclusive; calls)"]
         for name, calls, us in r.per_op[:top]:
             lines.append(f"  {name:<44} {us:>9.0f} us {calls:>5}x")
+    for r in results:
+        if r.calls_under:
+            lines += ["", f"{r.path}: functions with the most Python calls inside them per step (themselves included)"]
+            lines += [f"  {calls:>7}  {name}" for name, calls in r.calls_under]
     return "\n".join(lines)
 
 
@@ -413,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "for 10-20 s each here")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported; default 20)")
     parser.add_argument("--top", type=int, default=12, help="ops listed per path (default 12)")
+    parser.add_argument("--calls", type=int, default=0, metavar="N",
+                        help="also list each path's N functions with the most Python calls inside them (default 0)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -422,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return subprocess.run([sys.executable, "-m", "vit_fast.tools.host_cost",
                                    *(sys.argv[1:] if argv is None else argv)], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
-    results = measure(args.paths, args.model, steps=args.steps)
+    results = measure(args.paths, args.model, steps=args.steps, calls_top=args.calls)
     print(format_report(args.model, results, args.top))
     return 0
 

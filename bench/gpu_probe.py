@@ -239,8 +239,6 @@ def item_micro(args) -> None:
 
 def profile_fwd_bwd(case, fn, report: list) -> dict:
     """torch.profiler over five forward + backward calls: kernel ms and launches per call; the table to ``report``."""
-    from torch.profiler import ProfilerActivity, profile
-
     inputs = case.make()
     leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
 
@@ -252,15 +250,24 @@ def profile_fwd_bwd(case, fn, report: list) -> dict:
     grads = [torch.randn_like(o) for o in call()]
     torch.autograd.grad(call(), leaves, grads, allow_unused=True)
     sync()
+    ms, launches, table = profiled_kernels(lambda: torch.autograd.grad(call(), leaves, grads, allow_unused=True),
+                                           calls=5, rows=14)
+    report.append(f"==== {case.op} {case.shape} fwd+bwd x5\n{table}\n")
+    return dict(profiled_kernel_ms_per_iter=ms, profiled_launches_per_iter=launches)
+
+
+def profiled_kernels(run, calls: int, rows: int) -> tuple[float, float, str]:
+    """torch.profiler over ``calls`` calls of ``run``: GPU kernel ms and kernels per call, and the table of the
+    ``rows`` kernels that took longest."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            torch.autograd.grad(call(), leaves, grads, allow_unused=True)
+        for _ in range(calls):
+            run()
         sync()
-    report.append(f"==== {case.op} {case.shape} fwd+bwd x5\n"
-                  f"{prof.key_averages().table(sort_by='self_cuda_time_total', row_limit=14)}\n")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return dict(profiled_kernel_ms_per_iter=sum(e.device_time for e in kernels) / 5e3,
-                profiled_launches_per_iter=len(kernels) / 5)
+    return (sum(e.device_time for e in kernels) / calls / 1e3, len(kernels) / calls,
+            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows))
 
 
 # ------------------------------------------------------------------------------------------------ gemm
@@ -516,20 +523,11 @@ def item_hostprof(args) -> None:
 
 
 def _kernel_ms_per_step(step, steps: int = 5) -> dict:
-    """torch.profiler over ``steps`` training steps: GPU kernel ms and kernels per step, and the table of the kernels
-    that took longest."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """``profiled_kernels`` over ``steps`` training steps (CUDA only)."""
     if DEVICE != "cuda":
         return {}
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return dict(kernel_ms_per_step=sum(e.device_time for e in kernels) / steps / 1e3,
-                kernels_per_step=len(kernels) / steps,
-                table=prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+    ms, kernels, table = profiled_kernels(step, calls=steps, rows=25)
+    return dict(kernel_ms_per_step=ms, kernels_per_step=kernels, table=table)
 
 
 def main(argv=None) -> int:
